@@ -1,0 +1,171 @@
+// graft core: typed errors, dtypes, the tracking allocator and the Tensor.
+//
+// Every byte graft holds is a Storage handed out by an Allocator, which keeps exact counts:
+// current bytes, peak bytes (resettable), and both per memory category. Tests assert these counts
+// to the byte, so nothing here rounds or pads the *accounted* size.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace graft {
+
+// ---------------------------------------------------------------------------------------------
+// Errors. One exception type with a kind, so callers (CLI, Python) can map kinds to exit codes and
+// exception classes. Messages name the node / value at fault and say what to do.
+enum class ErrorKind {
+  InvalidModel,     // the file or graph is malformed
+  Unsupported,      // valid ONNX that graft does not implement (op, dtype, attribute, opset)
+  ShapeMismatch,    // shapes that do not fit together
+  InvalidArgument,  // a bad option, name or input from the caller
+  OutOfMemory,      // a budget or the system refused an allocation
+  Io,               // reading or writing a file failed
+  NonFinite,        // a NaN / Inf was produced while checking was on
+  Internal,         // a graft bug
+};
+const char* error_kind_name(ErrorKind k);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, const std::string& msg);
+  ErrorKind kind() const { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+[[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+
+#define GRAFT_CHECK(cond, kind, msg)         \
+  do {                                       \
+    if (!(cond)) ::graft::fail((kind), (msg)); \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------
+enum class DType : uint8_t { F32, F64, I64, Bool };
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+inline bool is_float(DType t) { return t == DType::F32 || t == DType::F64; }
+
+using Shape = std::vector<int64_t>;
+// Number of elements; throws InvalidModel on a negative dim or an int64 overflow.
+int64_t numel(const Shape& s);
+std::string shape_str(const Shape& s);
+
+// ---------------------------------------------------------------------------------------------
+enum class Category : uint8_t { Parameter, Gradient, Activation, OptimizerState, Workspace };
+constexpr int kNumCategories = 5;
+const char* category_name(Category c);
+
+class Allocator;
+
+// A block of memory. Owned blocks come from an Allocator and return to it on destruction;
+// external blocks (e.g. PyTorch's parameter storage, shared zero-copy) are not counted and keep
+// their owner alive through `keepalive`.
+struct Storage {
+  void* data = nullptr;
+  size_t bytes = 0;
+  Category category = Category::Activation;
+  Allocator* owner = nullptr;
+  std::shared_ptr<void> keepalive;
+  Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  ~Storage();
+};
+
+struct MemoryEvent {
+  int64_t step;          // executor step (or -1 outside a run)
+  int64_t bytes;         // current bytes after the event
+  std::array<int64_t, kNumCategories> by_category;
+};
+
+class Allocator {
+ public:
+  Allocator() = default;
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+  ~Allocator();
+
+  // Allocates `bytes` (64-byte aligned). Throws OutOfMemory if the system refuses or the limit
+  // set by set_limit would be exceeded. `what` names the value for the error message.
+  std::shared_ptr<Storage> allocate(size_t bytes, Category c, const std::string& what = "");
+  // Moves a block's bytes from one category to another (a gradient temporary adopted as .grad).
+  void recategorize(Storage& s, Category c);
+
+  int64_t current() const { return current_; }
+  int64_t peak() const { return peak_; }
+  int64_t current(Category c) const { return by_cat_[static_cast<int>(c)]; }
+  // Per-category bytes at the moment the peak was reached.
+  const std::array<int64_t, kNumCategories>& at_peak() const { return at_peak_; }
+  void reset_peak();
+  int64_t allocations() const { return n_allocs_; }
+
+  // 0 = unlimited.
+  void set_limit(int64_t bytes) { limit_ = bytes; }
+  int64_t limit() const { return limit_; }
+
+  // Timeline of (step, bytes) after every allocate/free while enabled.
+  void set_timeline(bool on) { timeline_on_ = on; }
+  void set_step(int64_t step) { step_ = step; }
+  const std::vector<MemoryEvent>& timeline() const { return timeline_; }
+  void clear_timeline() { timeline_.clear(); }
+
+  // A process-wide default.
+  static Allocator& global();
+
+ private:
+  friend struct Storage;
+  void release(Storage& s);
+  void record();
+  int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;
+  std::array<int64_t, kNumCategories> by_cat_{}, at_peak_{};
+  bool timeline_on_ = false;
+  std::vector<MemoryEvent> timeline_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// A dense, contiguous, row-major tensor. Copies share storage (like torch.Tensor).
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(const Shape& shape, DType dt, Allocator& a, Category c,
+                      const std::string& what = "");
+  static Tensor zeros(const Shape& shape, DType dt, Allocator& a, Category c,
+                      const std::string& what = "");
+  // Wraps memory graft does not own (not counted by any allocator).
+  static Tensor external(void* data, const Shape& shape, DType dt, std::shared_ptr<void> keepalive);
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_[i < 0 ? i + static_cast<int>(shape_.size()) : i]; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const { return numel_; }
+  size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+  void* raw() const { return storage_ ? storage_->data : nullptr; }
+  template <class T>
+  T* data() const {
+    return static_cast<T*>(raw());
+  }
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
+  // Same storage, new shape (numel must match).
+  Tensor reshaped(const Shape& s) const;
+  // A deep copy into a new block.
+  Tensor clone(Allocator& a, Category c) const;
+  // Reads element i as double (any dtype), for tests and printing.
+  double at(int64_t i) const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  DType dtype_ = DType::F32;
+  Shape shape_;
+  int64_t numel_ = 0;
+};
+
+}  // namespace graft

@@ -1,0 +1,118 @@
+// graft IR: values, nodes and the graph, plus ONNX import.
+//
+// A Graph is plain data. Values are referred to by index; a node lists the values it reads and
+// writes. Forward, backward and optimizer nodes all live in one graph so the planner sees them
+// together. The IR knows nothing of kernels (see ops.h).
+#pragma once
+
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "graft/core.h"
+
+namespace graft {
+
+struct Attr {
+  enum Kind { Int, Float, String, Ints, Floats, TensorV } kind = Int;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  Tensor t;
+};
+
+class Attrs {
+ public:
+  bool has(const std::string& k) const { return m_.count(k) != 0; }
+  void set(const std::string& k, Attr a) { m_[k] = std::move(a); }
+  void set_int(const std::string& k, int64_t v);
+  void set_float(const std::string& k, double v);
+  void set_ints(const std::string& k, std::vector<int64_t> v);
+  void set_string(const std::string& k, std::string v);
+  // Typed getters: a wrong attribute kind is an InvalidModel error naming `where`.
+  int64_t get_int(const std::string& k, int64_t dflt, const std::string& where = "") const;
+  double get_float(const std::string& k, double dflt, const std::string& where = "") const;
+  std::string get_string(const std::string& k, const std::string& dflt,
+                         const std::string& where = "") const;
+  std::vector<int64_t> get_ints(const std::string& k, const std::vector<int64_t>& dflt,
+                                const std::string& where = "") const;
+  const Attr* find(const std::string& k) const;
+  const std::map<std::string, Attr>& all() const { return m_; }
+
+ private:
+  std::map<std::string, Attr> m_;
+};
+
+enum class ValueKind : uint8_t {
+  Intermediate,  // produced by a node
+  Input,         // graph input, bound by the caller
+  Param,         // float initializer: a parameter (trainable unless frozen)
+  Constant,      // non-float initializer, Constant node output, or folded value
+};
+
+struct Value {
+  std::string name;
+  ValueKind kind = ValueKind::Intermediate;
+  DType dtype = DType::F32;
+  Shape shape;                         // valid once `shape_known`
+  bool shape_known = false;
+  std::vector<std::string> dim_params; // graph inputs: symbolic dim names ("" where fixed)
+  Tensor data;                         // Param / Constant
+  int producer = -1;                   // node index, -1 if none
+  Category category = Category::Activation;  // what its buffer counts as when computed
+};
+
+struct Node {
+  std::string op;      // ONNX op type, or graft's own (e.g. "ReluGrad", "GradSink")
+  std::string domain;  // "" for ONNX's default domain, "graft" for graft's own ops
+  std::string name;    // unique within the graph (made up on import when missing)
+  std::vector<int> inputs;   // -1 = optional input absent
+  std::vector<int> outputs;  // -1 = optional output absent
+  Attrs attrs;
+  bool dead = false;   // removed by folding / dead-code elimination
+  std::string label() const;  // "node 'name' (Op)" for messages
+};
+
+class Graph {
+ public:
+  std::vector<Value> values;
+  std::vector<Node> nodes;
+  std::vector<int> inputs;   // graph inputs (not initializers), in order
+  std::vector<int> outputs;  // graph outputs, in order
+  int64_t opset = 17;
+  std::string name;
+
+  int find(const std::string& value_name) const;  // -1 if absent
+  int value(const std::string& value_name) const;  // throws InvalidArgument if absent
+  // Adds a value; the name must be new (a suffix is added to make it unique if `uniquify`).
+  int add_value(const std::string& name, ValueKind kind, bool uniquify = true);
+  int add_node(Node n);  // sets producers of its outputs; returns node index
+  // Consumers per value (node indices, in node order; a node appears once per input slot).
+  std::vector<std::vector<int>> consumers() const;
+  std::vector<int> params() const;  // values of kind Param, in order
+  std::string unique_name(const std::string& base);
+
+ private:
+  std::unordered_map<std::string, int> by_name_;
+  int counter_ = 0;
+};
+
+struct ImportOptions {
+  // Maximum model file size accepted (guards against reading absurd files into memory).
+  int64_t max_file_bytes = int64_t(8) << 30;
+  Allocator* alloc = nullptr;  // where initializers live; nullptr = Allocator::global()
+};
+
+// Loads an ONNX model file. Errors: Io (unreadable), InvalidModel (corrupt or inconsistent),
+// Unsupported (opset outside 13..17, unknown domain, unsupported dtype).
+Graph load_onnx(const std::string& path, const ImportOptions& opt = {});
+Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir = "",
+                      const ImportOptions& opt = {});
+// Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
+Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);
+void save_tensor_pb(const std::string& path, const Tensor& t, const std::string& name);
+
+}  // namespace graft

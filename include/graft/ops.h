@@ -1,0 +1,134 @@
+// graft op table: one OpDef per op holds its schema, shape function, CPU kernel and gradient rule.
+//
+// Ops are grouped by family in src/ops/*.cpp; each family file lists its OpDefs in one table, so
+// an op's schema, kernel and gradient rule sit side by side. Gradient rules emit ordinary graph
+// nodes through GradBuilder (implemented by the autodiff driver), so the planner sees every saved
+// tensor. Shared gradient work (summing contributions, un-broadcasting, skipping unneeded
+// gradients) lives once, in the driver.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "graft/core.h"
+#include "graft/ir.h"
+
+namespace graft {
+
+// --- shape inference ----------------------------------------------------------------------------
+class InferCtx {
+ public:
+  InferCtx(Graph& g, int node) : g_(g), node_(node) {}
+  const Node& node() const { return g_.nodes[node_]; }
+  int n_in() const { return static_cast<int>(node().inputs.size()); }
+  int n_out() const { return static_cast<int>(node().outputs.size()); }
+  bool has_in(int i) const { return i < n_in() && node().inputs[i] >= 0; }
+  bool has_out(int i) const { return i < n_out() && node().outputs[i] >= 0; }
+  const Value& in(int i) const;
+  const Shape& shape(int i) const { return in(i).shape; }
+  DType dtype(int i) const { return in(i).dtype; }
+  // The input's data if it is a constant (initializer, Constant, folded), else nullptr.
+  const Tensor* const_in(int i) const;
+  // Reads a constant int64 input (e.g. Reshape's shape); Unsupported if it is not constant.
+  std::vector<int64_t> ints_in(int i) const;
+  void set_out(int i, DType dt, const Shape& s);
+  [[noreturn]] void error(ErrorKind k, const std::string& msg) const;
+  void check(bool cond, const std::string& msg) const {
+    if (!cond) error(ErrorKind::ShapeMismatch, msg);
+  }
+  const Attrs& attrs() const { return node().attrs; }
+  int64_t attr_int(const std::string& k, int64_t d) const { return attrs().get_int(k, d, node().label()); }
+  // Normalizes a possibly negative axis against `rank`, with a clear error when out of range.
+  int axis(int64_t a, int rank, const char* what = "axis") const;
+
+ private:
+  Graph& g_;
+  int node_;
+};
+using InferFn = void (*)(InferCtx&);
+
+// --- kernels ------------------------------------------------------------------------------------
+// Outputs are allocated by the executor from the statically inferred shapes before the kernel
+// runs (or alias an input when the planner chose in-place), so kernels only compute.
+struct KernelCtx {
+  const Node& node;
+  std::vector<const Tensor*> ins;  // nullptr = absent optional input
+  std::vector<Tensor*> outs;       // nullptr = absent optional output
+  Allocator& alloc;                // for workspace only
+  const Tensor& in(int i) const { return *ins[i]; }
+  bool has_in(int i) const { return i < static_cast<int>(ins.size()) && ins[i]; }
+  Tensor& out(int i) const { return *outs[i]; }
+  bool has_out(int i) const { return i < static_cast<int>(outs.size()) && outs[i]; }
+  const Attrs& attrs() const { return node.attrs; }
+  int64_t attr_int(const std::string& k, int64_t d) const { return node.attrs.get_int(k, d, node.label()); }
+  double attr_float(const std::string& k, double d) const { return node.attrs.get_float(k, d, node.label()); }
+  std::vector<int64_t> attr_ints(const std::string& k) const { return node.attrs.get_ints(k, {}, node.label()); }
+  [[noreturn]] void error(ErrorKind k, const std::string& msg) const;
+};
+using KernelFn = void (*)(KernelCtx&);
+
+// --- gradient rules -----------------------------------------------------------------------------
+class GradBuilder {
+ public:
+  virtual ~GradBuilder() = default;
+  virtual const Node& node() const = 0;
+  virtual const Value& val(int v) const = 0;
+  int x(int i) const { return node().inputs[i]; }
+  const Shape& shape(int v) const { return val(v).shape; }
+  // Forward output i; an optional output the node did not produce (e.g. LayerNormalization's
+  // Mean) is added to the forward node so the backward can read it.
+  virtual int y(int i) = 0;
+  virtual int dy(int i) const = 0;          // gradient of output i, -1 if none flows
+  virtual bool needs(int i) const = 0;      // does input i need a gradient?
+  // Gives input i's gradient; it may have a broadcast shape, which the driver reduces.
+  virtual void set_dx(int i, int v) = 0;
+  virtual std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs,
+                                int n_out, const std::string& domain = "") = 0;
+  int emit1(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {},
+            const std::string& domain = "") {
+    return emit(op, inputs, std::move(attrs), 1, domain)[0];
+  }
+  virtual int scalar(double v, DType dt) = 0;  // a constant scalar
+  virtual int ints(const std::vector<int64_t>& v) = 0;  // a constant int64 vector
+};
+using GradFn = void (*)(GradBuilder&);
+
+// --- the table ----------------------------------------------------------------------------------
+struct OpDef {
+  const char* name;
+  const char* domain;  // "" ONNX default, "graft" for graft's own
+  int min_in, max_in;
+  int min_out, max_out;
+  InferFn infer;
+  KernelFn kernel;      // nullptr for alias ops
+  GradFn grad;          // nullptr: not differentiable (an error if a gradient must pass)
+  int inplace_input;    // output 0 may overwrite this input's buffer (-1: never)
+  bool alias;           // output 0 is input 0's storage reshaped; no kernel runs
+  bool foldable;        // may be evaluated at plan time when all inputs are constant
+  std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
+};
+
+const OpDef* find_op(const std::string& name, const std::string& domain = "");
+const std::vector<const OpDef*>& all_ops();
+// Looks up the node's op and checks its arity; Unsupported / InvalidModel naming the node.
+const OpDef& op_for(const Node& n);
+
+// Binds graph-input shapes, runs static shape inference over every node, and folds constant
+// subgraphs (Shape -> Gather -> Concat -> Reshape ...). `shapes` gives concrete shapes for inputs
+// with symbolic dims; missing ones are an InvalidArgument error naming the input and its dims.
+void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {});
+// Infers one node (used by the autodiff driver for nodes it emits).
+void infer_node(Graph& g, int node);
+// Runs one node's kernel on concrete tensors (tests, folding).
+void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
+              Allocator& alloc);
+
+// Family registration (each src/ops/*.cpp file).
+void register_elementwise_ops(std::vector<const OpDef*>& t);
+void register_linalg_ops(std::vector<const OpDef*>& t);
+void register_reduce_ops(std::vector<const OpDef*>& t);
+void register_shape_ops(std::vector<const OpDef*>& t);
+void register_nn_ops(std::vector<const OpDef*>& t);
+
+}  // namespace graft

@@ -1,0 +1,47 @@
+// graft planner: a pure function from a graph to an execution plan.
+//
+// The plan fixes the order of nodes, when each value is released (right after its last use), and
+// which outputs reuse an input's buffer in place. It is plain data, printable, and checked by
+// invariants (nothing freed twice, kept values never freed or overwritten, live buffers never
+// overlap). See Note [Sink-first order] in plan.cpp.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "graft/ir.h"
+
+namespace graft {
+
+struct PlanOptions {
+  std::vector<int> keep;  // values that must survive the run (graph outputs, held gradients)
+  bool inplace = true;    // allow in-place reuse where safe
+  bool sink_first = true; // run grad sinks (and what feeds only them) as early as possible
+};
+
+struct PlanStep {
+  int node = -1;
+  std::vector<int> frees;         // values released after this step
+  std::vector<int> buffer_frees;  // buffers (by root value) whose memory is returned after this step
+  int inplace_in = -1;            // value whose buffer output 0 reuses (-1: none)
+};
+
+struct Plan {
+  std::vector<PlanStep> steps;
+  std::vector<int> keep;
+  std::vector<int> use_count;  // per value: number of node input slots reading it
+  std::vector<int> last_use;   // per value: step of last read (-1: never read)
+  std::vector<int> buffer;     // per value: root value whose buffer it lives in (aliases, in place)
+  int64_t planned_peak = 0;    // peak bytes of intermediates (excludes params, inputs, constants)
+  int peak_step = -1;
+  std::vector<int64_t> live_after;  // bytes of intermediates alive after each step
+
+  std::string to_string(const Graph& g) const;
+  int step_of(int node) const;  // -1 if the node is not in the plan
+};
+
+Plan make_plan(const Graph& g, const PlanOptions& opt);
+// Checks the plan's invariants; throws Internal with the violation.
+void check_plan(const Graph& g, const Plan& p);
+
+}  // namespace graft

@@ -1,0 +1,199 @@
+// Errors, dtypes, the tracking allocator and Tensor (see include/graft/core.h).
+#include "graft/core.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+namespace graft {
+
+const char* error_kind_name(ErrorKind k) {
+  switch (k) {
+    case ErrorKind::InvalidModel: return "invalid model";
+    case ErrorKind::Unsupported: return "unsupported";
+    case ErrorKind::ShapeMismatch: return "shape mismatch";
+    case ErrorKind::InvalidArgument: return "invalid argument";
+    case ErrorKind::OutOfMemory: return "out of memory";
+    case ErrorKind::Io: return "i/o error";
+    case ErrorKind::NonFinite: return "non-finite value";
+    case ErrorKind::Internal: return "internal error";
+  }
+  return "error";
+}
+
+Error::Error(ErrorKind kind, const std::string& msg)
+    : std::runtime_error(std::string(error_kind_name(kind)) + ": " + msg), kind_(kind) {}
+
+void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::I64: return 8;
+    case DType::Bool: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::I64: return "int64";
+    case DType::Bool: return "bool";
+  }
+  return "?";
+}
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    GRAFT_CHECK(d >= 0, ErrorKind::InvalidModel, "negative dimension in shape " + shape_str(s));
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d)
+      fail(ErrorKind::InvalidModel, "shape " + shape_str(s) + " has more elements than int64 holds");
+    n *= d;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::Parameter: return "parameter";
+    case Category::Gradient: return "gradient";
+    case Category::Activation: return "activation";
+    case Category::OptimizerState: return "optimizer_state";
+    case Category::Workspace: return "workspace";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+Storage::~Storage() {
+  if (owner) owner->release(*this);
+}
+
+Allocator::~Allocator() = default;
+
+Allocator& Allocator::global() {
+  static Allocator a;
+  return a;
+}
+
+std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std::string& what) {
+  if (limit_ > 0 && current_ + static_cast<int64_t>(bytes) > limit_)
+    fail(ErrorKind::OutOfMemory, "allocating " + std::to_string(bytes) + " bytes" +
+                                     (what.empty() ? "" : " for '" + what + "'") +
+                                     " would exceed the memory limit of " +
+                                     std::to_string(limit_) + " bytes (" +
+                                     std::to_string(current_) + " in use)");
+  auto s = std::make_shared<Storage>();
+  // aligned_alloc needs a multiple of the alignment; the padding is not accounted (exact bytes).
+  size_t padded = (bytes + 63) / 64 * 64;
+  if (padded == 0) padded = 64;
+  s->data = std::aligned_alloc(64, padded);
+  if (!s->data)
+    fail(ErrorKind::OutOfMemory, "the system refused " + std::to_string(bytes) + " bytes" +
+                                     (what.empty() ? "" : " for '" + what + "'"));
+  s->bytes = bytes;
+  s->category = c;
+  s->owner = this;
+  current_ += static_cast<int64_t>(bytes);
+  by_cat_[static_cast<int>(c)] += static_cast<int64_t>(bytes);
+  ++n_allocs_;
+  if (current_ > peak_) {
+    peak_ = current_;
+    at_peak_ = by_cat_;
+  }
+  record();
+  return s;
+}
+
+void Allocator::release(Storage& s) {
+  std::free(s.data);
+  current_ -= static_cast<int64_t>(s.bytes);
+  by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
+  s.data = nullptr;
+  record();
+}
+
+void Allocator::recategorize(Storage& s, Category c) {
+  if (s.owner != this) return;
+  by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
+  by_cat_[static_cast<int>(c)] += static_cast<int64_t>(s.bytes);
+  s.category = c;
+}
+
+void Allocator::reset_peak() {
+  peak_ = current_;
+  at_peak_ = by_cat_;
+}
+
+void Allocator::record() {
+  if (timeline_on_) timeline_.push_back({step_, current_, by_cat_});
+}
+
+// ---------------------------------------------------------------------------------------------
+Tensor Tensor::empty(const Shape& shape, DType dt, Allocator& a, Category c,
+                     const std::string& what) {
+  Tensor t;
+  t.dtype_ = dt;
+  t.shape_ = shape;
+  t.numel_ = graft::numel(shape);
+  if (t.numel_ > std::numeric_limits<int64_t>::max() / 8)
+    fail(ErrorKind::OutOfMemory, "tensor " + what + " of shape " + shape_str(shape) +
+                                     " is too large to allocate");
+  t.storage_ = a.allocate(t.nbytes(), c, what);
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dt, Allocator& a, Category c,
+                     const std::string& what) {
+  Tensor t = empty(shape, dt, a, c, what);
+  std::memset(t.raw(), 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::external(void* data, const Shape& shape, DType dt, std::shared_ptr<void> keepalive) {
+  Tensor t;
+  t.dtype_ = dt;
+  t.shape_ = shape;
+  t.numel_ = graft::numel(shape);
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->data = data;
+  t.storage_->bytes = t.nbytes();
+  t.storage_->keepalive = std::move(keepalive);
+  return t;
+}
+
+Tensor Tensor::reshaped(const Shape& s) const {
+  GRAFT_CHECK(graft::numel(s) == numel_, ErrorKind::ShapeMismatch,
+              "cannot reshape " + shape_str(shape_) + " to " + shape_str(s));
+  Tensor t = *this;
+  t.shape_ = s;
+  return t;
+}
+
+Tensor Tensor::clone(Allocator& a, Category c) const {
+  Tensor t = empty(shape_, dtype_, a, c);
+  if (nbytes()) std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+double Tensor::at(int64_t i) const {
+  switch (dtype_) {
+    case DType::F32: return data<float>()[i];
+    case DType::F64: return data<double>()[i];
+    case DType::I64: return static_cast<double>(data<int64_t>()[i]);
+    case DType::Bool: return data<bool>()[i] ? 1.0 : 0.0;
+  }
+  return 0;
+}
+
+}  // namespace graft

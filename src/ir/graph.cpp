@@ -1,0 +1,139 @@
+// Graph bookkeeping and typed attribute access (see include/graft/ir.h).
+#include "graft/ir.h"
+
+namespace graft {
+
+namespace {
+const char* kind_name(Attr::Kind k) {
+  switch (k) {
+    case Attr::Int: return "int";
+    case Attr::Float: return "float";
+    case Attr::String: return "string";
+    case Attr::Ints: return "ints";
+    case Attr::Floats: return "floats";
+    case Attr::TensorV: return "tensor";
+  }
+  return "?";
+}
+const Attr* typed(const Attrs& a, const std::string& k, Attr::Kind want, const std::string& where) {
+  const Attr* x = a.find(k);
+  if (x && x->kind != want)
+    fail(ErrorKind::InvalidModel, where + ": attribute '" + k + "' should be of type " +
+                                      kind_name(want) + " but is " + kind_name(x->kind));
+  return x;
+}
+}  // namespace
+
+void Attrs::set_int(const std::string& k, int64_t v) {
+  Attr a;
+  a.kind = Attr::Int;
+  a.i = v;
+  m_[k] = a;
+}
+void Attrs::set_float(const std::string& k, double v) {
+  Attr a;
+  a.kind = Attr::Float;
+  a.f = v;
+  m_[k] = a;
+}
+void Attrs::set_ints(const std::string& k, std::vector<int64_t> v) {
+  Attr a;
+  a.kind = Attr::Ints;
+  a.ints = std::move(v);
+  m_[k] = a;
+}
+void Attrs::set_string(const std::string& k, std::string v) {
+  Attr a;
+  a.kind = Attr::String;
+  a.s = std::move(v);
+  m_[k] = a;
+}
+const Attr* Attrs::find(const std::string& k) const {
+  auto it = m_.find(k);
+  return it == m_.end() ? nullptr : &it->second;
+}
+int64_t Attrs::get_int(const std::string& k, int64_t d, const std::string& w) const {
+  const Attr* a = typed(*this, k, Attr::Int, w);
+  return a ? a->i : d;
+}
+double Attrs::get_float(const std::string& k, double d, const std::string& w) const {
+  const Attr* a = typed(*this, k, Attr::Float, w);
+  return a ? a->f : d;
+}
+std::string Attrs::get_string(const std::string& k, const std::string& d,
+                              const std::string& w) const {
+  const Attr* a = typed(*this, k, Attr::String, w);
+  return a ? a->s : d;
+}
+std::vector<int64_t> Attrs::get_ints(const std::string& k, const std::vector<int64_t>& d,
+                                     const std::string& w) const {
+  const Attr* a = typed(*this, k, Attr::Ints, w);
+  return a ? a->ints : d;
+}
+
+std::string Node::label() const { return "node '" + name + "' (" + op + ")"; }
+
+int Graph::find(const std::string& n) const {
+  auto it = by_name_.find(n);
+  return it == by_name_.end() ? -1 : it->second;
+}
+
+int Graph::value(const std::string& n) const {
+  int v = find(n);
+  GRAFT_CHECK(v >= 0, ErrorKind::InvalidArgument, "the graph has no value named '" + n + "'");
+  return v;
+}
+
+std::string Graph::unique_name(const std::string& base) {
+  if (!by_name_.count(base)) return base;
+  for (;;) {
+    std::string n = base + "__" + std::to_string(++counter_);
+    if (!by_name_.count(n)) return n;
+  }
+}
+
+int Graph::add_value(const std::string& name, ValueKind kind, bool uniquify) {
+  std::string n = uniquify ? unique_name(name) : name;
+  GRAFT_CHECK(!by_name_.count(n), ErrorKind::InvalidModel,
+              "value '" + n + "' is defined more than once");
+  Value v;
+  v.name = n;
+  v.kind = kind;
+  values.push_back(std::move(v));
+  int id = static_cast<int>(values.size()) - 1;
+  by_name_[n] = id;
+  return id;
+}
+
+int Graph::add_node(Node n) {
+  int id = static_cast<int>(nodes.size());
+  if (n.name.empty()) n.name = n.op + "_" + std::to_string(id);
+  for (int o : n.outputs) {
+    if (o < 0) continue;
+    GRAFT_CHECK(values[o].producer < 0 && values[o].kind == ValueKind::Intermediate,
+                ErrorKind::InvalidModel,
+                n.label() + " writes value '" + values[o].name + "', which already has a definition");
+    values[o].producer = id;
+  }
+  nodes.push_back(std::move(n));
+  return id;
+}
+
+std::vector<std::vector<int>> Graph::consumers() const {
+  std::vector<std::vector<int>> c(values.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i].dead) continue;
+    for (int v : nodes[i].inputs)
+      if (v >= 0) c[v].push_back(static_cast<int>(i));
+  }
+  return c;
+}
+
+std::vector<int> Graph::params() const {
+  std::vector<int> p;
+  for (size_t i = 0; i < values.size(); ++i)
+    if (values[i].kind == ValueKind::Param) p.push_back(static_cast<int>(i));
+  return p;
+}
+
+}  // namespace graft

@@ -1,0 +1,390 @@
+// ONNX import: ModelProto -> Graph, using Debian's libonnx protobuf classes.
+//
+// Everything read from the file is untrusted: sizes are validated before anything is allocated
+// from them, names are checked for duplicates, and the node list is re-sorted topologically (a
+// cycle or a read of an undefined value is an error naming the node).
+#include <onnx/onnx_pb.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "graft/ir.h"
+
+namespace graft {
+namespace {
+
+namespace fs = std::filesystem;
+
+DType convert_dtype(int t, const std::string& what) {
+  switch (t) {
+    case onnx::TensorProto::FLOAT: return DType::F32;
+    case onnx::TensorProto::DOUBLE: return DType::F64;
+    case onnx::TensorProto::INT64: return DType::I64;
+    case onnx::TensorProto::BOOL: return DType::Bool;
+    default: break;
+  }
+  std::string n = onnx::TensorProto_DataType_IsValid(t)
+                      ? onnx::TensorProto_DataType_Name(static_cast<onnx::TensorProto_DataType>(t))
+                      : "code " + std::to_string(t);
+  fail(ErrorKind::Unsupported, what + " has element type " + n +
+                                   "; graft supports float32, float64, int64 and bool");
+}
+
+std::string read_external(const onnx::TensorProto& tp, const std::string& model_dir,
+                          size_t want, const std::string& what) {
+  std::string location;
+  int64_t offset = 0, length = -1;
+  for (const auto& kv : tp.external_data()) {
+    if (kv.key() == "location") location = kv.value();
+    else if (kv.key() == "offset") offset = std::stoll(kv.value());
+    else if (kv.key() == "length") length = std::stoll(kv.value());
+  }
+  GRAFT_CHECK(!location.empty(), ErrorKind::InvalidModel, what + ": external data without a location");
+  fs::path rel(location);
+  GRAFT_CHECK(!rel.is_absolute(), ErrorKind::InvalidModel,
+              what + ": external data location '" + location + "' is an absolute path; refused");
+  for (const auto& part : rel)
+    GRAFT_CHECK(part != "..", ErrorKind::InvalidModel,
+                what + ": external data location '" + location +
+                    "' points outside the model's folder; refused");
+  GRAFT_CHECK(!model_dir.empty(), ErrorKind::InvalidModel,
+              what + ": external data needs the model to be loaded from a file");
+  fs::path full = fs::path(model_dir) / rel;
+  std::error_code ec;
+  fs::path canon = fs::weakly_canonical(full, ec);
+  fs::path base = fs::weakly_canonical(fs::path(model_dir), ec);
+  auto [a, b] = std::mismatch(base.begin(), base.end(), canon.begin(), canon.end());
+  GRAFT_CHECK(a == base.end(), ErrorKind::InvalidModel,
+              what + ": external data location '" + location + "' resolves outside the model's folder");
+  std::ifstream f(full, std::ios::binary);
+  GRAFT_CHECK(f.good(), ErrorKind::Io, what + ": cannot open external data file " + full.string());
+  f.seekg(0, std::ios::end);
+  int64_t size = f.tellg();
+  if (length < 0) length = size - offset;
+  GRAFT_CHECK(offset >= 0 && length >= 0 && offset + length <= size &&
+                  static_cast<size_t>(length) == want,
+              ErrorKind::InvalidModel,
+              what + ": external data in " + location + " has " + std::to_string(length) +
+                  " bytes at offset " + std::to_string(offset) + " but the shape needs " +
+                  std::to_string(want));
+  std::string buf(want, '\0');
+  f.seekg(offset);
+  f.read(buf.data(), static_cast<std::streamsize>(want));
+  return buf;
+}
+
+Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category cat,
+                      const std::string& model_dir, const std::string& what) {
+  DType dt = convert_dtype(tp.data_type(), what);
+  Shape shape(tp.dims().begin(), tp.dims().end());
+  for (int64_t d : shape)
+    GRAFT_CHECK(d >= 0, ErrorKind::InvalidModel, what + " has a negative dimension " + shape_str(shape));
+  int64_t n = numel(shape);  // throws on overflow
+  const size_t es = dtype_size(dt);
+  GRAFT_CHECK(n <= (int64_t(1) << 40), ErrorKind::InvalidModel,
+              what + " declares " + std::to_string(n) + " elements; refusing absurd sizes");
+  size_t want = static_cast<size_t>(n) * es;
+
+  // Validate the data length before allocating anything of the declared size.
+  std::string external;
+  const std::string* raw = nullptr;
+  if (tp.data_location() == onnx::TensorProto::EXTERNAL) {
+    external = read_external(tp, model_dir, want, what);
+    raw = &external;
+  } else if (tp.has_raw_data()) {
+    raw = &tp.raw_data();
+    GRAFT_CHECK(raw->size() == want, ErrorKind::InvalidModel,
+                what + " has " + std::to_string(raw->size()) + " bytes of data but its shape " +
+                    shape_str(shape) + " needs " + std::to_string(want));
+  } else {
+    int64_t have = 0;
+    switch (dt) {
+      case DType::F32: have = tp.float_data_size(); break;
+      case DType::F64: have = tp.double_data_size(); break;
+      case DType::I64: have = tp.int64_data_size(); break;
+      case DType::Bool: have = tp.int32_data_size(); break;
+    }
+    GRAFT_CHECK(have == n, ErrorKind::InvalidModel,
+                what + " has " + std::to_string(have) + " elements of data but its shape " +
+                    shape_str(shape) + " needs " + std::to_string(n));
+  }
+  Tensor t = Tensor::empty(shape, dt, alloc, cat, what);
+  if (raw) {
+    if (want) std::memcpy(t.raw(), raw->data(), want);
+    return t;
+  }
+  switch (dt) {
+    case DType::F32: std::copy(tp.float_data().begin(), tp.float_data().end(), t.data<float>()); break;
+    case DType::F64: std::copy(tp.double_data().begin(), tp.double_data().end(), t.data<double>()); break;
+    case DType::I64: std::copy(tp.int64_data().begin(), tp.int64_data().end(), t.data<int64_t>()); break;
+    case DType::Bool:
+      for (int64_t i = 0; i < n; ++i) t.data<bool>()[i] = tp.int32_data(static_cast<int>(i)) != 0;
+      break;
+  }
+  return t;
+}
+
+Attr convert_attr(const onnx::AttributeProto& ap, Allocator& alloc, const std::string& model_dir,
+                  const std::string& where) {
+  Attr a;
+  switch (ap.type()) {
+    case onnx::AttributeProto::INT: a.kind = Attr::Int; a.i = ap.i(); break;
+    case onnx::AttributeProto::FLOAT: a.kind = Attr::Float; a.f = ap.f(); break;
+    case onnx::AttributeProto::STRING: a.kind = Attr::String; a.s = ap.s(); break;
+    case onnx::AttributeProto::INTS:
+      a.kind = Attr::Ints;
+      a.ints.assign(ap.ints().begin(), ap.ints().end());
+      break;
+    case onnx::AttributeProto::FLOATS:
+      a.kind = Attr::Floats;
+      a.floats.assign(ap.floats().begin(), ap.floats().end());
+      break;
+    case onnx::AttributeProto::TENSOR:
+      a.kind = Attr::TensorV;
+      a.t = convert_tensor(ap.t(), alloc, Category::Workspace, model_dir,
+                           where + " attribute '" + ap.name() + "'");
+      break;
+    default:
+      fail(ErrorKind::Unsupported, where + ": attribute '" + ap.name() + "' has type " +
+                                       onnx::AttributeProto_AttributeType_Name(ap.type()) +
+                                       ", which graft does not support");
+  }
+  return a;
+}
+
+// Turns a Constant node's attribute into a tensor.
+Tensor constant_value(const Node& n, Allocator& alloc) {
+  const auto& all = n.attrs.all();
+  GRAFT_CHECK(all.size() == 1, ErrorKind::InvalidModel, n.label() + " must have exactly one value attribute");
+  const auto& [k, a] = *all.begin();
+  auto make = [&](DType dt, Shape s) { return Tensor::empty(s, dt, alloc, Category::Workspace, n.name); };
+  if (k == "value" && a.kind == Attr::TensorV) return a.t;
+  if (k == "value_float" && a.kind == Attr::Float) {
+    Tensor t = make(DType::F32, {});
+    t.data<float>()[0] = static_cast<float>(a.f);
+    return t;
+  }
+  if (k == "value_floats" && a.kind == Attr::Floats) {
+    Tensor t = make(DType::F32, {static_cast<int64_t>(a.floats.size())});
+    for (size_t i = 0; i < a.floats.size(); ++i) t.data<float>()[i] = static_cast<float>(a.floats[i]);
+    return t;
+  }
+  if (k == "value_int" && a.kind == Attr::Int) {
+    Tensor t = make(DType::I64, {});
+    t.data<int64_t>()[0] = a.i;
+    return t;
+  }
+  if (k == "value_ints" && a.kind == Attr::Ints) {
+    Tensor t = make(DType::I64, {static_cast<int64_t>(a.ints.size())});
+    std::copy(a.ints.begin(), a.ints.end(), t.data<int64_t>());
+    return t;
+  }
+  fail(ErrorKind::Unsupported, n.label() + ": Constant attribute '" + k + "' is not supported");
+}
+
+Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc) {
+  Graph g;
+  // Opset of the default domain.
+  int64_t opset = -1;
+  for (const auto& os : mp.opset_import())
+    if (os.domain().empty() || os.domain() == "ai.onnx") opset = os.version();
+  GRAFT_CHECK(opset >= 0, ErrorKind::InvalidModel, "the model imports no opset of the default ONNX domain");
+  GRAFT_CHECK(opset >= 13 && opset <= 17, ErrorKind::Unsupported,
+              "the model uses opset " + std::to_string(opset) +
+                  " of the default domain; graft supports opsets 13 to 17 (re-export with "
+                  "torch.onnx.export(..., opset_version=17) or convert with onnx.version_converter)");
+  g.opset = opset;
+  const auto& gp = mp.graph();
+  g.name = gp.name();
+
+  // Initializers: float -> parameter, others -> constant.
+  for (const auto& tp : gp.initializer()) {
+    GRAFT_CHECK(!tp.name().empty(), ErrorKind::InvalidModel, "an initializer has no name");
+    std::string what = "initializer '" + tp.name() + "'";
+    DType dt = convert_dtype(tp.data_type(), what);
+    ValueKind kind = is_float(dt) ? ValueKind::Param : ValueKind::Constant;
+    GRAFT_CHECK(g.find(tp.name()) < 0, ErrorKind::InvalidModel,
+                "initializer '" + tp.name() + "' is defined more than once");
+    int v = g.add_value(tp.name(), kind, false);
+    Value& val = g.values[v];
+    val.data = convert_tensor(tp, alloc, kind == ValueKind::Param ? Category::Parameter : Category::Workspace,
+                              model_dir, what);
+    val.dtype = dt;
+    val.shape = val.data.shape();
+    val.shape_known = true;
+  }
+  // Graph inputs (skipping those that are also initializers, as older exporters list them).
+  for (const auto& vi : gp.input()) {
+    if (g.find(vi.name()) >= 0) continue;
+    GRAFT_CHECK(!vi.name().empty(), ErrorKind::InvalidModel, "a graph input has no name");
+    const std::string what = "graph input '" + vi.name() + "'";
+    GRAFT_CHECK(vi.type().has_tensor_type(), ErrorKind::Unsupported,
+                what + " is not a tensor; graft supports tensor inputs only");
+    const auto& tt = vi.type().tensor_type();
+    int v = g.add_value(vi.name(), ValueKind::Input, false);
+    Value& val = g.values[v];
+    val.dtype = convert_dtype(tt.elem_type(), what);
+    if (tt.has_shape()) {
+      bool known = true;
+      for (const auto& d : tt.shape().dim()) {
+        if (d.has_dim_value()) {
+          GRAFT_CHECK(d.dim_value() >= 0, ErrorKind::InvalidModel, what + " has a negative dimension");
+          val.shape.push_back(d.dim_value());
+          val.dim_params.push_back("");
+        } else {
+          val.shape.push_back(-1);
+          val.dim_params.push_back(d.has_dim_param() ? d.dim_param() : "?");
+          known = false;
+        }
+      }
+      val.shape_known = known;
+    }
+    g.inputs.push_back(v);
+  }
+
+  // Nodes, in topological order (re-sorted; ONNX requires it, but a hostile file may not obey).
+  const int nn = gp.node_size();
+  std::unordered_map<std::string, int> producer_of;
+  for (int i = 0; i < nn; ++i) {
+    const auto& np = gp.node(i);
+    std::string label = "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) +
+                        "' (" + np.op_type() + ")";
+    GRAFT_CHECK(np.domain().empty() || np.domain() == "ai.onnx", ErrorKind::Unsupported,
+                label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
+    for (const auto& o : np.output()) {
+      if (o.empty()) continue;
+      GRAFT_CHECK(g.find(o) < 0 && !producer_of.count(o), ErrorKind::InvalidModel,
+                  label + " writes value '" + o + "', which already has a definition");
+      producer_of[o] = i;
+    }
+  }
+  std::vector<int> indeg(nn, 0);
+  std::vector<std::vector<int>> succ(nn);
+  for (int i = 0; i < nn; ++i) {
+    const auto& np = gp.node(i);
+    for (const auto& in : np.input()) {
+      if (in.empty()) continue;
+      auto it = producer_of.find(in);
+      if (it != producer_of.end()) {
+        succ[it->second].push_back(i);
+        ++indeg[i];
+      } else {
+        GRAFT_CHECK(g.find(in) >= 0, ErrorKind::InvalidModel,
+                    "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) + "' (" +
+                        np.op_type() + ") reads value '" + in +
+                        "', which is not a graph input, an initializer or any node's output");
+      }
+    }
+  }
+  std::vector<int> order, ready;
+  for (int i = nn - 1; i >= 0; --i)
+    if (indeg[i] == 0) ready.push_back(i);
+  while (!ready.empty()) {
+    int i = ready.back();
+    ready.pop_back();
+    order.push_back(i);
+    for (int s : succ[i])
+      if (--indeg[s] == 0) ready.push_back(s);  // keep near file order
+  }
+  if (static_cast<int>(order.size()) != nn) {
+    for (int i = 0; i < nn; ++i)
+      if (indeg[i] > 0)
+        fail(ErrorKind::InvalidModel, "node '" + gp.node(i).name() + "' (" + gp.node(i).op_type() +
+                                          ") is part of a cycle; ONNX graphs must be acyclic");
+  }
+  for (int i : order) {
+    const auto& np = gp.node(i);
+    Node n;
+    n.op = np.op_type();
+    n.name = np.name().empty() ? g.unique_name(n.op + "_" + std::to_string(i)) : np.name();
+    for (const auto& ap : np.attribute()) {
+      GRAFT_CHECK(!n.attrs.has(ap.name()), ErrorKind::InvalidModel,
+                  n.label() + " has attribute '" + ap.name() + "' twice");
+      n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label()));
+    }
+    for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
+    if (n.op == "Constant") {
+      GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel, n.label() + " must have one output");
+      int v = g.add_value(np.output(0), ValueKind::Constant, false);
+      Value& val = g.values[v];
+      val.data = constant_value(n, alloc);
+      val.dtype = val.data.dtype();
+      val.shape = val.data.shape();
+      val.shape_known = true;
+      continue;
+    }
+    for (const auto& o : np.output())
+      n.outputs.push_back(o.empty() ? -1 : g.add_value(o, ValueKind::Intermediate, false));
+    g.add_node(std::move(n));
+  }
+  for (const auto& vi : gp.output()) {
+    int v = g.find(vi.name());
+    GRAFT_CHECK(v >= 0, ErrorKind::InvalidModel,
+                "graph output '" + vi.name() + "' is not produced by any node");
+    g.outputs.push_back(v);
+  }
+  return g;
+}
+
+}  // namespace
+
+Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir,
+                      const ImportOptions& opt) {
+  onnx::ModelProto mp;
+  GRAFT_CHECK(mp.ParseFromString(bytes), ErrorKind::InvalidModel,
+              "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
+  return convert_model(mp, model_dir, opt.alloc ? *opt.alloc : Allocator::global());
+}
+
+Graph load_onnx(const std::string& path, const ImportOptions& opt) {
+  std::error_code ec;
+  GRAFT_CHECK(fs::is_regular_file(path, ec), ErrorKind::Io, "cannot open model file '" + path + "'");
+  auto size = static_cast<int64_t>(fs::file_size(path, ec));
+  GRAFT_CHECK(!ec && size <= opt.max_file_bytes, ErrorKind::InvalidModel,
+              "model file '" + path + "' is " + std::to_string(size) + " bytes, over the limit of " +
+                  std::to_string(opt.max_file_bytes));
+  std::ifstream f(path, std::ios::binary);
+  GRAFT_CHECK(f.good(), ErrorKind::Io, "cannot open model file '" + path + "'");
+  std::string bytes(static_cast<size_t>(size), '\0');
+  f.read(bytes.data(), size);
+  GRAFT_CHECK(f.gcount() == size, ErrorKind::Io, "could not read all of '" + path + "'");
+  try {
+    return load_onnx_bytes(bytes, fs::path(path).parent_path().string(), opt);
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::InvalidModel || e.kind() == ErrorKind::Unsupported)
+      throw Error(e.kind(), path + ": " + std::string(e.what()).substr(std::strlen(error_kind_name(e.kind())) + 2));
+    throw;
+  }
+}
+
+Tensor load_tensor_pb(const std::string& path, std::string* name) {
+  std::ifstream f(path, std::ios::binary);
+  GRAFT_CHECK(f.good(), ErrorKind::Io, "cannot open tensor file '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  onnx::TensorProto tp;
+  GRAFT_CHECK(tp.ParseFromString(ss.str()), ErrorKind::InvalidModel,
+              "'" + path + "' is not a valid ONNX TensorProto");
+  if (name) *name = tp.name();
+  return convert_tensor(tp, Allocator::global(), Category::Workspace,
+                        fs::path(path).parent_path().string(), "tensor file '" + path + "'");
+}
+
+void save_tensor_pb(const std::string& path, const Tensor& t, const std::string& name) {
+  onnx::TensorProto tp;
+  tp.set_name(name);
+  for (int64_t d : t.shape()) tp.add_dims(d);
+  switch (t.dtype()) {
+    case DType::F32: tp.set_data_type(onnx::TensorProto::FLOAT); break;
+    case DType::F64: tp.set_data_type(onnx::TensorProto::DOUBLE); break;
+    case DType::I64: tp.set_data_type(onnx::TensorProto::INT64); break;
+    case DType::Bool: tp.set_data_type(onnx::TensorProto::BOOL); break;
+  }
+  tp.set_raw_data(std::string(static_cast<const char*>(t.raw()), t.nbytes()));
+  std::ofstream f(path, std::ios::binary);
+  GRAFT_CHECK(f.good() && tp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
+}
+
+}  // namespace graft

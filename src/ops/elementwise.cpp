@@ -1,0 +1,362 @@
+// Elementwise ops: unary math, broadcasting binary ops, Where, Sum, Cast, and their gradients.
+//
+// Every op's schema, shape function, kernel and gradient rule are in the table at the bottom.
+#include <cmath>
+
+#include "util.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// ---- unary --------------------------------------------------------------------------------------
+template <class Op>
+void unary_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    const int64_t n = c.in(0).numel();
+    for (int64_t i = 0; i < n; ++i) y[i] = Op::f(x[i]);
+  });
+}
+struct NegF { template <class T> static T f(T x) { return -x; } };
+struct ReciprocalF { template <class T> static T f(T x) { return T(1) / x; } };
+struct SqrtF { template <class T> static T f(T x) { return std::sqrt(x); } };
+struct ExpF { template <class T> static T f(T x) { return std::exp(x); } };
+struct LogF { template <class T> static T f(T x) { return std::log(x); } };
+struct ErfF { template <class T> static T f(T x) { return std::erf(x); } };
+struct TanhF { template <class T> static T f(T x) { return std::tanh(x); } };
+struct SigmoidF {
+  template <class T> static T f(T x) {
+    return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
+  }
+};
+struct ReluF { template <class T> static T f(T x) { return x > T(0) ? x : T(0); } };
+
+void infer_unary_float(InferCtx& c) {
+  require_float(c, 0);
+  infer_same(c);
+}
+
+// Neg also accepts int64 (shape arithmetic in exported graphs).
+void neg_kernel(KernelCtx& c) {
+  if (c.in(0).dtype() == DType::I64) {
+    const int64_t* x = c.in(0).data<int64_t>();
+    int64_t* y = c.out(0).data<int64_t>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = -x[i];
+    return;
+  }
+  unary_kernel<NegF>(c);
+}
+void infer_neg(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  infer_same(c);
+}
+
+// ---- binary with broadcasting -------------------------------------------------------------------
+template <class T, class F>
+void binary_loop(const Tensor& a, const Tensor& b, Tensor& out, F f) {
+  const T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  using O = decltype(f(T(), T()));
+  O* po = out.data<O>();
+  const int64_t n = out.numel();
+  if (a.shape() == out.shape() && b.shape() == out.shape()) {
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
+  } else if (a.shape() == out.shape() && b.numel() == 1) {
+    const T s = pb[0];
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], s);
+  } else if (b.shape() == out.shape() && a.numel() == 1) {
+    const T s = pa[0];
+    for (int64_t i = 0; i < n; ++i) po[i] = f(s, pb[i]);
+  } else {
+    std::array<std::vector<int64_t>, 2> st{bcast_strides(a.shape(), out.shape()),
+                                           bcast_strides(b.shape(), out.shape())};
+    for_each_bcast<2>(out.shape(), st, [&](int64_t i, const std::array<int64_t, 2>& o) {
+      po[i] = f(pa[o[0]], pb[o[1]]);
+    });
+  }
+}
+
+enum class Bin { Add, Sub, Mul, Div };
+template <Bin op>
+void arith_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    binary_loop<T>(c.in(0), c.in(1), c.out(0), [](T x, T y) -> T {
+      if constexpr (op == Bin::Add) return x + y;
+      if constexpr (op == Bin::Sub) return x - y;
+      if constexpr (op == Bin::Mul) return x * y;
+      if constexpr (op == Bin::Div) return x / y;
+    });
+  };
+  switch (c.in(0).dtype()) {
+    case DType::F32: run.template operator()<float>(); break;
+    case DType::F64: run.template operator()<double>(); break;
+    case DType::I64:
+      if (op == Bin::Div) {
+        const int64_t* b = c.in(1).data<int64_t>();
+        for (int64_t i = 0; i < c.in(1).numel(); ++i)
+          if (b[i] == 0) c.error(ErrorKind::InvalidArgument, "integer division by zero");
+      }
+      run.template operator()<int64_t>();
+      break;
+    default: c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
+  }
+}
+
+void infer_arith(InferCtx& c) {
+  if (c.dtype(0) != c.dtype(1))
+    c.error(ErrorKind::InvalidModel, std::string("inputs have different dtypes (") +
+                                         dtype_name(c.dtype(0)) + " and " + dtype_name(c.dtype(1)) + ")");
+  if (c.dtype(0) == DType::Bool) c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
+  c.set_out(0, c.dtype(0), broadcast_all(c));
+}
+
+void infer_pow(InferCtx& c) {
+  require_float(c, 0);
+  if (!is_float(c.dtype(1)) && c.dtype(1) != DType::I64)
+    c.error(ErrorKind::Unsupported, "exponent must be float or int64");
+  c.set_out(0, c.dtype(0), broadcast_all(c));
+}
+void pow_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const Tensor& b = c.in(1);
+    if (b.dtype() == c.in(0).dtype()) {
+      binary_loop<T>(c.in(0), b, c.out(0), [](T x, T y) -> T {
+        return y == T(2) ? x * x : y == T(1) ? x : std::pow(x, y);
+      });
+      return;
+    }
+    // Mixed exponent dtype: convert it to T first (small: exponents are usually scalars).
+    Tensor bt = Tensor::empty(b.shape(), c.in(0).dtype(), c.alloc, Category::Workspace);
+    for (int64_t i = 0; i < b.numel(); ++i) bt.data<T>()[i] = static_cast<T>(b.at(i));
+    binary_loop<T>(c.in(0), bt, c.out(0), [](T x, T y) -> T { return std::pow(x, y); });
+  });
+}
+
+void infer_equal(InferCtx& c) {
+  if (c.dtype(0) != c.dtype(1)) c.error(ErrorKind::InvalidModel, "inputs have different dtypes");
+  c.set_out(0, DType::Bool, broadcast_all(c));
+}
+void equal_kernel(KernelCtx& c) {
+  dispatch(c.in(0).dtype(), [&]<class T>() {
+    binary_loop<T>(c.in(0), c.in(1), c.out(0), [](T x, T y) -> bool { return x == y; });
+  });
+}
+
+// ---- Where / Sum / Cast --------------------------------------------------------------------------
+void infer_where(InferCtx& c) {
+  if (c.dtype(0) != DType::Bool) c.error(ErrorKind::InvalidModel, "condition must be bool");
+  if (c.dtype(1) != c.dtype(2)) c.error(ErrorKind::InvalidModel, "X and Y have different dtypes");
+  c.set_out(0, c.dtype(1), broadcast_all(c));
+}
+void where_kernel(KernelCtx& c) {
+  dispatch(c.in(1).dtype(), [&]<class T>() {
+    const Shape& os = c.out(0).shape();
+    const bool* pc = c.in(0).data<bool>();
+    const T* px = c.in(1).data<T>();
+    const T* py = c.in(2).data<T>();
+    T* po = c.out(0).data<T>();
+    std::array<std::vector<int64_t>, 3> st{bcast_strides(c.in(0).shape(), os),
+                                           bcast_strides(c.in(1).shape(), os),
+                                           bcast_strides(c.in(2).shape(), os)};
+    for_each_bcast<3>(os, st, [&](int64_t i, const std::array<int64_t, 3>& o) {
+      po[i] = pc[o[0]] ? px[o[1]] : py[o[2]];
+    });
+  });
+}
+
+void infer_sum(InferCtx& c) {
+  for (int i = 1; i < c.n_in(); ++i)
+    if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "inputs have different dtypes");
+  require_float(c, 0);
+  c.set_out(0, c.dtype(0), broadcast_all(c));
+}
+void sum_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    Tensor& out = c.out(0);
+    T* po = out.data<T>();
+    const int64_t n = out.numel();
+    for (int k = 0; k < static_cast<int>(c.ins.size()); ++k) {
+      const Tensor& a = c.in(k);
+      const T* pa = a.data<T>();
+      if (k == 0 && pa == po) continue;  // in place on input 0
+      if (a.shape() == out.shape()) {
+        if (k == 0) std::copy(pa, pa + n, po);
+        else for (int64_t i = 0; i < n; ++i) po[i] += pa[i];
+      } else {
+        auto st = bcast_strides(a.shape(), out.shape());
+        for_each_bcast<1>(out.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+          po[i] = (k == 0 ? T(0) : po[i]) + pa[o[0]];
+        });
+      }
+    }
+  });
+}
+
+int onnx_dtype_code(DType d) {
+  switch (d) {
+    case DType::F32: return 1;
+    case DType::F64: return 11;
+    case DType::I64: return 7;
+    case DType::Bool: return 9;
+  }
+  return 0;
+}
+void infer_cast(InferCtx& c) {
+  int64_t to = c.attr_int("to", -1);
+  DType dt;
+  switch (to) {
+    case 1: dt = DType::F32; break;
+    case 11: dt = DType::F64; break;
+    case 7: dt = DType::I64; break;
+    case 9: dt = DType::Bool; break;
+    default:
+      c.error(ErrorKind::Unsupported, "cast to ONNX type " + std::to_string(to) +
+                                          " is not supported (float32, float64, int64, bool only)");
+  }
+  c.set_out(0, dt, c.shape(0));
+}
+void cast_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  Tensor& y = c.out(0);
+  dispatch(x.dtype(), [&]<class S>() {
+    const S* px = x.data<S>();
+    dispatch(y.dtype(), [&]<class D>() {
+      D* py = y.data<D>();
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        if constexpr (std::is_same_v<D, bool>) py[i] = px[i] != S(0);
+        else py[i] = static_cast<D>(px[i]);
+      }
+    });
+  });
+}
+
+// ---- fused gradient kernels ---------------------------------------------------------------------
+// (dy, t) -> dx, elementwise.
+template <class Op>
+void grad2_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T* dy = c.in(0).data<T>();
+    const T* t = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) dx[i] = Op::f(dy[i], t[i]);
+  });
+}
+struct ReluGradF { template <class T> static T f(T dy, T y) { return y > T(0) ? dy : T(0); } };
+struct SigmoidGradF { template <class T> static T f(T dy, T y) { return dy * y * (T(1) - y); } };
+struct TanhGradF { template <class T> static T f(T dy, T y) { return dy * (T(1) - y * y); } };
+struct ErfGradF {
+  template <class T> static T f(T dy, T x) {
+    return dy * T(1.1283791670955126) * std::exp(-x * x);  // 2/sqrt(pi)
+  }
+};
+void infer_grad2(InferCtx& c) {
+  require_float(c, 0);
+  c.check(c.shape(0) == c.shape(1), "dy and saved tensor differ in shape");
+  infer_same(c);
+}
+
+// ---- gradient rules ---------------------------------------------------------------------------
+void grad_add(GradBuilder& g) {
+  g.set_dx(0, g.dy(0));
+  g.set_dx(1, g.dy(0));
+}
+void grad_sub(GradBuilder& g) {
+  g.set_dx(0, g.dy(0));
+  if (g.needs(1)) g.set_dx(1, g.emit1("Neg", {g.dy(0)}));
+}
+void grad_mul(GradBuilder& g) {
+  if (g.needs(0)) g.set_dx(0, g.emit1("Mul", {g.dy(0), g.x(1)}));
+  if (g.needs(1)) g.set_dx(1, g.emit1("Mul", {g.dy(0), g.x(0)}));
+}
+void grad_div(GradBuilder& g) {
+  int da = g.emit1("Div", {g.dy(0), g.x(1)});  // dy / b
+  if (g.needs(0)) g.set_dx(0, da);
+  if (g.needs(1)) g.set_dx(1, g.emit1("Neg", {g.emit1("Mul", {da, g.y(0)})}));  // -(dy/b)*(a/b)
+}
+void grad_pow(GradBuilder& g) {
+  DType dt = g.val(g.x(0)).dtype;
+  int b = g.x(1);
+  if (g.val(b).dtype != dt) {
+    Attrs a;
+    a.set_int("to", onnx_dtype_code(dt));
+    b = g.emit1("Cast", {b}, a);
+  }
+  if (g.needs(0)) {
+    int t = g.emit1("Pow", {g.x(0), g.emit1("Sub", {b, g.scalar(1, dt)})});
+    g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), b}), t}));
+  }
+  if (g.needs(1) && is_float(g.val(g.x(1)).dtype))
+    g.set_dx(1, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), g.y(0)}), g.emit1("Log", {g.x(0)})}));
+}
+void grad_neg(GradBuilder& g) { g.set_dx(0, g.emit1("Neg", {g.dy(0)})); }
+void grad_reciprocal(GradBuilder& g) {
+  g.set_dx(0, g.emit1("Neg", {g.emit1("Mul", {g.dy(0), g.emit1("Mul", {g.y(0), g.y(0)})})}));
+}
+void grad_sqrt(GradBuilder& g) {
+  DType dt = g.val(g.x(0)).dtype;
+  g.set_dx(0, g.emit1("Div", {g.emit1("Mul", {g.dy(0), g.scalar(0.5, dt)}), g.y(0)}));
+}
+void grad_exp(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.y(0)})); }
+void grad_log(GradBuilder& g) { g.set_dx(0, g.emit1("Div", {g.dy(0), g.x(0)})); }
+void grad_erf(GradBuilder& g) { g.set_dx(0, g.emit1("ErfGrad", {g.dy(0), g.x(0)}, {}, "graft")); }
+void grad_tanh(GradBuilder& g) { g.set_dx(0, g.emit1("TanhGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
+void grad_sigmoid(GradBuilder& g) {
+  g.set_dx(0, g.emit1("SigmoidGrad", {g.dy(0), g.y(0)}, {}, "graft"));
+}
+void grad_relu(GradBuilder& g) { g.set_dx(0, g.emit1("ReluGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
+void grad_identity(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
+void grad_where(GradBuilder& g) {
+  int zero = g.scalar(0, g.val(g.dy(0)).dtype);
+  if (g.needs(1)) g.set_dx(1, g.emit1("Where", {g.x(0), g.dy(0), zero}));
+  if (g.needs(2)) g.set_dx(2, g.emit1("Where", {g.x(0), zero, g.dy(0)}));
+}
+void grad_sum(GradBuilder& g) {
+  for (size_t i = 0; i < g.node().inputs.size(); ++i) g.set_dx(static_cast<int>(i), g.dy(0));
+}
+void grad_cast(GradBuilder& g) {
+  DType src = g.val(g.x(0)).dtype;
+  if (!is_float(src)) return;
+  Attrs a;
+  a.set_int("to", onnx_dtype_code(src));
+  g.set_dx(0, g.emit1("Cast", {g.dy(0)}, a));
+}
+
+// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
+const OpDef kOps[] = {
+    {"Neg", "", 1, 1, 1, 1, infer_neg, neg_kernel, grad_neg, 0, false, true},
+    {"Reciprocal", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<ReciprocalF>, grad_reciprocal, 0, false, true},
+    {"Sqrt", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<SqrtF>, grad_sqrt, 0, false, true},
+    {"Exp", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<ExpF>, grad_exp, 0, false, true},
+    {"Log", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<LogF>, grad_log, 0, false, true},
+    {"Erf", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<ErfF>, grad_erf, 0, false, true},
+    {"Tanh", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<TanhF>, grad_tanh, 0, false, true},
+    {"Sigmoid", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<SigmoidF>, grad_sigmoid, 0, false, true},
+    {"Relu", "", 1, 1, 1, 1, infer_unary_float, unary_kernel<ReluF>, grad_relu, 0, false, true},
+    {"Identity", "", 1, 1, 1, 1, infer_same, nullptr, grad_identity, -1, true, true},
+    {"Add", "", 2, 2, 1, 1, infer_arith, arith_kernel<Bin::Add>, grad_add, 0, false, true},
+    {"Sub", "", 2, 2, 1, 1, infer_arith, arith_kernel<Bin::Sub>, grad_sub, 0, false, true},
+    {"Mul", "", 2, 2, 1, 1, infer_arith, arith_kernel<Bin::Mul>, grad_mul, 0, false, true},
+    {"Div", "", 2, 2, 1, 1, infer_arith, arith_kernel<Bin::Div>, grad_div, 0, false, true},
+    {"Pow", "", 2, 2, 1, 1, infer_pow, pow_kernel, grad_pow, 0, false, true},
+    {"Equal", "", 2, 2, 1, 1, infer_equal, equal_kernel, nullptr, -1, false, true},
+    {"Where", "", 3, 3, 1, 1, infer_where, where_kernel, grad_where, -1, false, true, {0}},
+    {"Sum", "", 1, 1 << 20, 1, 1, infer_sum, sum_kernel, grad_sum, 0, false, true},
+    {"Cast", "", 1, 1, 1, 1, infer_cast, cast_kernel, grad_cast, -1, false, true},
+    // graft's fused gradient kernels: (dy, saved) -> dx
+    {"ReluGrad", "graft", 2, 2, 1, 1, infer_grad2, grad2_kernel<ReluGradF>, nullptr, 0, false, true},
+    {"SigmoidGrad", "graft", 2, 2, 1, 1, infer_grad2, grad2_kernel<SigmoidGradF>, nullptr, 0, false, true},
+    {"TanhGrad", "graft", 2, 2, 1, 1, infer_grad2, grad2_kernel<TanhGradF>, nullptr, 0, false, true},
+    {"ErfGrad", "graft", 2, 2, 1, 1, infer_grad2, grad2_kernel<ErfGradF>, nullptr, 0, false, true},
+};
+
+}  // namespace
+
+int onnx_dtype_code_of(DType d) { return onnx_dtype_code(d); }
+
+void register_elementwise_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft

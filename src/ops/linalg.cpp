@@ -1,0 +1,208 @@
+// Matrix products: Gemm, MatMul (batched, broadcasting) and graft's FusedMatMul (MatMul with
+// transposes, used by gradients). All GEMMs go through gemm() below, one place to pick a backend.
+#include <cblas.h>
+
+#include <functional>
+
+#include "util.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// C(M,N) = alpha * op(A) op(B) + beta * C, row-major. lda etc. are the natural ones.
+template <class T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+          T beta, T* C) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M * N; ++i) C[i] = beta == T(0) ? T(0) : beta * C[i];
+    return;
+  }
+  const auto TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
+  const blasint lda = static_cast<blasint>(ta ? M : K), ldb = static_cast<blasint>(tb ? K : N);
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, lda, B, ldb, beta, C, N);
+  else
+    cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, lda, B, ldb, beta, C, N);
+}
+
+// ---- Gemm ---------------------------------------------------------------------------------------
+void infer_gemm(InferCtx& c) {
+  require_float(c, 0);
+  c.check(c.dtype(1) == c.dtype(0), "A and B differ in dtype");
+  c.check(c.shape(0).size() == 2 && c.shape(1).size() == 2, "A and B must be 2-D");
+  bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
+  int64_t M = c.shape(0)[ta ? 1 : 0], K = c.shape(0)[ta ? 0 : 1];
+  int64_t K2 = c.shape(1)[tb ? 1 : 0], N = c.shape(1)[tb ? 0 : 1];
+  c.check(K == K2, "inner dimensions differ: A " + shape_str(c.shape(0)) + ", B " +
+                       shape_str(c.shape(1)) + " (transA=" + std::to_string(ta) +
+                       ", transB=" + std::to_string(tb) + ")");
+  if (c.has_in(2)) {
+    Shape out;
+    c.check(broadcast_shape({M, N}, c.shape(2), out) && out == Shape{M, N},
+            "C of shape " + shape_str(c.shape(2)) + " does not broadcast to " + shape_str({M, N}));
+    c.check(c.dtype(2) == c.dtype(0), "C differs in dtype");
+  }
+  c.set_out(0, c.dtype(0), {M, N});
+}
+
+void gemm_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
+    T alpha = static_cast<T>(c.attr_float("alpha", 1.0)), beta = static_cast<T>(c.attr_float("beta", 1.0));
+    const Tensor &A = c.in(0), &B = c.in(1);
+    Tensor& Y = c.out(0);
+    int64_t M = Y.dim(0), N = Y.dim(1), K = A.dim(ta ? 0 : 1);
+    T* y = Y.data<T>();
+    T b = T(0);
+    if (c.has_in(2) && beta != T(0)) {
+      const Tensor& C = c.in(2);
+      const T* pc = C.data<T>();
+      if (C.shape() == Y.shape()) {
+        if (pc != y) std::copy(pc, pc + M * N, y);
+      } else {
+        auto st = bcast_strides(C.shape(), Y.shape());
+        for_each_bcast<1>(Y.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) { y[i] = pc[o[0]]; });
+      }
+      b = beta;
+    }
+    gemm<T>(ta, tb, M, N, K, alpha, A.data<T>(), B.data<T>(), b, y);
+  });
+}
+
+void grad_gemm(GradBuilder& g) {
+  const Attrs& at = g.node().attrs;
+  bool ta = at.get_int("transA", 0), tb = at.get_int("transB", 0);
+  double alpha = at.get_float("alpha", 1.0), beta = at.get_float("beta", 1.0);
+  int dy = g.dy(0), A = g.x(0), B = g.x(1);
+  auto gemm_node = [&](int a, int b, bool t1, bool t2) {
+    Attrs x;
+    x.set_int("transA", t1);
+    x.set_int("transB", t2);
+    if (alpha != 1.0) x.set_float("alpha", alpha);
+    return g.emit1("Gemm", {a, b}, x);
+  };
+  if (g.needs(0)) g.set_dx(0, ta ? gemm_node(B, dy, tb, true) : gemm_node(dy, B, false, !tb));
+  if (g.needs(1)) g.set_dx(1, tb ? gemm_node(dy, A, true, ta) : gemm_node(A, dy, !ta, false));
+  if (g.node().inputs.size() > 2 && g.x(2) >= 0 && g.needs(2)) {
+    int d = dy;
+    if (beta != 1.0) d = g.emit1("Mul", {dy, g.scalar(beta, g.val(dy).dtype)});
+    g.set_dx(2, d);
+  }
+}
+
+// ---- MatMul / FusedMatMul -----------------------------------------------------------------------
+// Shapes after numpy's 1-D promotion: a -> [..., M, K], b -> [..., K, N].
+struct MMShapes {
+  Shape batch;      // broadcast batch dims
+  int64_t M, N, K;
+  Shape out;
+};
+MMShapes mm_shapes(const Shape& sa0, const Shape& sb0, bool ta, bool tb,
+                   const std::function<void(const std::string&)>& err) {
+  Shape sa = sa0, sb = sb0;
+  if (sa.empty() || sb.empty()) err("MatMul inputs must have rank >= 1");
+  bool a1 = sa.size() == 1, b1 = sb.size() == 1;
+  if (a1) sa.insert(sa.begin(), 1);
+  if (b1) sb.push_back(1);
+  if (ta) std::swap(sa[sa.size() - 1], sa[sa.size() - 2]);
+  if (tb) std::swap(sb[sb.size() - 1], sb[sb.size() - 2]);
+  MMShapes r;
+  r.M = sa[sa.size() - 2];
+  r.K = sa.back();
+  r.N = sb.back();
+  if (sb[sb.size() - 2] != r.K)
+    err("inner dimensions differ: " + shape_str(sa0) + " x " + shape_str(sb0));
+  Shape ba(sa.begin(), sa.end() - 2), bb(sb.begin(), sb.end() - 2);
+  if (!broadcast_shape(ba, bb, r.batch)) err("batch dimensions do not broadcast: " + shape_str(sa0) + " x " + shape_str(sb0));
+  r.out = r.batch;
+  if (!a1) r.out.push_back(r.M);
+  if (!b1) r.out.push_back(r.N);
+  return r;
+}
+
+void infer_matmul(InferCtx& c) {
+  require_float(c, 0);
+  c.check(c.dtype(1) == c.dtype(0), "inputs differ in dtype");
+  auto r = mm_shapes(c.shape(0), c.shape(1), c.attr_int("transA", 0), c.attr_int("transB", 0),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  c.set_out(0, c.dtype(0), r.out);
+}
+
+void matmul_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
+    const Tensor &A = c.in(0), &B = c.in(1);
+    auto r = mm_shapes(A.shape(), B.shape(), ta, tb, [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+    T* y = c.out(0).data<T>();
+    const T *pa = A.data<T>(), *pb = B.data<T>();
+    const int64_t nb = numel(r.batch), MK = r.M * r.K, KN = r.K * r.N, MN = r.M * r.N;
+    const bool a_batched = A.rank() > 2, b_batched = B.rank() > 2;
+    // A batch of [M,K] against one [K,N]: a single GEMM with M' = batch*M.
+    if (!b_batched && !ta && (A.rank() <= 2 || numel(Shape(A.shape().begin(), A.shape().end() - 2)) == nb)) {
+      gemm<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, pb, T(0), y);
+      return;
+    }
+    Shape sa = A.shape(), sb = B.shape();
+    if (sa.size() == 1) sa.insert(sa.begin(), 1);
+    if (sb.size() == 1) sb.push_back(1);
+    Shape bsa(sa.begin(), sa.end() - 2), bsb(sb.begin(), sb.end() - 2);
+    auto sta = bcast_strides(bsa, r.batch), stb = bcast_strides(bsb, r.batch);
+    (void)a_batched;
+    for_each_bcast<2>(r.batch, {sta, stb}, [&](int64_t i, const std::array<int64_t, 2>& o) {
+      gemm<T>(ta, tb, r.M, r.N, r.K, T(1), pa + o[0] * MK, pb + o[1] * KN, T(0), y + i * MN);
+    });
+    (void)nb;
+  });
+}
+
+// Y = A B with broadcasting. dA = dY B^T summed to A's shape; dB = A^T dY likewise. 1-D operands
+// are promoted to 2-D first (numpy rules) and the results reshaped back.
+void grad_matmul(GradBuilder& g) {
+  const Attrs& at = g.node().attrs;
+  bool ta = at.get_int("transA", 0), tb = at.get_int("transB", 0);
+  int A = g.x(0), B = g.x(1), dy = g.dy(0);
+  Shape sa = g.shape(A), sb = g.shape(B);
+  bool a1 = sa.size() == 1, b1 = sb.size() == 1;
+  if (a1) A = g.emit1("Reshape", {A, g.ints({1, sa[0]})});
+  if (b1) B = g.emit1("Reshape", {B, g.ints({sb[0], 1})});
+  if (a1 || b1) {
+    Shape s2 = g.shape(dy);
+    if (a1) s2.insert(s2.end() - (b1 ? 0 : 1), 1);
+    if (b1) s2.push_back(1);
+    dy = g.emit1("Reshape", {dy, g.ints(s2)});
+  }
+  auto fmm = [&](int a, int b, bool t1, bool t2) {
+    Attrs x;
+    x.set_int("transA", t1);
+    x.set_int("transB", t2);
+    return g.emit1("FusedMatMul", {a, b}, x, "graft");
+  };
+  if (g.needs(0)) {
+    // op(A) = A^T if ta. d op(A) = dY op(B)^T.
+    int d = ta ? fmm(B, dy, tb, true) : fmm(dy, B, false, !tb);
+    if (a1) d = g.emit1("SumToShape", {d}, [&] { Attrs x; x.set_ints("shape", {1, sa[0]}); return x; }(), "graft");
+    g.set_dx(0, d);
+  }
+  if (g.needs(1)) {
+    int d = tb ? fmm(dy, A, true, ta) : fmm(A, dy, !ta, false);
+    if (b1) d = g.emit1("SumToShape", {d}, [&] { Attrs x; x.set_ints("shape", {sb[0], 1}); return x; }(), "graft");
+    g.set_dx(1, d);
+  }
+}
+
+// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
+const OpDef kOps[] = {
+    {"Gemm", "", 2, 3, 1, 1, infer_gemm, gemm_kernel, grad_gemm, 2, false, true},
+    {"MatMul", "", 2, 2, 1, 1, infer_matmul, matmul_kernel, grad_matmul, -1, false, true},
+    {"FusedMatMul", "graft", 2, 2, 1, 1, infer_matmul, matmul_kernel, grad_matmul, -1, false, true},
+};
+
+}  // namespace
+
+void register_linalg_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft

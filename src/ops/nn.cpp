@@ -1,0 +1,398 @@
+// Neural-network ops: Softmax, LogSoftmax, LayerNormalization, SoftmaxCrossEntropyLoss, Dropout,
+// with graft's fused gradient kernels. Statistics are accumulated in double.
+#include <cmath>
+#include <random>
+
+#include "util.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// ---- Softmax / LogSoftmax (opset 13: one axis) --------------------------------------------------
+int norm_axis(const Node& n, int rank, int64_t dflt = -1) {
+  int64_t a = n.attrs.get_int("axis", dflt, n.label());
+  GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
+              n.label() + ": axis " + std::to_string(a) + " is out of range for rank " + std::to_string(rank));
+  return static_cast<int>(a < 0 ? a + rank : a);
+}
+void infer_softmax(InferCtx& c) {
+  require_float(c, 0);
+  norm_axis(c.node(), static_cast<int>(c.shape(0).size()));
+  infer_same(c);
+}
+template <bool kLog>
+void softmax_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  int ax = norm_axis(c.node, x.rank());
+  int64_t outer, n, inner;
+  split3(x.shape(), ax, ax + 1, outer, n, inner);
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = c.out(0).data<T>();
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        const T* p = px + o * n * inner + i;
+        T* q = py + o * n * inner + i;
+        T mx = n ? p[0] : T(0);
+        for (int64_t k = 1; k < n; ++k) mx = std::max(mx, p[k * inner]);
+        double sum = 0;
+        for (int64_t k = 0; k < n; ++k) sum += std::exp(static_cast<double>(p[k * inner] - mx));
+        if constexpr (kLog) {
+          T lse = static_cast<T>(std::log(sum)) + mx;
+          for (int64_t k = 0; k < n; ++k) q[k * inner] = p[k * inner] - lse;
+        } else {
+          for (int64_t k = 0; k < n; ++k) q[k * inner] = static_cast<T>(std::exp(static_cast<double>(p[k * inner] - mx)) / sum);
+        }
+      }
+  });
+}
+// SoftmaxGrad: dx = y * (dy - sum(dy*y)); LogSoftmaxGrad: dx = dy - exp(y) * sum(dy).
+template <bool kLog>
+void softmax_grad_kernel(KernelCtx& c) {
+  const Tensor& dy = c.in(0);
+  int ax = norm_axis(c.node, dy.rank());
+  int64_t outer, n, inner;
+  split3(dy.shape(), ax, ax + 1, outer, n, inner);
+  dispatch_float(dy.dtype(), c, [&]<class T>() {
+    const T *pd = dy.data<T>(), *py = c.in(1).data<T>();
+    T* px = c.out(0).data<T>();
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        const int64_t b = o * n * inner + i;
+        double s = 0;
+        for (int64_t k = 0; k < n; ++k)
+          s += kLog ? static_cast<double>(pd[b + k * inner]) : static_cast<double>(pd[b + k * inner]) * py[b + k * inner];
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t j = b + k * inner;
+          if constexpr (kLog) px[j] = static_cast<T>(pd[j] - std::exp(static_cast<double>(py[j])) * s);
+          else px[j] = static_cast<T>(py[j] * (pd[j] - s));
+        }
+      }
+  });
+}
+void infer_softmax_grad(InferCtx& c) {
+  c.check(c.shape(0) == c.shape(1), "dy and y differ in shape");
+  infer_same(c);
+}
+void grad_softmax(GradBuilder& g) {
+  Attrs a;
+  a.set_int("axis", norm_axis(g.node(), static_cast<int>(g.shape(g.x(0)).size())));
+  g.set_dx(0, g.emit1("SoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
+}
+void grad_log_softmax(GradBuilder& g) {
+  Attrs a;
+  a.set_int("axis", norm_axis(g.node(), static_cast<int>(g.shape(g.x(0)).size())));
+  g.set_dx(0, g.emit1("LogSoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
+}
+
+// ---- LayerNormalization (opset 17) --------------------------------------------------------------
+// Normalizes over dims [axis, rank). Mean / InvStdDev outputs have the normalized dims set to 1
+// and the stash dtype (float32 unless stash_type says otherwise).
+void infer_layernorm(InferCtx& c) {
+  require_float(c, 0);
+  const Shape& s = c.shape(0);
+  int ax = norm_axis(c.node(), static_cast<int>(s.size()));
+  int64_t outer, n, inner;
+  split3(s, ax, static_cast<int>(s.size()), outer, n, inner);
+  c.check(numel(c.shape(1)) == n, "Scale has " + std::to_string(numel(c.shape(1))) +
+                                      " elements but the normalized size is " + std::to_string(n));
+  if (c.has_in(2)) c.check(numel(c.shape(2)) == n, "B does not match the normalized size");
+  c.set_out(0, c.dtype(0), s);
+  Shape st = s;
+  for (size_t i = ax; i < st.size(); ++i) st[i] = 1;
+  int64_t stash = c.attr_int("stash_type", 1);
+  DType sd = stash == 1 ? DType::F32 : stash == 11 ? DType::F64 : c.dtype(0);
+  c.set_out(1, sd, st);
+  c.set_out(2, sd, st);
+}
+template <class T>
+void ln_stats(const T* x, int64_t n, double eps, double& mean, double& inv) {
+  double m = 0, v = 0;
+  for (int64_t k = 0; k < n; ++k) m += x[k];
+  m /= static_cast<double>(n ? n : 1);
+  for (int64_t k = 0; k < n; ++k) v += (x[k] - m) * (x[k] - m);
+  v /= static_cast<double>(n ? n : 1);
+  mean = m;
+  inv = 1.0 / std::sqrt(v + eps);
+}
+void layernorm_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  int ax = norm_axis(c.node, x.rank());
+  int64_t outer, n, inner;
+  split3(x.shape(), ax, x.rank(), outer, n, inner);
+  double eps = c.attr_float("epsilon", 1e-5);
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T* px = x.data<T>();
+    const T* sc = c.in(1).data<T>();
+    const T* bi = c.has_in(2) ? c.in(2).data<T>() : nullptr;
+    T* py = c.out(0).data<T>();
+    for (int64_t o = 0; o < outer; ++o) {
+      double m, inv;
+      ln_stats(px + o * n, n, eps, m, inv);
+      for (int64_t k = 0; k < n; ++k)
+        py[o * n + k] = static_cast<T>((px[o * n + k] - m) * inv * sc[k] + (bi ? bi[k] : T(0)));
+      for (int j = 1; j <= 2; ++j)
+        if (c.has_out(j)) {
+          double v = j == 1 ? m : inv;
+          if (c.out(j).dtype() == DType::F32) c.out(j).data<float>()[o] = static_cast<float>(v);
+          else c.out(j).data<double>()[o] = v;
+        }
+    }
+  });
+}
+// LayerNormGrad(dy, x, scale) -> dx, dscale, dbias. Statistics are recomputed from x (cheaper in
+// memory than stashing them, and exact in float64).
+void infer_layernorm_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(1), c.shape(1));
+  c.set_out(1, c.dtype(2), c.shape(2));
+  c.set_out(2, c.dtype(2), c.shape(2));
+}
+void layernorm_grad_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(1);
+  int ax = norm_axis(c.node, x.rank());
+  int64_t outer, n, inner;
+  split3(x.shape(), ax, x.rank(), outer, n, inner);
+  double eps = c.attr_float("epsilon", 1e-5);
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T *pd = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
+    T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
+    std::vector<double> ds(n, 0.0), db(n, 0.0);
+    for (int64_t o = 0; o < outer; ++o) {
+      const T* xr = px + o * n;
+      const T* dr = pd + o * n;
+      double m, inv;
+      ln_stats(xr, n, eps, m, inv);
+      double a = 0, b = 0;  // mean(dy*scale), mean(dy*scale*xhat)
+      for (int64_t k = 0; k < n; ++k) {
+        double xh = (xr[k] - m) * inv, g = static_cast<double>(dr[k]) * sc[k];
+        a += g;
+        b += g * xh;
+        ds[k] += dr[k] * xh;
+        db[k] += dr[k];
+      }
+      a /= static_cast<double>(n);
+      b /= static_cast<double>(n);
+      if (dx)
+        for (int64_t k = 0; k < n; ++k) {
+          double xh = (xr[k] - m) * inv;
+          dx[o * n + k] = static_cast<T>(inv * (static_cast<double>(dr[k]) * sc[k] - a - xh * b));
+        }
+    }
+    if (c.has_out(1)) for (int64_t k = 0; k < n; ++k) c.out(1).data<T>()[k] = static_cast<T>(ds[k]);
+    if (c.has_out(2)) for (int64_t k = 0; k < n; ++k) c.out(2).data<T>()[k] = static_cast<T>(db[k]);
+  });
+}
+void grad_layernorm(GradBuilder& g) {
+  const Node& n = g.node();
+  Attrs a;
+  a.set_int("axis", norm_axis(n, static_cast<int>(g.shape(g.x(0)).size())));
+  a.set_float("epsilon", n.attrs.get_float("epsilon", 1e-5));
+  auto outs = g.emit("LayerNormGrad", {g.dy(0), g.x(0), g.x(1)}, a, 3, "graft");
+  if (g.needs(0)) g.set_dx(0, outs[0]);
+  if (g.needs(1)) g.set_dx(1, outs[1]);
+  if (n.inputs.size() > 2 && n.inputs[2] >= 0 && g.needs(2)) g.set_dx(2, outs[2]);
+}
+
+// ---- SoftmaxCrossEntropyLoss ------------------------------------------------------------------
+// scores [N, C, d...], labels [N, d...]; loss over the class axis 1.
+void infer_sce(InferCtx& c) {
+  require_float(c, 0);
+  const Shape& s = c.shape(0);
+  c.check(s.size() >= 2, "scores must have rank >= 2 ([N, C, ...])");
+  if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "labels must be int64");
+  Shape ls = s;
+  ls.erase(ls.begin() + 1);
+  c.check(c.shape(1) == ls, "labels have shape " + shape_str(c.shape(1)) + ", expected " + shape_str(ls));
+  if (c.has_in(2)) c.check(c.shape(2) == Shape{s[1]}, "weights must have shape [C]");
+  std::string red = c.attrs().get_string("reduction", "mean", c.node().label());
+  if (red != "mean" && red != "sum" && red != "none")
+    c.error(ErrorKind::Unsupported, "reduction '" + red + "' (expected mean, sum or none)");
+  c.set_out(0, c.dtype(0), red == "none" ? ls : Shape{});
+  c.set_out(1, c.dtype(0), s);
+}
+struct SceView {
+  int64_t N, C, D;  // scores [N, C, D] after flattening trailing dims
+};
+SceView sce_view(const Shape& s) {
+  SceView v{s[0], s[1], 1};
+  for (size_t i = 2; i < s.size(); ++i) v.D *= s[i];
+  return v;
+}
+// Per-position log-softmax over C into `lp` (may be null), loss terms and weights.
+template <class T>
+void sce_forward(const KernelCtx& c, const T* x, const int64_t* lab, const T* w, SceView v,
+                 int64_t ignore, bool has_ignore, T* lp, std::vector<double>& term, std::vector<double>& wt) {
+  term.assign(v.N * v.D, 0.0);
+  wt.assign(v.N * v.D, 0.0);
+  for (int64_t nn = 0; nn < v.N; ++nn)
+    for (int64_t d = 0; d < v.D; ++d) {
+      const T* p = x + nn * v.C * v.D + d;
+      double mx = p[0];
+      for (int64_t k = 1; k < v.C; ++k) mx = std::max<double>(mx, p[k * v.D]);
+      double s = 0;
+      for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
+      double lse = std::log(s) + mx;
+      if (lp)
+        for (int64_t k = 0; k < v.C; ++k) lp[nn * v.C * v.D + k * v.D + d] = static_cast<T>(p[k * v.D] - lse);
+      int64_t y = lab[nn * v.D + d];
+      if (has_ignore && y == ignore) continue;
+      if (y < 0 || y >= v.C)
+        c.error(ErrorKind::InvalidArgument, "label " + std::to_string(y) + " is out of range [0, " +
+                                                std::to_string(v.C) + ")");
+      double ww = w ? static_cast<double>(w[y]) : 1.0;
+      term[nn * v.D + d] = -ww * (p[y * v.D] - lse);
+      wt[nn * v.D + d] = ww;
+    }
+}
+void sce_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  SceView v = sce_view(x.shape());
+  bool has_ignore = c.node.attrs.has("ignore_index");
+  int64_t ignore = c.attr_int("ignore_index", 0);
+  std::string red = c.node.attrs.get_string("reduction", "mean");
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    std::vector<double> term, wt;
+    sce_forward<T>(c, x.data<T>(), c.in(1).data<int64_t>(), c.has_in(2) ? c.in(2).data<T>() : nullptr, v,
+                   ignore, has_ignore, c.has_out(1) ? c.out(1).data<T>() : nullptr, term, wt);
+    T* loss = c.out(0).data<T>();
+    if (red == "none") {
+      for (size_t i = 0; i < term.size(); ++i) loss[i] = static_cast<T>(term[i]);
+      return;
+    }
+    double s = 0, sw = 0;
+    for (size_t i = 0; i < term.size(); ++i) {
+      s += term[i];
+      sw += wt[i];
+    }
+    loss[0] = static_cast<T>(red == "sum" ? s : (sw != 0 ? s / sw : 0.0));
+  });
+}
+// SoftmaxCrossEntropyLossGrad(dloss, scores, labels[, weights]) -> dscores.
+void infer_sce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
+void sce_grad_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(1);
+  SceView v = sce_view(x.shape());
+  bool has_ignore = c.node.attrs.has("ignore_index");
+  int64_t ignore = c.attr_int("ignore_index", 0);
+  std::string red = c.node.attrs.get_string("reduction", "mean");
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T* px = x.data<T>();
+    const int64_t* lab = c.in(2).data<int64_t>();
+    const T* w = c.has_in(3) ? c.in(3).data<T>() : nullptr;
+    const T* dl = c.in(0).data<T>();
+    T* dx = c.out(0).data<T>();
+    std::vector<double> term, wt;
+    sce_forward<T>(c, px, lab, w, v, ignore, has_ignore, nullptr, term, wt);
+    double sw = 0;
+    for (double z : wt) sw += z;
+    for (int64_t nn = 0; nn < v.N; ++nn)
+      for (int64_t d = 0; d < v.D; ++d) {
+        const int64_t pos = nn * v.D + d;
+        const T* p = px + nn * v.C * v.D + d;
+        T* q = dx + nn * v.C * v.D + d;
+        double coef = red == "none" ? dl[pos] : red == "sum" ? dl[0] : (sw != 0 ? dl[0] / sw : 0.0);
+        coef *= wt[pos];
+        if (coef == 0) {
+          for (int64_t k = 0; k < v.C; ++k) q[k * v.D] = T(0);
+          continue;
+        }
+        double mx = p[0];
+        for (int64_t k = 1; k < v.C; ++k) mx = std::max<double>(mx, p[k * v.D]);
+        double s = 0;
+        for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
+        int64_t y = lab[pos];
+        for (int64_t k = 0; k < v.C; ++k)
+          q[k * v.D] = static_cast<T>(coef * (std::exp(p[k * v.D] - mx) / s - (k == y ? 1.0 : 0.0)));
+      }
+  });
+}
+void grad_sce(GradBuilder& g) {
+  const Node& n = g.node();
+  if (n.outputs.size() > 1 && n.outputs[1] >= 0 && g.dy(1) >= 0)
+    fail(ErrorKind::Unsupported, n.label() + ": a gradient through the log_prob output is not supported");
+  std::vector<int> ins{g.dy(0), g.x(0), g.x(1)};
+  if (n.inputs.size() > 2 && n.inputs[2] >= 0) ins.push_back(n.inputs[2]);
+  g.set_dx(0, g.emit1("SoftmaxCrossEntropyLossGrad", ins, n.attrs, "graft"));
+}
+
+// ---- Dropout ------------------------------------------------------------------------------------
+// Identity unless training_mode is true and ratio > 0; then a Bernoulli mask scaled by 1/(1-p).
+bool dropout_active(const Tensor* ratio, const Tensor* training, double& p) {
+  p = ratio ? ratio->at(0) : 0.5;
+  bool train = training && training->at(0) != 0;
+  return train && p > 0;
+}
+void infer_dropout(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.shape(0));
+  c.set_out(1, DType::Bool, c.shape(0));
+  if (c.has_in(1) && !c.const_in(1)) c.error(ErrorKind::Unsupported, "ratio must be a constant");
+  if (c.has_in(2) && !c.const_in(2)) c.error(ErrorKind::Unsupported, "training_mode must be a constant");
+  double p = c.const_in(1) ? c.const_in(1)->at(0) : 0.5;
+  if (p < 0 || p >= 1) c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
+}
+uint64_t& dropout_counter() {
+  static uint64_t n = 0;
+  return n;
+}
+void dropout_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  double p;
+  bool active = dropout_active(c.has_in(1) ? &c.in(1) : nullptr, c.has_in(2) ? &c.in(2) : nullptr, p);
+  bool* mask = c.has_out(1) ? c.out(1).data<bool>() : nullptr;
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = c.out(0).data<T>();
+    if (!active) {
+      if (py != px) std::copy(px, px + x.numel(), py);
+      if (mask) std::fill(mask, mask + x.numel(), true);
+      return;
+    }
+    std::mt19937_64 rng(static_cast<uint64_t>(c.attr_int("seed", 0)) * 1000003u + dropout_counter()++);
+    std::bernoulli_distribution keep(1.0 - p);
+    const T scale = static_cast<T>(1.0 / (1.0 - p));
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      bool k = keep(rng);
+      if (mask) mask[i] = k;
+      py[i] = k ? px[i] * scale : T(0);
+    }
+  });
+}
+void grad_dropout(GradBuilder& g) {
+  const Node& n = g.node();
+  auto in_t = [&](int i) -> const Tensor* {
+    return i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0 ? &g.val(n.inputs[i]).data : nullptr;
+  };
+  double p;
+  if (!dropout_active(in_t(1), in_t(2), p)) {
+    g.set_dx(0, g.dy(0));
+    return;
+  }
+  int mask = g.y(1);
+  DType dt = g.val(g.dy(0)).dtype;
+  Attrs a;
+  a.set_int("to", onnx_dtype_code_of(dt));
+  int m = g.emit1("Cast", {mask}, a);
+  g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
+}
+
+// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
+const OpDef kOps[] = {
+    {"Softmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<false>, grad_softmax, -1, false, true},
+    {"LogSoftmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<true>, grad_log_softmax, -1, false, true},
+    {"LayerNormalization", "", 2, 3, 1, 3, infer_layernorm, layernorm_kernel, grad_layernorm, -1, false, true},
+    {"SoftmaxCrossEntropyLoss", "", 2, 3, 1, 2, infer_sce, sce_kernel, grad_sce, -1, false, true, {1}},
+    {"Dropout", "", 1, 3, 1, 2, infer_dropout, dropout_kernel, grad_dropout, -1, false, false, {1, 2}},
+    {"SoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<false>, nullptr, 0, false, true},
+    {"LogSoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<true>, nullptr, 0, false, true},
+    {"LayerNormGrad", "graft", 3, 3, 1, 3, infer_layernorm_grad, layernorm_grad_kernel, nullptr, -1, false, true},
+    {"SoftmaxCrossEntropyLossGrad", "graft", 3, 4, 1, 1, infer_sce_grad, sce_grad_kernel, nullptr, -1, false, true, {2}},
+};
+
+}  // namespace
+
+void register_nn_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft

@@ -1,0 +1,520 @@
+// Shape and data-movement ops: Reshape, Flatten, Squeeze, Unsqueeze (aliases: no copy),
+// Transpose, Concat, Split, Slice, Gather, Shape, Expand, Trilu, and graft's Zeros, SliceGrad,
+// GatherGrad.
+#include <functional>
+
+#include "util.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// ---- aliases --------------------------------------------------------------------------------
+void infer_reshape(InferCtx& c) {
+  auto spec = c.ints_in(1);
+  const Shape& in = c.shape(0);
+  bool allowzero = c.attr_int("allowzero", 0);
+  Shape out(spec.size());
+  int infer_at = -1;
+  int64_t known = 1;
+  for (size_t i = 0; i < spec.size(); ++i) {
+    int64_t d = spec[i];
+    if (d == 0 && !allowzero) {
+      c.check(i < in.size(), "shape entry 0 at position " + std::to_string(i) + " has no input dim to copy");
+      d = in[i];
+    }
+    if (d == -1) {
+      c.check(infer_at < 0, "shape " + shape_str(spec) + " has more than one -1");
+      infer_at = static_cast<int>(i);
+      continue;
+    }
+    c.check(d >= 0, "shape " + shape_str(spec) + " has a negative entry");
+    out[i] = d;
+    known *= d;
+  }
+  int64_t n = numel(in);
+  if (infer_at >= 0) {
+    c.check(known != 0 && n % known == 0, "cannot reshape " + shape_str(in) + " to " + shape_str(spec));
+    out[infer_at] = n / known;
+  }
+  c.check(numel(out) == n, "cannot reshape " + shape_str(in) + " (" + std::to_string(n) +
+                               " elements) to " + shape_str(out));
+  c.set_out(0, c.dtype(0), out);
+}
+void infer_flatten(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  int r = static_cast<int>(s.size());
+  int64_t a = c.attr_int("axis", 1);
+  if (a < -r || a > r) c.error(ErrorKind::InvalidModel, "axis " + std::to_string(a) + " out of range");
+  int ax = static_cast<int>(a < 0 ? a + r : a);
+  int64_t o = 1, i = 1;
+  for (int k = 0; k < r; ++k) (k < ax ? o : i) *= s[k];
+  c.set_out(0, c.dtype(0), {o, i});
+}
+void infer_squeeze(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  int r = static_cast<int>(s.size());
+  std::vector<bool> drop(r, false);
+  if (c.has_in(1)) {
+    for (int64_t a : c.ints_in(1)) {
+      int ax = c.axis(a, r);
+      c.check(s[ax] == 1, "cannot squeeze axis " + std::to_string(a) + " of size " + std::to_string(s[ax]));
+      drop[ax] = true;
+    }
+  } else {
+    for (int k = 0; k < r; ++k) drop[k] = s[k] == 1;
+  }
+  Shape out;
+  for (int k = 0; k < r; ++k)
+    if (!drop[k]) out.push_back(s[k]);
+  c.set_out(0, c.dtype(0), out);
+}
+void infer_unsqueeze(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  auto axes = c.ints_in(1);
+  int r = static_cast<int>(s.size() + axes.size());
+  std::vector<bool> ins(r, false);
+  for (int64_t a : axes) {
+    int ax = c.axis(a, r);
+    c.check(!ins[ax], "axis " + std::to_string(a) + " listed twice");
+    ins[ax] = true;
+  }
+  Shape out;
+  size_t j = 0;
+  for (int k = 0; k < r; ++k) out.push_back(ins[k] ? 1 : s[j++]);
+  c.set_out(0, c.dtype(0), out);
+}
+// The driver reshapes a same-size gradient back to the input's shape.
+void grad_alias(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
+
+// ---- Transpose --------------------------------------------------------------------------------
+std::vector<int64_t> perm_of(const Node& n, int rank) {
+  auto p = n.attrs.get_ints("perm", {}, n.label());
+  if (p.empty())
+    for (int i = rank - 1; i >= 0; --i) p.push_back(i);
+  GRAFT_CHECK(static_cast<int>(p.size()) == rank, ErrorKind::InvalidModel,
+              n.label() + ": perm has " + std::to_string(p.size()) + " entries for rank " + std::to_string(rank));
+  std::vector<bool> seen(rank, false);
+  for (int64_t& a : p) {
+    if (a < 0) a += rank;
+    GRAFT_CHECK(a >= 0 && a < rank && !seen[a], ErrorKind::InvalidModel, n.label() + ": perm is not a permutation");
+    seen[a] = true;
+  }
+  return p;
+}
+void infer_transpose(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  auto p = perm_of(c.node(), static_cast<int>(s.size()));
+  Shape out;
+  for (int64_t a : p) out.push_back(s[a]);
+  c.set_out(0, c.dtype(0), out);
+}
+void transpose_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  auto p = perm_of(c.node, x.rank());
+  std::vector<int64_t> st(x.rank()), pst(x.rank());
+  int64_t s = 1;
+  for (int i = x.rank() - 1; i >= 0; --i) {
+    st[i] = s;
+    s *= x.dim(i);
+  }
+  for (int i = 0; i < x.rank(); ++i) pst[i] = st[p[i]];
+  dispatch(x.dtype(), [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = c.out(0).data<T>();
+    for_each_bcast<1>(c.out(0).shape(), {pst}, [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+  });
+}
+void grad_transpose(GradBuilder& g) {
+  auto p = perm_of(g.node(), static_cast<int>(g.shape(g.x(0)).size()));
+  std::vector<int64_t> inv(p.size());
+  for (size_t i = 0; i < p.size(); ++i) inv[p[i]] = static_cast<int64_t>(i);
+  Attrs a;
+  a.set_ints("perm", inv);
+  g.set_dx(0, g.emit1("Transpose", {g.dy(0)}, a));
+}
+
+// ---- Concat / Split ---------------------------------------------------------------------------
+void infer_concat(InferCtx& c) {
+  Shape out = c.shape(0);
+  int r = static_cast<int>(out.size());
+  int ax = c.axis(c.attr_int("axis", 0), r);
+  for (int i = 1; i < c.n_in(); ++i) {
+    const Shape& s = c.shape(i);
+    c.check(c.dtype(i) == c.dtype(0), "inputs differ in dtype");
+    c.check(static_cast<int>(s.size()) == r, "inputs differ in rank");
+    for (int k = 0; k < r; ++k)
+      if (k != ax) c.check(s[k] == out[k], "input '" + c.in(i).name + "' of shape " + shape_str(s) +
+                                               " does not match " + shape_str(c.shape(0)) + " off the concat axis");
+    out[ax] += s[ax];
+  }
+  c.set_out(0, c.dtype(0), out);
+}
+void concat_kernel(KernelCtx& c) {
+  const Tensor& y = c.out(0);
+  int ax = static_cast<int>(c.attr_int("axis", 0));
+  if (ax < 0) ax += y.rank();
+  int64_t outer, mid, inner;
+  split3(y.shape(), ax, ax + 1, outer, mid, inner);
+  const size_t es = dtype_size(y.dtype());
+  char* py = static_cast<char*>(y.raw());
+  int64_t off = 0;
+  for (size_t k = 0; k < c.ins.size(); ++k) {
+    const Tensor& x = c.in(static_cast<int>(k));
+    const int64_t m = x.dim(ax), row = m * inner * es;
+    const char* px = static_cast<const char*>(x.raw());
+    for (int64_t o = 0; o < outer; ++o)
+      std::memcpy(py + (o * mid + off) * inner * es, px + o * row, row);
+    off += m;
+  }
+}
+void grad_concat(GradBuilder& g) {
+  const Node& n = g.node();
+  int r = static_cast<int>(g.shape(g.x(0)).size());
+  int64_t ax = n.attrs.get_int("axis", 0);
+  if (ax < 0) ax += r;
+  std::vector<int64_t> sizes;
+  for (int v : n.inputs) sizes.push_back(g.shape(v)[ax]);
+  Attrs a;
+  a.set_int("axis", ax);
+  auto parts = g.emit("Split", {g.dy(0), g.ints(sizes)}, a, static_cast<int>(sizes.size()));
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (g.needs(static_cast<int>(i))) g.set_dx(static_cast<int>(i), parts[i]);
+}
+
+std::vector<int64_t> split_sizes(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  std::vector<int64_t> sz;
+  if (c.has_in(1)) {
+    sz = c.ints_in(1);
+    c.check(static_cast<int>(sz.size()) == c.n_out(), "split has " + std::to_string(sz.size()) +
+                                                           " entries for " + std::to_string(c.n_out()) + " outputs");
+    int64_t t = 0;
+    for (int64_t v : sz) {
+      c.check(v >= 0, "negative split size");
+      t += v;
+    }
+    c.check(t == s[ax], "split sizes sum to " + std::to_string(t) + ", not " + std::to_string(s[ax]));
+  } else {
+    int64_t n = c.n_out(), each = (s[ax] + n - 1) / n;
+    for (int64_t i = 0; i < n; ++i) sz.push_back(std::max<int64_t>(0, std::min(each, s[ax] - i * each)));
+  }
+  return sz;
+}
+void infer_split(InferCtx& c) {
+  auto sz = split_sizes(c);
+  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(c.shape(0).size()));
+  for (int i = 0; i < c.n_out(); ++i) {
+    Shape s = c.shape(0);
+    s[ax] = sz[i];
+    c.set_out(i, c.dtype(0), s);
+  }
+}
+void split_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  int ax = static_cast<int>(c.attr_int("axis", 0));
+  if (ax < 0) ax += x.rank();
+  int64_t outer, mid, inner;
+  split3(x.shape(), ax, ax + 1, outer, mid, inner);
+  const size_t es = dtype_size(x.dtype());
+  const char* px = static_cast<const char*>(x.raw());
+  int64_t off = 0;
+  for (size_t k = 0; k < c.outs.size(); ++k) {
+    int64_t m = c.node.outputs[k] >= 0 && c.outs[k] ? c.out(static_cast<int>(k)).dim(ax) : -1;
+    if (m < 0) continue;  // absent optional output: sizes come from present ones only
+    char* py = static_cast<char*>(c.out(static_cast<int>(k)).raw());
+    const int64_t row = m * inner * es;
+    for (int64_t o = 0; o < outer; ++o) std::memcpy(py + o * row, px + (o * mid + off) * inner * es, row);
+    off += m;
+  }
+}
+void grad_split(GradBuilder& g) {
+  const Node& n = g.node();
+  std::vector<int> parts;
+  for (size_t i = 0; i < n.outputs.size(); ++i) {
+    int d = g.dy(static_cast<int>(i));
+    if (d < 0) {
+      const Value& v = g.val(n.outputs[i]);
+      Attrs z;
+      z.set_ints("shape", v.shape);
+      z.set_int("to", onnx_dtype_code_of(v.dtype));
+      d = g.emit1("Zeros", {}, z, "graft");
+    }
+    parts.push_back(d);
+  }
+  Attrs a;
+  a.set_int("axis", n.attrs.get_int("axis", 0));
+  g.set_dx(0, g.emit1("Concat", parts, a));
+}
+
+void infer_zeros(InferCtx& c) {
+  DType dt = DType::F32;
+  switch (c.attr_int("to", 1)) {
+    case 1: dt = DType::F32; break;
+    case 11: dt = DType::F64; break;
+    case 7: dt = DType::I64; break;
+    default: c.error(ErrorKind::Unsupported, "Zeros dtype");
+  }
+  c.set_out(0, dt, c.attrs().get_ints("shape", {}, c.node().label()));
+}
+void zeros_kernel(KernelCtx& c) { std::memset(c.out(0).raw(), 0, c.out(0).nbytes()); }
+
+// ---- Slice ------------------------------------------------------------------------------------
+// Normalized per-dimension start and step for data of shape `s`; fills the output shape.
+struct SliceSpec {
+  std::vector<int64_t> start, step;
+  Shape out;
+};
+SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<int64_t> ends,
+                     std::vector<int64_t> axes, std::vector<int64_t> steps,
+                     const std::function<void(const std::string&)>& err) {
+  const int r = static_cast<int>(s.size());
+  if (starts.size() != ends.size()) err("starts and ends differ in length");
+  if (axes.empty())
+    for (size_t i = 0; i < starts.size(); ++i) axes.push_back(static_cast<int64_t>(i));
+  if (steps.empty()) steps.assign(starts.size(), 1);
+  if (axes.size() != starts.size() || steps.size() != starts.size()) err("starts, ends, axes and steps differ in length");
+  SliceSpec sp;
+  sp.start.assign(r, 0);
+  sp.step.assign(r, 1);
+  sp.out = s;
+  std::vector<bool> seen(r, false);
+  for (size_t i = 0; i < axes.size(); ++i) {
+    int64_t a = axes[i];
+    if (a < -r || a >= r) err("axis " + std::to_string(a) + " out of range");
+    if (a < 0) a += r;
+    if (seen[a]) err("axis repeated");
+    seen[a] = true;
+    int64_t dim = s[a], st = steps[i], b = starts[i], e = ends[i];
+    if (st == 0) err("step 0");
+    if (b < 0) b += dim;
+    if (e < 0 && e > INT64_MIN / 2) e += dim;
+    int64_t len;
+    if (st > 0) {
+      b = std::clamp<int64_t>(b, 0, dim);
+      e = std::clamp<int64_t>(e, 0, dim);
+      len = e > b ? (e - b + st - 1) / st : 0;
+    } else {
+      b = std::clamp<int64_t>(b, 0, dim - 1);
+      e = std::clamp<int64_t>(e, -1, dim - 1);
+      len = b > e ? (b - e + (-st) - 1) / (-st) : 0;
+    }
+    sp.start[a] = b;
+    sp.step[a] = st;
+    sp.out[a] = len;
+  }
+  return sp;
+}
+SliceSpec slice_spec_infer(InferCtx& c) {
+  auto opt = [&](int i) { return c.has_in(i) ? c.ints_in(i) : std::vector<int64_t>{}; };
+  return slice_spec(c.shape(0), c.ints_in(1), c.ints_in(2), opt(3), opt(4),
+                    [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
+}
+void infer_slice(InferCtx& c) { c.set_out(0, c.dtype(0), slice_spec_infer(c).out); }
+
+// Copies between a strided window of `big` (shape bs) and dense `small` (shape ss).
+template <class T>
+void window_copy(T* big, const Shape& bs, T* small, const Shape& ss, const std::vector<int64_t>& start,
+                 const std::vector<int64_t>& step, bool to_small) {
+  const int r = static_cast<int>(bs.size());
+  std::vector<int64_t> st(r), wst(r);
+  int64_t s = 1, base = 0;
+  for (int i = r - 1; i >= 0; --i) {
+    st[i] = s;
+    s *= bs[i];
+  }
+  for (int i = 0; i < r; ++i) {
+    wst[i] = st[i] * step[i];
+    base += start[i] * st[i];
+  }
+  for_each_bcast<1>(ss, {wst}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+    if (to_small) small[i] = big[base + o[0]];
+    else big[base + o[0]] = small[i];
+  });
+}
+std::vector<int64_t> tensor_ints(const Tensor& t) {
+  return std::vector<int64_t>(t.data<int64_t>(), t.data<int64_t>() + t.numel());
+}
+void slice_kernel(KernelCtx& c) {
+  auto opt = [&](int i) { return c.has_in(i) ? tensor_ints(c.in(i)) : std::vector<int64_t>{}; };
+  auto sp = slice_spec(c.in(0).shape(), tensor_ints(c.in(1)), tensor_ints(c.in(2)), opt(3), opt(4),
+                       [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
+  dispatch(c.in(0).dtype(), [&]<class T>() {
+    window_copy<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), sp.out, sp.start, sp.step, true);
+  });
+}
+void grad_slice(GradBuilder& g) {
+  const Node& n = g.node();
+  auto ints_of = [&](int i) {
+    return i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0 ? tensor_ints(g.val(n.inputs[i]).data)
+                                                                     : std::vector<int64_t>{};
+  };
+  auto sp = slice_spec(g.shape(g.x(0)), ints_of(1), ints_of(2), ints_of(3), ints_of(4),
+                       [&](const std::string& m) { fail(ErrorKind::InvalidModel, n.label() + ": " + m); });
+  Attrs a;
+  a.set_ints("shape", g.shape(g.x(0)));
+  a.set_ints("starts", sp.start);
+  a.set_ints("steps", sp.step);
+  g.set_dx(0, g.emit1("SliceGrad", {g.dy(0)}, a, "graft"));
+}
+void infer_slice_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label())); }
+void slice_grad_kernel(KernelCtx& c) {
+  Tensor& dx = c.out(0);
+  std::memset(dx.raw(), 0, dx.nbytes());
+  dispatch_float(dx.dtype(), c, [&]<class T>() {
+    window_copy<T>(dx.data<T>(), dx.shape(), c.in(0).data<T>(), c.in(0).shape(), c.attr_ints("starts"),
+                   c.attr_ints("steps"), false);
+  });
+}
+
+// ---- Gather -----------------------------------------------------------------------------------
+void infer_gather(InferCtx& c) {
+  const Shape& s = c.shape(0);
+  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  if (c.dtype(1) != DType::I64)
+    c.error(ErrorKind::Unsupported, std::string("indices have dtype ") + dtype_name(c.dtype(1)) + "; graft supports int64");
+  Shape out(s.begin(), s.begin() + ax);
+  for (int64_t d : c.shape(1)) out.push_back(d);
+  out.insert(out.end(), s.begin() + ax + 1, s.end());
+  c.set_out(0, c.dtype(0), out);
+}
+// (outer, n_idx, inner) view shared by Gather and GatherGrad; checks indices.
+template <class T, bool kScatter>
+void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds, T* small, int ax) {
+  int64_t outer, mid, inner;
+  split3(ds, ax, ax + 1, outer, mid, inner);
+  const int64_t ni = idx.numel();
+  const int64_t* pi = idx.data<int64_t>();
+  for (int64_t j = 0; j < ni; ++j)
+    if (pi[j] < -mid || pi[j] >= mid)
+      c.error(ErrorKind::InvalidArgument, "index " + std::to_string(pi[j]) + " is out of range for axis " +
+                                              std::to_string(ax) + " of size " + std::to_string(mid));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < ni; ++j) {
+      int64_t k = pi[j] < 0 ? pi[j] + mid : pi[j];
+      T* d = data + (o * mid + k) * inner;
+      T* s = small + (o * ni + j) * inner;
+      if constexpr (kScatter) for (int64_t i = 0; i < inner; ++i) d[i] += s[i];
+      else std::memcpy(s, d, inner * sizeof(T));
+    }
+}
+void gather_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  int ax = static_cast<int>(c.attr_int("axis", 0));
+  if (ax < 0) ax += x.rank();
+  dispatch(x.dtype(), [&]<class T>() {
+    gather_impl<T, false>(c, c.in(1), x.data<T>(), x.shape(), c.out(0).data<T>(), ax);
+  });
+}
+void grad_gather(GradBuilder& g) {
+  Attrs a;
+  int64_t ax = g.node().attrs.get_int("axis", 0);
+  if (ax < 0) ax += static_cast<int64_t>(g.shape(g.x(0)).size());
+  a.set_int("axis", ax);
+  a.set_ints("shape", g.shape(g.x(0)));
+  g.set_dx(0, g.emit1("GatherGrad", {g.dy(0), g.x(1)}, a, "graft"));
+}
+void infer_gather_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label())); }
+// Scatter-add of dy rows into a zeroed dx (embedding gradients).
+void gather_grad_kernel(KernelCtx& c) {
+  Tensor& dx = c.out(0);
+  std::memset(dx.raw(), 0, dx.nbytes());
+  dispatch_float(dx.dtype(), c, [&]<class T>() {
+    gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(), static_cast<int>(c.attr_int("axis", 0)));
+  });
+}
+
+// ---- Shape / Expand / Trilu -------------------------------------------------------------------
+void shape_range(const Node& n, int r, int64_t& b, int64_t& e) {
+  b = n.attrs.get_int("start", 0, n.label());
+  e = n.attrs.get_int("end", r, n.label());
+  if (b < 0) b += r;
+  if (e < 0) e += r;
+  b = std::clamp<int64_t>(b, 0, r);
+  e = std::clamp<int64_t>(e, 0, r);
+}
+void infer_shape(InferCtx& c) {
+  int64_t b, e;
+  shape_range(c.node(), static_cast<int>(c.shape(0).size()), b, e);
+  c.set_out(0, DType::I64, {std::max<int64_t>(0, e - b)});
+}
+void shape_kernel(KernelCtx& c) {
+  int64_t b, e;
+  shape_range(c.node, c.in(0).rank(), b, e);
+  for (int64_t i = b; i < e; ++i) c.out(0).data<int64_t>()[i - b] = c.in(0).dim(static_cast<int>(i));
+}
+
+void infer_expand(InferCtx& c) {
+  Shape out;
+  Shape want = c.ints_in(1);
+  c.check(broadcast_shape(c.shape(0), want, out),
+          "cannot expand " + shape_str(c.shape(0)) + " to " + shape_str(want));
+  c.set_out(0, c.dtype(0), out);
+}
+void expand_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  Tensor& y = c.out(0);
+  auto st = bcast_strides(x.shape(), y.shape());
+  dispatch(x.dtype(), [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    for_each_bcast<1>(y.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+  });
+}
+void grad_expand(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
+
+void infer_trilu(InferCtx& c) {
+  c.check(c.shape(0).size() >= 2, "input must have rank >= 2");
+  if (c.has_in(1)) c.ints_in(1);  // must be constant-foldable? no: read at run time; checked here
+  infer_same(c);
+}
+void trilu_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  int64_t k = c.has_in(1) ? c.in(1).data<int64_t>()[0] : 0;
+  bool upper = c.attr_int("upper", 1);
+  const int64_t R = x.dim(-2), C = x.dim(-1), nb = R * C != 0 ? x.numel() / (R * C) : 0;
+  dispatch(x.dtype(), [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = c.out(0).data<T>();
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t j = 0; j < C; ++j) {
+          int64_t o = (b * R + i) * C + j;
+          bool keep = upper ? j - i >= k : j - i <= k;
+          py[o] = keep ? px[o] : T(0);
+        }
+  });
+}
+void grad_trilu(GradBuilder& g) {
+  std::vector<int> ins{g.dy(0)};
+  if (g.node().inputs.size() > 1 && g.node().inputs[1] >= 0) ins.push_back(g.node().inputs[1]);
+  g.set_dx(0, g.emit1("Trilu", ins, g.node().attrs));
+}
+
+// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
+const OpDef kOps[] = {
+    {"Reshape", "", 2, 2, 1, 1, infer_reshape, nullptr, grad_alias, -1, true, true, {1}},
+    {"Flatten", "", 1, 1, 1, 1, infer_flatten, nullptr, grad_alias, -1, true, true},
+    {"Squeeze", "", 1, 2, 1, 1, infer_squeeze, nullptr, grad_alias, -1, true, true, {1}},
+    {"Unsqueeze", "", 2, 2, 1, 1, infer_unsqueeze, nullptr, grad_alias, -1, true, true, {1}},
+    {"Transpose", "", 1, 1, 1, 1, infer_transpose, transpose_kernel, grad_transpose, -1, false, true},
+    {"Concat", "", 1, 1 << 20, 1, 1, infer_concat, concat_kernel, grad_concat, -1, false, true},
+    {"Split", "", 1, 2, 1, 1 << 20, infer_split, split_kernel, grad_split, -1, false, true, {1}},
+    {"Slice", "", 3, 5, 1, 1, infer_slice, slice_kernel, grad_slice, -1, false, true, {1, 2, 3, 4}},
+    {"Gather", "", 2, 2, 1, 1, infer_gather, gather_kernel, grad_gather, -1, false, true, {1}},
+    {"Shape", "", 1, 1, 1, 1, infer_shape, shape_kernel, nullptr, -1, false, true},
+    {"Expand", "", 2, 2, 1, 1, infer_expand, expand_kernel, grad_expand, -1, false, true, {1}},
+    {"Trilu", "", 1, 2, 1, 1, infer_trilu, trilu_kernel, grad_trilu, 0, false, true, {1}},
+    {"Zeros", "graft", 0, 0, 1, 1, infer_zeros, zeros_kernel, nullptr, -1, false, true},
+    {"SliceGrad", "graft", 1, 1, 1, 1, infer_slice_grad, slice_grad_kernel, nullptr, -1, false, true},
+    {"GatherGrad", "graft", 2, 2, 1, 1, infer_gather_grad, gather_grad_kernel, nullptr, -1, false, true, {1}},
+};
+
+}  // namespace
+
+void register_shape_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft

@@ -1,0 +1,98 @@
+// Helpers shared by the op families: dtype dispatch and numpy-style broadcasting.
+// Internal to src/ops (not installed).
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "graft/ops.h"
+
+namespace graft::opsutil {
+
+// Numpy/ONNX multidirectional broadcast of two shapes; empty optional on mismatch.
+bool broadcast_shape(const Shape& a, const Shape& b, Shape& out);
+// Infers the broadcast of all (present) inputs; errors name the node.
+Shape broadcast_all(InferCtx& c, int first = 0, int last = -1);
+
+// Strides (in elements) of `in` broadcast to `out` (0 along broadcast dims), rank of `out`.
+std::vector<int64_t> bcast_strides(const Shape& in, const Shape& out);
+
+// Calls f(out_index, in_offsets...) for every output element; inputs given by broadcast strides.
+// Collapses to a flat loop when every input already has the output's shape.
+template <int N, class F>
+void for_each_bcast(const Shape& out, const std::array<std::vector<int64_t>, N>& strides, F&& f) {
+  const int r = static_cast<int>(out.size());
+  const int64_t total = numel(out);
+  if (total == 0) return;
+  if (r == 0) {
+    std::array<int64_t, N> off{};
+    f(0, off);
+    return;
+  }
+  std::vector<int64_t> idx(r, 0);
+  std::array<int64_t, N> off{};
+  const int64_t inner = out[r - 1];
+  std::array<int64_t, N> inner_stride;
+  for (int k = 0; k < N; ++k) inner_stride[k] = strides[k][r - 1];
+  for (int64_t o = 0; o < total; o += inner) {
+    std::array<int64_t, N> base{};
+    for (int k = 0; k < N; ++k) {
+      int64_t b = 0;
+      for (int d = 0; d < r - 1; ++d) b += idx[d] * strides[k][d];
+      base[k] = b;
+    }
+    for (int64_t i = 0; i < inner; ++i) {
+      for (int k = 0; k < N; ++k) off[k] = base[k] + i * inner_stride[k];
+      f(o + i, off);
+    }
+    for (int d = r - 2; d >= 0; --d) {
+      if (++idx[d] < out[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// Splits `shape` around [axis_begin, axis_end) into (outer, mid, inner) element counts.
+inline void split3(const Shape& s, int a0, int a1, int64_t& outer, int64_t& mid, int64_t& inner) {
+  outer = mid = inner = 1;
+  for (int i = 0; i < static_cast<int>(s.size()); ++i) (i < a0 ? outer : i < a1 ? mid : inner) *= s[i];
+}
+
+// Calls f.template operator()<T>() with T the C++ type of dt.
+template <class F>
+void dispatch(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: f.template operator()<float>(); break;
+    case DType::F64: f.template operator()<double>(); break;
+    case DType::I64: f.template operator()<int64_t>(); break;
+    case DType::Bool: f.template operator()<bool>(); break;
+  }
+}
+template <class F>
+void dispatch_float(DType dt, const KernelCtx& c, F&& f) {
+  switch (dt) {
+    case DType::F32: f.template operator()<float>(); break;
+    case DType::F64: f.template operator()<double>(); break;
+    default: c.error(ErrorKind::Unsupported, std::string("dtype ") + dtype_name(dt) + " is not supported by this op");
+  }
+}
+
+// Sums `in` (shape `from`) into `out` (shape `to`), where `from` is `to` broadcast. Adds when
+// `accumulate`, else overwrites.
+template <class T>
+void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool accumulate);
+
+// Shape check helper for the shape functions.
+inline void require_float(InferCtx& c, int i) {
+  if (!is_float(c.dtype(i)))
+    c.error(ErrorKind::Unsupported, std::string("input '") + c.in(i).name + "' has dtype " +
+                                        dtype_name(c.dtype(i)) + "; this op needs float32 or float64");
+}
+
+// ONNX TensorProto element-type code of a dtype (Cast's `to`).
+int onnx_dtype_code_of(DType d);
+
+// Shape function: output 0 has input 0's dtype and shape.
+void infer_same(InferCtx& c);
+
+}  // namespace graft::opsutil

@@ -1,0 +1,250 @@
+// The planner (see include/graft/plan.h).
+//
+// Note [Sink-first order]
+// PyTorch's autograd engine gives AccumulateGrad nodes top priority, so a parameter's gradient is
+// added into .grad and freed as soon as it is complete. graft does the same by list scheduling:
+// among the nodes whose inputs are ready, a GradSink, or a node whose outputs feed only sinks (the
+// weight-gradient GEMM), runs first; otherwise nodes run in the order they were emitted (forward
+// in file order, backward in reverse). A weight gradient therefore lives from its GEMM to its sink
+// and no longer, which is what bounds the backward peak to one gradient temporary.
+#include "graft/plan.h"
+
+#include <algorithm>
+#include <queue>
+#include <sstream>
+
+#include "graft/ops.h"
+
+namespace graft {
+namespace {
+
+bool owned(const Value& v) { return v.kind == ValueKind::Intermediate; }
+
+int64_t bytes_of(const Value& v) { return numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype)); }
+
+bool is_sink(const Node& n) { return n.op == "GradSink" && n.domain == "graft"; }
+
+std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vector<std::vector<int>>& cons) {
+  const int nn = static_cast<int>(g.nodes.size());
+  std::vector<bool> kept(g.values.size(), false);
+  for (int v : opt.keep) kept[v] = true;
+  // Nodes whose outputs reach only sinks (computed backwards: node indices are topological).
+  std::vector<bool> feeds(nn, false);
+  for (int i = nn - 1; i >= 0; --i) {
+    const Node& n = g.nodes[i];
+    if (n.dead) continue;
+    if (is_sink(n)) {
+      feeds[i] = true;
+      continue;
+    }
+    bool any = false, all = true;
+    for (int o : n.outputs) {
+      if (o < 0) continue;
+      if (kept[o]) all = false;
+      for (int c : cons[o]) {
+        any = true;
+        all = all && feeds[c];
+      }
+    }
+    feeds[i] = opt.sink_first && any && all;
+  }
+  std::vector<int> indeg(nn, 0);
+  std::vector<int> producer(g.values.size(), -1);
+  for (int i = 0; i < nn; ++i)
+    if (!g.nodes[i].dead)
+      for (int o : g.nodes[i].outputs)
+        if (o >= 0) producer[o] = i;
+  std::vector<std::vector<int>> succ(nn);
+  for (int i = 0; i < nn; ++i) {
+    if (g.nodes[i].dead) continue;
+    for (int v : g.nodes[i].inputs) {
+      if (v < 0 || producer[v] < 0) continue;
+      succ[producer[v]].push_back(i);
+      ++indeg[i];
+    }
+  }
+  using Key = std::pair<int, int>;  // (class, index): class 0 = sink or feeds only sinks
+  std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;
+  for (int i = 0; i < nn; ++i)
+    if (!g.nodes[i].dead && indeg[i] == 0) ready.push({feeds[i] ? 0 : 1, i});
+  std::vector<int> order;
+  while (!ready.empty()) {
+    int i = ready.top().second;
+    ready.pop();
+    order.push_back(i);
+    for (int s : succ[i])
+      if (--indeg[s] == 0) ready.push({feeds[s] ? 0 : 1, s});
+  }
+  for (int i = 0; i < nn; ++i)
+    if (!g.nodes[i].dead && indeg[i] > 0)
+      fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
+  return order;
+}
+
+}  // namespace
+
+int Plan::step_of(int node) const {
+  for (size_t s = 0; s < steps.size(); ++s)
+    if (steps[s].node == node) return static_cast<int>(s);
+  return -1;
+}
+
+Plan make_plan(const Graph& g, const PlanOptions& opt) {
+  Plan p;
+  p.keep = opt.keep;
+  const int nv = static_cast<int>(g.values.size());
+  auto cons = g.consumers();
+  std::vector<int> order = schedule(g, opt, cons);
+  std::vector<bool> kept(nv, false);
+  for (int v : opt.keep) kept[v] = true;
+
+  p.use_count.assign(nv, 0);
+  p.last_use.assign(nv, -1);
+  std::vector<int> def_step(nv, -1);
+  for (size_t s = 0; s < order.size(); ++s) {
+    const Node& n = g.nodes[order[s]];
+    for (int v : n.inputs)
+      if (v >= 0) {
+        ++p.use_count[v];
+        p.last_use[v] = static_cast<int>(s);
+      }
+    for (int o : n.outputs)
+      if (o >= 0) def_step[o] = static_cast<int>(s);
+  }
+  // Buffers: every value starts in its own; aliases and in-place outputs join their input's.
+  p.buffer.resize(nv);
+  for (int v = 0; v < nv; ++v) p.buffer[v] = v;
+  // Release step per value: after its last use, or right after definition if never read.
+  auto release_step = [&](int v) -> int {
+    if (kept[v]) return 1 << 30;
+    return p.last_use[v] >= 0 ? p.last_use[v] : def_step[v];
+  };
+  // Members per buffer, to know when a buffer's memory is returned.
+  std::vector<std::vector<int>> members(nv);
+  for (int v = 0; v < nv; ++v) members[v].push_back(v);
+
+  p.steps.resize(order.size());
+  for (size_t s = 0; s < order.size(); ++s) {
+    const Node& n = g.nodes[order[s]];
+    PlanStep& st = p.steps[s];
+    st.node = order[s];
+    const OpDef& d = op_for(n);
+    if (d.alias && n.outputs[0] >= 0 && n.inputs[0] >= 0) {
+      int b = p.buffer[n.inputs[0]];
+      p.buffer[n.outputs[0]] = b;
+      members[b].push_back(n.outputs[0]);
+    } else if (opt.inplace && d.inplace_input >= 0 && d.inplace_input < static_cast<int>(n.inputs.size()) &&
+               n.outputs[0] >= 0 && n.inputs[d.inplace_input] >= 0) {
+      int v = n.inputs[d.inplace_input], o = n.outputs[0];
+      int b = p.buffer[v];
+      bool ok = owned(g.values[b]) && !kept[o] && g.values[v].dtype == g.values[o].dtype &&
+                g.values[v].shape == g.values[o].shape && g.values[b].shape == g.values[o].shape &&
+                g.values[b].dtype == g.values[o].dtype;
+      // Every value living in that buffer must be dead after this step, and not kept.
+      for (int m : members[b]) ok = ok && !kept[m] && release_step(m) <= static_cast<int>(s);
+      // The output buffer must not be read by this node through another input slot (other
+      // than the in-place one) from a different offset: only elementwise ops allow in-place,
+      // and they read index i before writing index i, so reading the same buffer is safe.
+      if (ok) {
+        st.inplace_in = v;
+        p.buffer[o] = b;
+        members[b].push_back(o);
+      }
+    }
+  }
+  // Frees, and the buffer memory simulation.
+  std::vector<int> remaining(nv, 0);  // live member count per buffer
+  int64_t live = 0;
+  p.live_after.assign(order.size(), 0);
+  for (size_t s = 0; s < order.size(); ++s) {
+    const Node& n = g.nodes[order[s]];
+    PlanStep& st = p.steps[s];
+    for (int o : n.outputs) {
+      if (o < 0) continue;
+      int b = p.buffer[o];
+      if (b == o && owned(g.values[o])) live += bytes_of(g.values[o]);
+      ++remaining[b];
+    }
+    if (live > p.planned_peak) {
+      p.planned_peak = live;
+      p.peak_step = static_cast<int>(s);
+    }
+    std::vector<int> cand;
+    for (int v : n.inputs)
+      if (v >= 0) cand.push_back(v);
+    for (int o : n.outputs)
+      if (o >= 0) cand.push_back(o);
+    std::sort(cand.begin(), cand.end());
+    cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
+    for (int v : cand) {
+      if (!owned(g.values[v]) || kept[v] || release_step(v) != static_cast<int>(s)) continue;
+      st.frees.push_back(v);
+      int b = p.buffer[v];
+      if (--remaining[b] == 0 && owned(g.values[b])) {
+        st.buffer_frees.push_back(b);
+        live -= bytes_of(g.values[b]);
+      }
+    }
+    p.live_after[s] = live;
+  }
+  check_plan(g, p);
+  return p;
+}
+
+void check_plan(const Graph& g, const Plan& p) {
+  const int nv = static_cast<int>(g.values.size());
+  std::vector<int> freed_at(nv, -1), defined_at(nv, -1);
+  std::vector<bool> kept(nv, false);
+  for (int v : p.keep) kept[v] = true;
+  for (size_t s = 0; s < p.steps.size(); ++s) {
+    const Node& n = g.nodes[p.steps[s].node];
+    for (int v : n.inputs) {
+      if (v < 0) continue;
+      GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal,
+                  "plan: " + n.label() + " reads '" + g.values[v].name + "' after it was freed");
+      GRAFT_CHECK(g.values[v].kind != ValueKind::Intermediate || defined_at[v] >= 0, ErrorKind::Internal,
+                  "plan: " + n.label() + " reads '" + g.values[v].name + "' before it is computed");
+    }
+    for (int o : n.outputs)
+      if (o >= 0) defined_at[o] = static_cast<int>(s);
+    if (p.steps[s].inplace_in >= 0) {
+      int b = p.buffer[p.steps[s].inplace_in];
+      // No value of that buffer may be read later or kept.
+      for (int v = 0; v < nv; ++v)
+        if (p.buffer[v] == b && v != n.outputs[0] && defined_at[v] >= 0) {
+          GRAFT_CHECK(!kept[v] && p.last_use[v] <= static_cast<int>(s), ErrorKind::Internal,
+                      "plan: in-place write by " + n.label() + " clobbers live value '" + g.values[v].name + "'");
+        }
+    }
+    for (int v : p.steps[s].frees) {
+      GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal, "plan: '" + g.values[v].name + "' freed twice");
+      GRAFT_CHECK(!kept[v], ErrorKind::Internal, "plan: kept value '" + g.values[v].name + "' freed");
+      freed_at[v] = static_cast<int>(s);
+    }
+  }
+}
+
+std::string Plan::to_string(const Graph& g) const {
+  std::ostringstream os;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const PlanStep& st = steps[s];
+    const Node& n = g.nodes[st.node];
+    os << s << ": " << n.op << " " << n.name << " (";
+    for (size_t i = 0; i < n.inputs.size(); ++i)
+      os << (i ? ", " : "") << (n.inputs[i] >= 0 ? g.values[n.inputs[i]].name : "-");
+    os << ") -> (";
+    for (size_t i = 0; i < n.outputs.size(); ++i)
+      os << (i ? ", " : "") << (n.outputs[i] >= 0 ? g.values[n.outputs[i]].name : "-");
+    os << ")";
+    if (st.inplace_in >= 0) os << " in-place on " << g.values[st.inplace_in].name;
+    if (!st.frees.empty()) {
+      os << " | free";
+      for (int v : st.frees) os << " " << g.values[v].name;
+    }
+    os << " | live " << live_after[s] << "\n";
+  }
+  os << "planned peak " << planned_peak << " bytes at step " << peak_step << "\n";
+  return os.str();
+}
+
+}  // namespace graft
