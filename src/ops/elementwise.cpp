@@ -353,7 +353,9 @@ const OpDef kOps[] = {
 
 }  // namespace
 
+namespace opsutil {
 int onnx_dtype_code_of(DType d) { return onnx_dtype_code(d); }
+}  // namespace opsutil
 
 void register_elementwise_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);

@@ -4,6 +4,17 @@
 #include "graft/ops.h"
 
 namespace graft {
+namespace {
+void require_float_sink(InferCtx& c) {
+  if (!is_float(c.dtype(0))) c.error(ErrorKind::Internal, "gradient sink fed a non-float value");
+}
+}  // namespace
+
+namespace {
+// graft.GradSink(grad): where a parameter's summed gradient leaves the graph. It has no outputs
+// and no kernel: the executor hands the gradient to the session's sink (accumulate or hook).
+void infer_sink(InferCtx& c) { require_float_sink(c); }
+}  // namespace
 
 const std::vector<const OpDef*>& all_ops() {
   static const std::vector<const OpDef*> table = [] {
@@ -13,6 +24,8 @@ const std::vector<const OpDef*>& all_ops() {
     register_reduce_ops(t);
     register_shape_ops(t);
     register_nn_ops(t);
+    static const OpDef sink{"GradSink", "graft", 1, 1, 0, 0, infer_sink, nullptr, nullptr, -1, false, false};
+    t.push_back(&sink);
     return t;
   }();
   return table;

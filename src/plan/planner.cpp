@@ -137,7 +137,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
                n.outputs[0] >= 0 && n.inputs[d.inplace_input] >= 0) {
       int v = n.inputs[d.inplace_input], o = n.outputs[0];
       int b = p.buffer[v];
-      bool ok = owned(g.values[b]) && !kept[o] && g.values[v].dtype == g.values[o].dtype &&
+      bool ok = owned(g.values[b]) && g.values[v].dtype == g.values[o].dtype &&
                 g.values[v].shape == g.values[o].shape && g.values[b].shape == g.values[o].shape &&
                 g.values[b].dtype == g.values[o].dtype;
       // Every value living in that buffer must be dead after this step, and not kept.
