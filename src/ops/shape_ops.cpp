@@ -219,13 +219,24 @@ void split_kernel(KernelCtx& c) {
   split3(x.shape(), ax, ax + 1, outer, mid, inner);
   const size_t es = dtype_size(x.dtype());
   const char* px = static_cast<const char*>(x.raw());
+  // Part sizes as the shape function computed them (an absent output still takes its part).
+  const int64_t n = static_cast<int64_t>(c.outs.size());
+  std::vector<int64_t> sz;
+  if (c.has_in(1)) {
+    sz.assign(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
+  } else {
+    const int64_t each = (mid + n - 1) / n;
+    for (int64_t i = 0; i < n; ++i) sz.push_back(std::max<int64_t>(0, std::min(each, mid - i * each)));
+  }
+  if (static_cast<int64_t>(sz.size()) != n) c.error(ErrorKind::InvalidModel, "split sizes do not match the outputs");
   int64_t off = 0;
-  for (size_t k = 0; k < c.outs.size(); ++k) {
-    int64_t m = c.node.outputs[k] >= 0 && c.outs[k] ? c.out(static_cast<int>(k)).dim(ax) : -1;
-    if (m < 0) continue;  // absent optional output: sizes come from present ones only
-    char* py = static_cast<char*>(c.out(static_cast<int>(k)).raw());
-    const int64_t row = m * inner * es;
-    for (int64_t o = 0; o < outer; ++o) std::memcpy(py + o * row, px + (o * mid + off) * inner * es, row);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t m = sz[k];
+    if (c.has_out(static_cast<int>(k))) {
+      char* py = static_cast<char*>(c.out(static_cast<int>(k)).raw());
+      const int64_t row = m * inner * es;
+      for (int64_t o = 0; o < outer; ++o) std::memcpy(py + o * row, px + (o * mid + off) * inner * es, row);
+    }
     off += m;
   }
 }
@@ -288,6 +299,11 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
     seen[a] = true;
     int64_t dim = s[a], st = steps[i], b = starts[i], e = ends[i];
     if (st == 0) err("step 0");
+    if (dim == 0) {  // nothing to take (and the clamping below needs dim >= 1)
+      sp.step[a] = st;
+      sp.out[a] = 0;
+      continue;
+    }
     if (b < 0) b += dim;
     if (e < 0 && e > INT64_MIN / 2) e += dim;
     int64_t len;
@@ -464,9 +480,14 @@ void expand_kernel(KernelCtx& c) {
 }
 void grad_expand(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
 
+// k does not change the output's shape: the kernel reads it at run time, so it may be a graph
+// input (only its dtype and size are checked here).
 void infer_trilu(InferCtx& c) {
   c.check(c.shape(0).size() >= 2, "input must have rank >= 2");
-  if (c.has_in(1)) c.ints_in(1);  // must be constant-foldable? no: read at run time; checked here
+  if (c.has_in(1)) {
+    if (c.dtype(1) != DType::I64) c.error(ErrorKind::InvalidModel, "k must be an int64 scalar");
+    c.check(numel(c.shape(1)) == 1, "k must be a scalar, got shape " + shape_str(c.shape(1)));
+  }
   infer_same(c);
 }
 void trilu_kernel(KernelCtx& c) {
