@@ -98,6 +98,10 @@ void infer_layernorm(InferCtx& c) {
   c.check(numel(c.shape(1)) == n, "Scale has " + std::to_string(numel(c.shape(1))) +
                                       " elements but the normalized size is " + std::to_string(n));
   if (c.has_in(2)) c.check(numel(c.shape(2)) == n, "B does not match the normalized size");
+  for (int i = 1; i < 3; ++i)
+    if (c.has_in(i) && c.dtype(i) != c.dtype(0))
+      c.error(ErrorKind::InvalidModel, std::string(i == 1 ? "Scale" : "B") + " has dtype " +
+                                           dtype_name(c.dtype(i)) + " but X has " + dtype_name(c.dtype(0)));
   c.set_out(0, c.dtype(0), s);
   Shape st = s;
   for (size_t i = ax; i < st.size(); ++i) st[i] = 1;
@@ -204,7 +208,10 @@ void infer_sce(InferCtx& c) {
   Shape ls = s;
   ls.erase(ls.begin() + 1);
   c.check(c.shape(1) == ls, "labels have shape " + shape_str(c.shape(1)) + ", expected " + shape_str(ls));
-  if (c.has_in(2)) c.check(c.shape(2) == Shape{s[1]}, "weights must have shape [C]");
+  if (c.has_in(2)) {
+    c.check(c.shape(2) == Shape{s[1]}, "weights must have shape [C]");
+    if (c.dtype(2) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "weights and scores differ in dtype");
+  }
   std::string red = c.attrs().get_string("reduction", "mean", c.node().label());
   if (red != "mean" && red != "sum" && red != "none")
     c.error(ErrorKind::Unsupported, "reduction '" + red + "' (expected mean, sum or none)");
@@ -323,11 +330,20 @@ bool dropout_active(const Tensor* ratio, const Tensor* training, double& p) {
   bool train = training && training->at(0) != 0;
   return train && p > 0;
 }
+// ratio and training_mode do not change the output shapes: they may be graph inputs, read by the
+// kernel at run time (the gradient rule needs them constant).
 void infer_dropout(InferCtx& c) {
+  require_float(c, 0);
+  if (c.has_in(1)) {
+    if (!is_float(c.dtype(1))) c.error(ErrorKind::Unsupported, "ratio must be float32 or float64");
+    c.check(numel(c.shape(1)) == 1, "ratio must be a scalar, got shape " + shape_str(c.shape(1)));
+  }
+  if (c.has_in(2)) {
+    if (c.dtype(2) != DType::Bool) c.error(ErrorKind::InvalidModel, "training_mode must be bool");
+    c.check(numel(c.shape(2)) == 1, "training_mode must be a scalar, got shape " + shape_str(c.shape(2)));
+  }
   c.set_out(0, c.dtype(0), c.shape(0));
   c.set_out(1, DType::Bool, c.shape(0));
-  if (c.has_in(1) && !c.const_in(1)) c.error(ErrorKind::Unsupported, "ratio must be a constant");
-  if (c.has_in(2) && !c.const_in(2)) c.error(ErrorKind::Unsupported, "training_mode must be a constant");
   double p = c.const_in(1) ? c.const_in(1)->at(0) : 0.5;
   if (p < 0 || p >= 1) c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
 }
@@ -339,6 +355,8 @@ void dropout_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   double p;
   bool active = dropout_active(c.has_in(1) ? &c.in(1) : nullptr, c.has_in(2) ? &c.in(2) : nullptr, p);
+  if (c.has_in(1) && !(p >= 0 && p < 1))
+    c.error(ErrorKind::InvalidArgument, "ratio " + std::to_string(p) + " is not in [0, 1)");
   bool* mask = c.has_out(1) ? c.out(1).data<bool>() : nullptr;
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T* px = x.data<T>();
@@ -361,7 +379,13 @@ void dropout_kernel(KernelCtx& c) {
 void grad_dropout(GradBuilder& g) {
   const Node& n = g.node();
   auto in_t = [&](int i) -> const Tensor* {
-    return i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0 ? &g.val(n.inputs[i]).data : nullptr;
+    if (i >= static_cast<int>(n.inputs.size()) || n.inputs[i] < 0) return nullptr;
+    const Value& v = g.val(n.inputs[i]);
+    if (v.kind != ValueKind::Constant || !v.data.defined())
+      fail(ErrorKind::Unsupported, n.label() + ": the gradient of Dropout needs a constant " +
+                                       (i == 1 ? "ratio" : "training_mode") + "; '" + v.name +
+                                       "' is computed at run time");
+    return &v.data;
   };
   double p;
   if (!dropout_active(in_t(1), in_t(2), p)) {
