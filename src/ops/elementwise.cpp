@@ -112,13 +112,50 @@ void infer_arith(InferCtx& c) {
   c.set_out(0, c.dtype(0), broadcast_all(c));
 }
 
+// Pow(X, Y) has X's dtype. X: float32, float64 or int64; Y: any of those.
 void infer_pow(InferCtx& c) {
-  require_float(c, 0);
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
   if (!is_float(c.dtype(1)) && c.dtype(1) != DType::I64)
-    c.error(ErrorKind::Unsupported, "exponent must be float or int64");
+    c.error(ErrorKind::Unsupported, std::string("exponent has dtype ") + dtype_name(c.dtype(1)) +
+                                        "; graft supports float32, float64 and int64 exponents");
   c.set_out(0, c.dtype(0), broadcast_all(c));
 }
+// int64 base: exact integer powers for an int64 exponent; for a float exponent the result is
+// computed in double and truncated toward zero (numpy's pow(x, y).astype(int64)).
+int64_t ipow(int64_t x, int64_t y, const KernelCtx& c) {
+  if (y < 0) {
+    if (x == 0) c.error(ErrorKind::InvalidArgument, "integer Pow: 0 raised to a negative power");
+    if (x == 1) return 1;
+    if (x == -1) return (y % 2) ? -1 : 1;
+    return 0;
+  }
+  uint64_t e = static_cast<uint64_t>(y), b = static_cast<uint64_t>(x), acc = 1;
+  while (e) {  // wraps modulo 2^64 on overflow, like numpy's int64 power
+    if (e & 1) acc *= b;
+    b *= b;
+    e >>= 1;
+  }
+  return static_cast<int64_t>(acc);
+}
+void pow_int_kernel(KernelCtx& c) {
+  const Tensor &a = c.in(0), &b = c.in(1);
+  std::array<std::vector<int64_t>, 2> st{bcast_strides(a.shape(), c.out(0).shape()),
+                                         bcast_strides(b.shape(), c.out(0).shape())};
+  const int64_t* pa = a.data<int64_t>();
+  int64_t* po = c.out(0).data<int64_t>();
+  for_each_bcast<2>(c.out(0).shape(), st, [&](int64_t i, const std::array<int64_t, 2>& o) {
+    if (b.dtype() == DType::I64) {
+      po[i] = ipow(pa[o[0]], b.data<int64_t>()[o[1]], c);
+      return;
+    }
+    const double v = std::trunc(std::pow(static_cast<double>(pa[o[0]]), b.at(o[1])));
+    if (!(v >= -9.2233720368547758e18 && v < 9.2233720368547758e18))
+      c.error(ErrorKind::InvalidArgument, "integer Pow: result " + std::to_string(v) + " does not fit in int64");
+    po[i] = static_cast<int64_t>(v);
+  });
+}
 void pow_kernel(KernelCtx& c) {
+  if (c.in(0).dtype() == DType::I64) return pow_int_kernel(c);
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& b = c.in(1);
     if (b.dtype() == c.in(0).dtype()) {
@@ -277,6 +314,7 @@ void grad_div(GradBuilder& g) {
 }
 void grad_pow(GradBuilder& g) {
   DType dt = g.val(g.x(0)).dtype;
+  if (!is_float(dt)) return;  // integer powers carry no gradient
   int b = g.x(1);
   if (g.val(b).dtype != dt) {
     Attrs a;
