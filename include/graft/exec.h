@@ -35,6 +35,17 @@ class Executor {
   void bind(const std::string& name, Tensor t) { bind(g_.value(name), std::move(t)); }
   // Runs the plan. Returns the kept values (plan.keep order). Throws on a missing input.
   std::vector<Tensor> run(const RunOptions& opt = {}, const SinkFn& sink = nullptr);
+  // The same in pieces, so a run can pause between forward and backward (plan.barrier_step)
+  // with the saved values kept: begin(), run_to(step) as often as needed, finish().
+  void begin(const RunOptions& opt = {}, const SinkFn& sink = nullptr);
+  void run_to(int end_step);
+  std::vector<Tensor> finish();
+  // A value of the current run (an output computed so far), undefined if not computed or freed.
+  const Tensor& current(int value) const { return vals_[value]; }
+  int next_step() const { return next_; }
+  // Sets a graph input during a run (e.g. output gradients that arrive after forward).
+  void feed(int value, Tensor t);
+  void abort();  // drops the run's values (after an error)
   const std::vector<OpTime>& op_times() const { return times_; }
 
  private:
@@ -43,6 +54,10 @@ class Executor {
   Allocator& alloc_;
   std::map<int, Tensor> bound_;
   std::vector<OpTime> times_;
+  std::vector<Tensor> vals_;
+  RunOptions opt_;
+  SinkFn sink_;
+  int next_ = 0;
 };
 
 // Scans a float tensor for NaN / Inf.

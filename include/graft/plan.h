@@ -17,6 +17,9 @@ struct PlanOptions {
   std::vector<int> keep;  // values that must survive the run (graph outputs, held gradients)
   bool inplace = true;    // allow in-place reuse where safe
   bool sink_first = true; // run grad sinks (and what feeds only them) as early as possible
+  // Nodes with index >= this run after every node below it (forward before backward, so a
+  // run can stop between them). -1: no barrier.
+  int phase_barrier = -1;
 };
 
 struct PlanStep {
@@ -35,6 +38,7 @@ struct Plan {
   int64_t planned_peak = 0;    // peak bytes of intermediates (excludes params, inputs, constants)
   int peak_step = -1;
   std::vector<int64_t> live_after;  // bytes of intermediates alive after each step
+  int barrier_step = -1;            // first step of the second phase (steps.size() if none)
 
   std::string to_string(const Graph& g) const;
   int step_of(int node) const;  // -1 if the node is not in the plan

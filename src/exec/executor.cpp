@@ -36,70 +36,101 @@ bool all_finite(const Tensor& t) {
 }
 
 std::vector<Tensor> Executor::run(const RunOptions& opt, const SinkFn& sink) {
-  using clock = std::chrono::steady_clock;
+  begin(opt, sink);
+  try {
+    run_to(static_cast<int>(plan_.steps.size()));
+  } catch (...) {
+    abort();
+    throw;
+  }
+  return finish();
+}
+
+void Executor::begin(const RunOptions& opt, const SinkFn& sink) {
+  opt_ = opt;
+  sink_ = sink;
+  next_ = 0;
   times_.clear();
-  std::vector<Tensor> vals(g_.values.size());
+  vals_.assign(g_.values.size(), Tensor());
   for (size_t v = 0; v < g_.values.size(); ++v) {
     const Value& val = g_.values[v];
     auto it = bound_.find(static_cast<int>(v));
-    if (it != bound_.end()) vals[v] = it->second;
-    else if (val.kind == ValueKind::Param || val.kind == ValueKind::Constant) vals[v] = val.data;
+    if (it != bound_.end()) vals_[v] = it->second;
+    else if (val.kind == ValueKind::Param || val.kind == ValueKind::Constant) vals_[v] = val.data;
   }
-  for (int v : g_.inputs)
-    GRAFT_CHECK(vals[v].defined(), ErrorKind::InvalidArgument,
-                "graph input '" + g_.values[v].name + "' was not given");
+}
 
+void Executor::feed(int v, Tensor t) {
+  const Value& val = g_.values[v];
+  GRAFT_CHECK(t.dtype() == val.dtype && t.shape() == val.shape, ErrorKind::ShapeMismatch,
+              "'" + val.name + "' expects " + dtype_name(val.dtype) + " " + shape_str(val.shape) + " but got " +
+                  dtype_name(t.dtype()) + " " + shape_str(t.shape()));
+  vals_[v] = std::move(t);
+}
+
+void Executor::abort() {
+  vals_.assign(vals_.size(), Tensor());
+  next_ = static_cast<int>(plan_.steps.size());
+  if (opt_.timeline) alloc_.set_step(-1);
+}
+
+void Executor::run_to(int end_step) {
+  using clock = std::chrono::steady_clock;
   std::vector<const Tensor*> ins;
   std::vector<Tensor*> outs;
-  for (size_t s = 0; s < plan_.steps.size(); ++s) {
-    const PlanStep& st = plan_.steps[s];
+  for (; next_ < end_step; ++next_) {
+    const PlanStep& st = plan_.steps[next_];
     const Node& n = g_.nodes[st.node];
-    if (opt.timeline) alloc_.set_step(static_cast<int64_t>(s));
-    auto t0 = opt.profile ? clock::now() : clock::time_point{};
+    if (opt_.timeline) alloc_.set_step(next_);
+    auto t0 = opt_.profile ? clock::now() : clock::time_point{};
+    for (int v : n.inputs)
+      if (v >= 0 && !vals_[v].defined())
+        fail(ErrorKind::InvalidArgument, n.label() + " reads '" + g_.values[v].name +
+                                             "', which was not given (bind every graph input)");
     if (n.op == "GradSink" && n.domain == "graft") {
       int v = n.inputs[0];
-      Tensor grad = vals[v];
+      Tensor grad = vals_[v];
       bool releasing = false;
       for (int f : st.frees) releasing |= f == v;
-      if (releasing) vals[v] = Tensor();
+      if (releasing) vals_[v] = Tensor();
       bool exclusive = releasing && grad.storage().use_count() == 1;
-      if (sink) sink(n, std::move(grad), exclusive);
+      if (sink_) sink_(n, std::move(grad), exclusive);
     } else {
       const OpDef& d = op_for(n);
       ins.assign(n.inputs.size(), nullptr);
       for (size_t i = 0; i < n.inputs.size(); ++i)
-        if (n.inputs[i] >= 0) ins[i] = &vals[n.inputs[i]];
+        if (n.inputs[i] >= 0) ins[i] = &vals_[n.inputs[i]];
       outs.assign(n.outputs.size(), nullptr);
       for (size_t i = 0; i < n.outputs.size(); ++i) {
         int o = n.outputs[i];
         if (o < 0) continue;
         const Value& ov = g_.values[o];
-        if (d.alias) {
-          vals[o] = vals[n.inputs[0]].reshaped(ov.shape);
-        } else if (i == 0 && st.inplace_in >= 0) {
-          vals[o] = vals[st.inplace_in];
-        } else {
-          vals[o] = Tensor::empty(ov.shape, ov.dtype, alloc_, ov.category, ov.name);
-        }
-        outs[i] = &vals[o];
+        if (d.alias) vals_[o] = vals_[n.inputs[0]].reshaped(ov.shape);
+        else if (i == 0 && st.inplace_in >= 0) vals_[o] = vals_[st.inplace_in];
+        else vals_[o] = Tensor::empty(ov.shape, ov.dtype, alloc_, ov.category, ov.name);
+        outs[i] = &vals_[o];
       }
       if (!d.alias) {
         KernelCtx ctx{n, ins, outs, alloc_};
         d.kernel(ctx);
       }
-      if (opt.check_finite)
+      if (opt_.check_finite)
         for (int o : n.outputs)
-          if (o >= 0 && !all_finite(vals[o]))
+          if (o >= 0 && !all_finite(vals_[o]))
             fail(ErrorKind::NonFinite, n.label() + " produced a non-finite value (NaN or Inf) in '" +
                                            g_.values[o].name + "'");
     }
-    if (opt.profile)
-      times_.push_back({st.node, std::chrono::duration<double>(clock::now() - t0).count()});
-    for (int v : st.frees) vals[v] = Tensor();
+    if (opt_.profile) times_.push_back({st.node, std::chrono::duration<double>(clock::now() - t0).count()});
+    for (int v : st.frees) vals_[v] = Tensor();
   }
-  if (opt.timeline) alloc_.set_step(-1);
+}
+
+std::vector<Tensor> Executor::finish() {
+  if (opt_.timeline) alloc_.set_step(-1);
   std::vector<Tensor> out;
-  for (int v : plan_.keep) out.push_back(vals[v]);
+  for (int v : plan_.keep) out.push_back(vals_[v]);
+  vals_.assign(vals_.size(), Tensor());
+  sink_ = nullptr;
   return out;
 }
 

@@ -3,15 +3,16 @@
 // Note [Sink-first order]
 // PyTorch's autograd engine gives AccumulateGrad nodes top priority, so a parameter's gradient is
 // added into .grad and freed as soon as it is complete. graft does the same by list scheduling:
-// among the nodes whose inputs are ready, a GradSink, or a node whose outputs feed only sinks (the
-// weight-gradient GEMM), runs first; otherwise nodes run in the order they were emitted (forward
-// in file order, backward in reverse). A weight gradient therefore lives from its GEMM to its sink
+// among the nodes whose inputs are ready, a GradSink runs first, then a node whose work ends in
+// one single sink (the weight-gradient GEMM); otherwise nodes run in the order they were emitted
+// (forward in file order, backward in reverse). A weight gradient therefore lives from its GEMM to its sink
 // and no longer, which is what bounds the backward peak to one gradient temporary.
 #include "graft/plan.h"
 
 #include <algorithm>
 #include <queue>
 #include <sstream>
+#include <tuple>
 
 #include "graft/ops.h"
 
@@ -28,26 +29,29 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
   const int nn = static_cast<int>(g.nodes.size());
   std::vector<bool> kept(g.values.size(), false);
   for (int v : opt.keep) kept[v] = true;
-  // Nodes whose outputs reach only sinks (computed backwards: node indices are topological).
-  std::vector<bool> feeds(nn, false);
+  // A node is a dedicated feeder when everything it computes ends in one and the same sink (the
+  // weight-gradient GEMM, the bias SumToShape, a Sum of a tied weight's contributions). Nodes on
+  // the main backward chain reach many sinks and keep the emission order. -2: reaches no sink,
+  // -1: reaches several or is kept, >= 0: the one sink it reaches.
+  std::vector<int> target(nn, -2);
   for (int i = nn - 1; i >= 0; --i) {
     const Node& n = g.nodes[i];
     if (n.dead) continue;
     if (is_sink(n)) {
-      feeds[i] = true;
+      target[i] = i;
       continue;
     }
-    bool any = false, all = true;
+    int t = -2;
+    auto merge = [&](int x) { t = t == -2 ? x : (x == -2 || x == t) ? t : -1; };
     for (int o : n.outputs) {
       if (o < 0) continue;
-      if (kept[o]) all = false;
-      for (int c : cons[o]) {
-        any = true;
-        all = all && feeds[c];
-      }
+      if (kept[o]) merge(-1);
+      for (int c : cons[o]) merge(target[c]);
     }
-    feeds[i] = opt.sink_first && any && all;
+    target[i] = t;
   }
+  std::vector<bool> feeds(nn, false);
+  for (int i = 0; i < nn; ++i) feeds[i] = opt.sink_first && target[i] >= 0;
   std::vector<int> indeg(nn, 0);
   std::vector<int> producer(g.values.size(), -1);
   for (int i = 0; i < nn; ++i)
@@ -63,17 +67,23 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
       ++indeg[i];
     }
   }
-  using Key = std::pair<int, int>;  // (class, index): class 0 = sink or feeds only sinks
+  // Key: (phase, class, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest.
+  using Key = std::tuple<int, int, int>;
+  auto key = [&](int i) {
+    int phase = opt.phase_barrier >= 0 && i >= opt.phase_barrier ? 1 : 0;
+    int cls = !opt.sink_first ? 2 : is_sink(g.nodes[i]) ? 0 : feeds[i] ? 1 : 2;
+    return Key{phase, cls, i};
+  };
   std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;
   for (int i = 0; i < nn; ++i)
-    if (!g.nodes[i].dead && indeg[i] == 0) ready.push({feeds[i] ? 0 : 1, i});
+    if (!g.nodes[i].dead && indeg[i] == 0) ready.push(key(i));
   std::vector<int> order;
   while (!ready.empty()) {
-    int i = ready.top().second;
+    int i = std::get<2>(ready.top());
     ready.pop();
     order.push_back(i);
     for (int s : succ[i])
-      if (--indeg[s] == 0) ready.push({feeds[s] ? 0 : 1, s});
+      if (--indeg[s] == 0) ready.push(key(s));
   }
   for (int i = 0; i < nn; ++i)
     if (!g.nodes[i].dead && indeg[i] > 0)
@@ -123,6 +133,13 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
   std::vector<std::vector<int>> members(nv);
   for (int v = 0; v < nv; ++v) members[v].push_back(v);
 
+  p.barrier_step = static_cast<int>(order.size());
+  if (opt.phase_barrier >= 0)
+    for (size_t s = 0; s < order.size(); ++s)
+      if (order[s] >= opt.phase_barrier) {
+        p.barrier_step = static_cast<int>(s);
+        break;
+      }
   p.steps.resize(order.size());
   for (size_t s = 0; s < order.size(); ++s) {
     const Node& n = g.nodes[order[s]];

@@ -1,0 +1,47 @@
+// graft autodiff: builds the backward graph, as ordinary nodes, into the same Graph.
+//
+// Walks back from a scalar loss (or from given output gradients), asks each op's gradient rule
+// (ops.h) for its input gradients, sums several contributions to one value, reduces broadcast
+// gradients to the input's shape, and skips whatever no trainable parameter or requested input
+// needs. Every trainable parameter's summed gradient ends in a graft.GradSink node (accumulate /
+// hook delivery) or is kept as a run output (hold delivery).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "graft/ir.h"
+
+namespace graft {
+
+enum class GradMode { Hold, Accumulate, Hook };
+const char* grad_mode_name(GradMode m);
+GradMode parse_grad_mode(const std::string& s);  // InvalidArgument on an unknown name
+
+struct AutodiffOptions {
+  std::string loss;                      // scalar output to differentiate (if no output_grads)
+  // Differentiate these outputs instead, with their gradients bound as new graph inputs named
+  // "<output>__grad" (the PyTorch front end feeds autograd's grad_outputs through them).
+  std::vector<std::string> output_grads;
+  std::vector<std::string> freeze;       // parameters not trained
+  std::vector<std::string> input_grads;  // graph inputs whose gradients are wanted
+  GradMode mode = GradMode::Accumulate;
+  Allocator* alloc = nullptr;            // for constants it creates (nullptr: global)
+};
+
+struct BackwardGraph {
+  int loss = -1;
+  int n_forward_nodes = 0;          // nodes [0, n) are forward; the rest backward
+  std::vector<int> params;          // trainable parameters (value ids), in graph order
+  std::vector<int> param_grads;     // per trainable parameter: its summed gradient, -1 if unused
+  std::vector<int> sinks;           // per trainable parameter: its GradSink node, -1 if none
+  std::vector<int> input_grads;     // per requested input: its gradient value, -1 if none flows
+  std::vector<int> output_grad_inputs;  // per output_grads entry: the graph input carrying it
+};
+
+// The graph must have its shapes inferred (infer_shapes). Errors (typed, nothing modified on
+// failure of validation): unknown / non-scalar loss, unknown freeze name, an op without a
+// gradient rule on the path to a trainable parameter (names op, node and parameter).
+BackwardGraph build_backward(Graph& g, const AutodiffOptions& opt);
+
+}  // namespace graft
