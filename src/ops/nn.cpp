@@ -405,7 +405,7 @@ const OpDef kOps[] = {
     {"Softmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<false>, grad_softmax, -1, false, true},
     {"LogSoftmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<true>, grad_log_softmax, -1, false, true},
     {"LayerNormalization", "", 2, 3, 1, 3, infer_layernorm, layernorm_kernel, grad_layernorm, -1, false, true},
-    {"SoftmaxCrossEntropyLoss", "", 2, 3, 1, 2, infer_sce, sce_kernel, grad_sce, -1, false, true, {1}},
+    {"SoftmaxCrossEntropyLoss", "", 2, 3, 1, 2, infer_sce, sce_kernel, grad_sce, -1, false, true, {1, 2}},
     {"Dropout", "", 1, 3, 1, 2, infer_dropout, dropout_kernel, grad_dropout, -1, false, false, {1, 2}},
     {"SoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<false>, nullptr, 0, false, true},
     {"LogSoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<true>, nullptr, 0, false, true},

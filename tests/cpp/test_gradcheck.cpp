@@ -1,0 +1,260 @@
+// Level 1 of the gradient tests: every gradient rule against central finite differences in
+// float64, table-driven (one line per case). Each case builds a one-op graph whose float inputs
+// are parameters, reduces the outputs to a scalar with fixed random weights
+// (loss = sum_k sum(y_k * R_k)), and compares graft's gradients with (f(x+h) - f(x-h)) / 2h.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+
+#include "graft/ops.h"
+#include "graft/train.h"
+
+using namespace graft;
+
+namespace {
+
+// An input: a float parameter with a shape and an init range, or an int64 / bool constant.
+struct In {
+  enum Kind { Float, Ints, Bools, FloatConst } kind = Float;
+  Shape shape;
+  double lo = -1, hi = 1;   // float init range
+  std::vector<int64_t> ints;
+  bool absent = false;
+  static In f(Shape s, double lo = -1, double hi = 1) { return In{Float, s, lo, hi, {}}; }
+  static In i(std::vector<int64_t> v, Shape s = {}) {
+    In x{Ints, s.empty() ? Shape{static_cast<int64_t>(v.size())} : s, 0, 0, v};
+    return x;
+  }
+  static In b(std::vector<int64_t> v, Shape s) { return In{Bools, s, 0, 0, v}; }
+  static In none() { In x; x.absent = true; return x; }
+  // A float input that is not trained (e.g. class weights, which have no gradient).
+  static In fc(Shape s, double lo, double hi) { return In{FloatConst, s, lo, hi, {}}; }
+};
+
+struct Case {
+  std::string name, op;
+  std::vector<In> ins;
+  std::function<void(Attrs&)> attrs;
+  int n_out = 1;
+  double step = 1e-6, tol = 1e-6;
+};
+
+Attrs none_attrs() { return {}; }
+
+void check(const Case& c) {
+  SCOPED_TRACE(c.name);
+  Allocator alloc;
+  Graph g;
+  std::mt19937_64 rng(42);
+  Node n;
+  n.op = c.op;
+  n.name = c.name;
+  if (c.attrs) c.attrs(n.attrs);
+  int pi = 0;
+  for (const In& in : c.ins) {
+    if (in.absent) {
+      n.inputs.push_back(-1);
+      continue;
+    }
+    bool is_float = in.kind == In::Float || in.kind == In::FloatConst;
+    bool trained = in.kind == In::Float;
+    int v = g.add_value("in" + std::to_string(pi++), trained ? ValueKind::Param : ValueKind::Constant, false);
+    DType dt = is_float ? DType::F64 : in.kind == In::Ints ? DType::I64 : DType::Bool;
+    Tensor t = Tensor::empty(in.shape, dt, alloc, trained ? Category::Parameter : Category::Workspace);
+    std::uniform_real_distribution<double> u(in.lo, in.hi);
+    for (int64_t k = 0; k < t.numel(); ++k) {
+      if (is_float) {
+        double x = u(rng);
+        t.data<double>()[k] = x;
+      } else if (dt == DType::I64) {
+        t.data<int64_t>()[k] = in.ints[k];
+      } else {
+        t.data<bool>()[k] = in.ints[k] != 0;
+      }
+    }
+    g.values[v].data = t;
+    g.values[v].dtype = dt;
+    g.values[v].shape = in.shape;
+    g.values[v].shape_known = true;
+    n.inputs.push_back(v);
+  }
+  for (int k = 0; k < c.n_out; ++k) n.outputs.push_back(g.add_value("y" + std::to_string(k), ValueKind::Intermediate, false));
+  std::vector<int> outs = n.outputs;
+  g.add_node(n);
+  infer_shapes(g);
+  // loss = Sum_k ReduceSum(y_k * R_k)
+  std::vector<int> terms;
+  for (int k = 0; k < c.n_out; ++k) {
+    const Value& yv = g.values[outs[k]];
+    if (!is_float(yv.dtype)) continue;
+    int r = g.add_value("R" + std::to_string(k), ValueKind::Constant, false);
+    Tensor rt = Tensor::empty(yv.shape, DType::F64, alloc, Category::Workspace);
+    std::uniform_real_distribution<double> u(-1, 1);
+    for (int64_t q = 0; q < rt.numel(); ++q) rt.data<double>()[q] = u(rng);
+    g.values[r].data = rt;
+    g.values[r].dtype = DType::F64;
+    g.values[r].shape = rt.shape();
+    g.values[r].shape_known = true;
+    Node m;
+    m.op = "Mul";
+    m.inputs = {outs[k], r};
+    m.outputs = {g.add_value("m" + std::to_string(k), ValueKind::Intermediate, false)};
+    int mv = m.outputs[0];
+    g.add_node(m);
+    Node s;
+    s.op = "ReduceSum";
+    s.inputs = {mv};
+    s.attrs.set_int("keepdims", 0);
+    s.outputs = {g.add_value("s" + std::to_string(k), ValueKind::Intermediate, false)};
+    terms.push_back(s.outputs[0]);
+    g.add_node(s);
+  }
+  ASSERT_FALSE(terms.empty());
+  Node sum;
+  sum.op = "Sum";
+  sum.inputs = terms;
+  sum.outputs = {g.add_value("loss", ValueKind::Intermediate, false)};
+  g.add_node(sum);
+  g.outputs = {g.find("loss")};
+
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  TrainSession s(std::move(g), o);
+  s.step();
+  int checked = 0;
+  for (Parameter& p : s.parameters()) {
+    ASSERT_TRUE(p.grad.defined()) << "no gradient for " << p.name;
+    Tensor analytic = p.grad.clone(alloc, Category::Workspace);
+    double* w = p.data.data<double>();
+    for (int64_t k = 0; k < p.data.numel(); ++k) {
+      const double x0 = w[k];
+      w[k] = x0 + c.step;
+      s.zero_grad();
+      double fp = s.step();
+      w[k] = x0 - c.step;
+      s.zero_grad();
+      double fm = s.step();
+      w[k] = x0;
+      double fd = (fp - fm) / (2 * c.step);
+      double an = analytic.data<double>()[k];
+      EXPECT_NEAR(an, fd, c.tol * (1 + std::abs(fd))) << p.name << "[" << k << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// Away from kinks and poles: (lo, hi) ranges that keep x +- step on one side.
+const double kPos = 0.5;
+
+std::vector<Case> cases() {
+  auto A = [](std::function<void(Attrs&)> f) { return f; };
+  return {
+      // name, op, inputs, attrs, n_out, step, tol
+      {"add_broadcast", "Add", {In::f({3, 4}), In::f({4})}},
+      {"sub_broadcast", "Sub", {In::f({3, 4}), In::f({3, 1})}},
+      {"mul", "Mul", {In::f({2, 3}), In::f({2, 3})}},
+      {"mul_scalar_broadcast", "Mul", {In::f({2, 3}), In::f({})}},
+      {"div", "Div", {In::f({3}), In::f({2, 3}, kPos, 2)}},
+      {"pow", "Pow", {In::f({2, 3}, kPos, 2), In::f({2, 3})}},
+      {"pow_int_exponent", "Pow", {In::f({4}, kPos, 2), In::i({3}, Shape{})}},
+      {"neg", "Neg", {In::f({5})}},
+      {"reciprocal", "Reciprocal", {In::f({5}, kPos, 2)}},
+      {"sqrt", "Sqrt", {In::f({5}, kPos, 2)}},
+      {"exp", "Exp", {In::f({5})}},
+      {"log", "Log", {In::f({5}, kPos, 2)}},
+      {"erf", "Erf", {In::f({5})}},
+      {"tanh", "Tanh", {In::f({5})}},
+      {"sigmoid", "Sigmoid", {In::f({5}, -4, 4)}},
+      {"relu_positive", "Relu", {In::f({5}, 0.1, 1)}},
+      {"relu_negative", "Relu", {In::f({5}, -1, -0.1)}},
+      {"identity", "Identity", {In::f({2, 2})}},
+      {"where", "Where", {In::b({1, 0, 1}, {3}), In::f({2, 3}), In::f({3})}},
+      {"sum3_broadcast", "Sum", {In::f({2, 3}), In::f({3}), In::f({2, 1})}},
+      {"cast_f64", "Cast", {In::f({3})}, A([](Attrs& a) { a.set_int("to", 11); })},
+      {"gemm", "Gemm", {In::f({3, 4}), In::f({4, 5}), In::f({5})}},
+      {"gemm_transA_transB_alpha_beta", "Gemm", {In::f({4, 3}), In::f({5, 4}), In::f({3, 1})},
+       A([](Attrs& a) { a.set_int("transA", 1); a.set_int("transB", 1); a.set_float("alpha", 0.7); a.set_float("beta", 1.3); })},
+      {"gemm_transA", "Gemm", {In::f({4, 3}), In::f({4, 5})}, A([](Attrs& a) { a.set_int("transA", 1); })},
+      {"matmul_2d", "MatMul", {In::f({3, 4}), In::f({4, 2})}},
+      {"matmul_batched_broadcast", "MatMul", {In::f({2, 3, 4}), In::f({4, 5})}},
+      {"matmul_batch_both", "MatMul", {In::f({2, 1, 3, 4}), In::f({3, 4, 2})}},
+      {"matmul_vec_left", "MatMul", {In::f({4}), In::f({4, 3})}},
+      {"matmul_vec_right", "MatMul", {In::f({2, 3, 4}), In::f({4})}},
+      {"reduce_sum_axis", "ReduceSum", {In::f({2, 3, 4}), In::i({1})}, A([](Attrs& a) { a.set_int("keepdims", 0); })},
+      {"reduce_sum_all", "ReduceSum", {In::f({2, 3})}},
+      {"reduce_mean_axes", "ReduceMean", {In::f({2, 3, 4})}, A([](Attrs& a) { a.set_ints("axes", {0, 2}); })},
+      {"reshape", "Reshape", {In::f({2, 3}), In::i({3, -1})}},
+      {"transpose", "Transpose", {In::f({2, 3, 4})}, A([](Attrs& a) { a.set_ints("perm", {2, 0, 1}); })},
+      {"flatten", "Flatten", {In::f({2, 3, 2})}, A([](Attrs& a) { a.set_int("axis", 2); })},
+      {"squeeze", "Squeeze", {In::f({2, 1, 3}), In::i({1})}},
+      {"unsqueeze", "Unsqueeze", {In::f({2, 3}), In::i({0, 3})}},
+      {"concat", "Concat", {In::f({2, 3}), In::f({2, 1}), In::f({2, 2})}, A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"split", "Split", {In::f({5, 2}), In::i({2, 3})}, nullptr, 2},
+      {"slice_step", "Slice", {In::f({6, 4}), In::i({1, 3}), In::i({6, 0}), In::i({0, 1}), In::i({2, -1})}},
+      {"gather_rows_repeated", "Gather", {In::f({4, 3}), In::i({2, 0, 2, -1}, {2, 2})}},
+      {"gather_axis1", "Gather", {In::f({2, 4}), In::i({3, 1})}, A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"expand", "Expand", {In::f({3, 1}), In::i({2, 3, 4})}},
+      {"trilu_lower_k", "Trilu", {In::f({3, 4}), In::i({1}, Shape{})}, A([](Attrs& a) { a.set_int("upper", 0); })},
+      {"softmax", "Softmax", {In::f({3, 4})}, A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"softmax_axis0", "Softmax", {In::f({3, 4})}, A([](Attrs& a) { a.set_int("axis", 0); })},
+      {"log_softmax", "LogSoftmax", {In::f({2, 5})}},
+      {"layer_norm", "LayerNormalization", {In::f({3, 4}), In::f({4}), In::f({4})}},
+      {"layer_norm_axis1_nobias", "LayerNormalization", {In::f({2, 3, 2}), In::f({3, 2})},
+       A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"sce_mean", "SoftmaxCrossEntropyLoss", {In::f({3, 5}), In::i({1, 4, 0})}},
+      {"sce_weights_ignore", "SoftmaxCrossEntropyLoss", {In::f({4, 3}), In::i({2, 0, 1, 2}), In::fc({3}, kPos, 2)},
+       A([](Attrs& a) { a.set_int("ignore_index", 1); })},
+      {"sce_none_3d", "SoftmaxCrossEntropyLoss", {In::f({2, 3, 2}), In::i({0, 2, 1, 1}, {2, 2})},
+       A([](Attrs& a) { a.set_string("reduction", "none"); })},
+      {"sce_sum", "SoftmaxCrossEntropyLoss", {In::f({2, 3}), In::i({0, 2})}, A([](Attrs& a) { a.set_string("reduction", "sum"); })},
+      {"dropout_eval", "Dropout", {In::f({4})}},
+      // a parameter used twice gets one summed gradient
+      {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},
+  };
+}
+
+}  // namespace
+
+class GradCheck : public ::testing::TestWithParam<Case> {};
+TEST_P(GradCheck, MatchesFiniteDifferences) { check(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Ops, GradCheck, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// The same parameter feeding two ops (a tied weight): one summed gradient.
+TEST(GradCheckTied, SharedParameterGetsOneSummedGradient) {
+  Allocator alloc;
+  Graph g;
+  int w = g.add_value("w", ValueKind::Param, false);
+  Tensor t = Tensor::empty({3}, DType::F64, alloc, Category::Parameter);
+  for (int i = 0; i < 3; ++i) t.data<double>()[i] = 0.5 + i;
+  g.values[w].data = t;
+  g.values[w].dtype = DType::F64;
+  g.values[w].shape = {3};
+  g.values[w].shape_known = true;
+  auto add = [&](const std::string& op, std::vector<int> ins, const std::string& out) {
+    Node n;
+    n.op = op;
+    n.inputs = ins;
+    n.outputs = {g.add_value(out, ValueKind::Intermediate, false)};
+    g.add_node(n);
+    return g.find(out);
+  };
+  int e = add("Exp", {w}, "e");
+  int m = add("Mul", {e, w}, "m");  // d/dw sum(exp(w) * w) = exp(w) * (1 + w)
+  add("ReduceSum", {m}, "loss");
+  g.outputs = {g.find("loss")};
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  TrainSession s(std::move(g), o);
+  s.step();
+  const Tensor& gr = s.parameter("w").grad;
+  for (int i = 0; i < 3; ++i) {
+    double x = 0.5 + i;
+    EXPECT_NEAR(gr.data<double>()[i], std::exp(x) * (1 + x), 1e-12);
+  }
+}
