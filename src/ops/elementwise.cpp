@@ -262,8 +262,16 @@ void cast_kernel(KernelCtx& c) {
     dispatch(y.dtype(), [&]<class D>() {
       D* py = y.data<D>();
       for (int64_t i = 0; i < x.numel(); ++i) {
-        if constexpr (std::is_same_v<D, bool>) py[i] = px[i] != S(0);
-        else py[i] = static_cast<D>(px[i]);
+        if constexpr (std::is_same_v<D, bool>) {
+          py[i] = px[i] != S(0);
+        } else if constexpr (std::is_floating_point_v<S> && std::is_same_v<D, int64_t>) {
+          // NaN or out of range is undefined in C++; give what x86 (and so numpy) gives.
+          const double v = static_cast<double>(px[i]);
+          py[i] = v >= -9.2233720368547758e18 && v < 9.2233720368547758e18 ? static_cast<int64_t>(v)
+                                                                           : INT64_MIN;
+        } else {
+          py[i] = static_cast<D>(px[i]);
+        }
       }
     });
   });
