@@ -112,7 +112,11 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
   }
   Tensor t = Tensor::empty(shape, dt, alloc, cat, what);
   if (raw) {
-    if (want) std::memcpy(t.raw(), raw->data(), want);
+    if (dt == DType::Bool) {  // one byte each; any nonzero byte is true (a bool must hold 0 or 1)
+      for (int64_t i = 0; i < n; ++i) t.data<bool>()[i] = (*raw)[static_cast<size_t>(i)] != 0;
+    } else if (want) {
+      std::memcpy(t.raw(), raw->data(), want);
+    }
     return t;
   }
   switch (dt) {
