@@ -124,6 +124,10 @@ void infer_node(Graph& g, int node);
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
               Allocator& alloc);
 
+// Threads used by GEMMs (OpenBLAS); <= 0 leaves the library default.
+void set_num_threads(int n);
+int num_threads();
+
 // Family registration (each src/ops/*.cpp file).
 void register_elementwise_ops(std::vector<const OpDef*>& t);
 void register_linalg_ops(std::vector<const OpDef*>& t);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "graft/core.h"
+#include "graft/ir.h"
 
 namespace graft::cli {
 
@@ -25,8 +26,25 @@ struct InspectArgs {
 };
 int cmd_inspect(const InspectArgs& a);
 
+struct TrainArgs {
+  std::string model, loss, optimizer = "sgd", mode = "accumulate";
+  std::vector<std::string> input_shapes, input_files, freeze;
+  int steps = 10, threads = 0;
+  double lr = 0.01, momentum = 0, weight_decay = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  bool nesterov = false, set_to_none = false, check_finite = false, json = false;
+  int64_t max_memory = 0;
+  std::string save_grads, save_params;
+};
+int cmd_train(const TrainArgs& a);
+
 // Shared helpers.
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
+// Inputs for every graph input: from TensorProto files (by name, else in order), else random
+// normal floats (zeros for int64/bool) of the given or declared shape.
+std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
+                                          const std::vector<std::string>& files, Allocator& alloc);
+// Writes `t` as an ONNX TensorProto file, creating the folder.
+void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name);
 
 }  // namespace graft::cli

@@ -24,6 +24,31 @@ int main(int argc, char** argv) {
   i->add_option("model", ins.model, "ONNX model file")->required();
   i->add_flag("--json", ins.json, "Print JSON");
 
+  TrainArgs tr;
+  auto* t = app.add_subcommand("train", "Train a model on given or random inputs");
+  t->add_option("model", tr.model, "ONNX model file")->required();
+  t->add_option("--loss", tr.loss, "Name of the scalar loss output")->required();
+  t->add_option("--steps", tr.steps, "Training steps")->capture_default_str();
+  t->add_option("--optimizer", tr.optimizer, "sgd or adamw")->capture_default_str();
+  t->add_option("--lr", tr.lr, "Learning rate")->capture_default_str();
+  t->add_option("--momentum", tr.momentum, "SGD momentum")->capture_default_str();
+  t->add_flag("--nesterov", tr.nesterov, "SGD Nesterov momentum");
+  t->add_option("--weight-decay", tr.weight_decay, "Weight decay (decoupled for AdamW)")->capture_default_str();
+  t->add_option("--beta1", tr.beta1, "AdamW beta1")->capture_default_str();
+  t->add_option("--beta2", tr.beta2, "AdamW beta2")->capture_default_str();
+  t->add_option("--eps", tr.eps, "AdamW epsilon")->capture_default_str();
+  t->add_option("--mode", tr.mode, "Gradient delivery: hold, accumulate or hook")->capture_default_str();
+  t->add_flag("--set-to-none", tr.set_to_none, "zero_grad(set_to_none=True) before each step");
+  t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
+  t->add_option("--inputs", tr.input_files, "Input TensorProto .pb files (by name, else in order)");
+  t->add_option("--freeze", tr.freeze, "Parameters not to train (repeatable)");
+  t->add_flag("--check-finite", tr.check_finite, "Stop at the first op producing NaN/Inf");
+  t->add_option("--max-memory", tr.max_memory, "Refuse a plan whose peak exceeds this many bytes");
+  t->add_option("--threads", tr.threads, "GEMM threads (0: library default)");
+  t->add_flag("--json", tr.json, "One JSON object per step");
+  t->add_option("--save-grads", tr.save_grads, "Write the last step's gradients (grad_N.pb) into this folder");
+  t->add_option("--save-params", tr.save_params, "Write the final parameters (param_N.pb) into this folder");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -32,6 +57,7 @@ int main(int argc, char** argv) {
   try {
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
+    if (*t) return cmd_train(tr);
   } catch (const graft::Error& e) {
     std::fprintf(stderr, "graft: %s\n", e.what());
     return 2;

@@ -47,24 +47,26 @@ std::string human_bytes(int64_t b) {
   return buf;
 }
 
-int cmd_run(const RunArgs& a) {
-  Allocator& alloc = Allocator::global();
-  ImportOptions io;
-  io.alloc = &alloc;
-  Graph g = load_onnx(a.model, io);
+std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
+                                          const std::vector<std::string>& files, Allocator& alloc) {
   std::map<std::string, Tensor> inputs;
-  std::vector<int> unnamed_slots = g.inputs;
-  for (const auto& f : a.input_files) {
+  size_t next_slot = 0;
+  for (const auto& f : files) {
     std::string name;
     Tensor t = load_tensor_pb(f, &name);
-    if (name.empty() || g.find(name) < 0) {
-      GRAFT_CHECK(inputs.size() < g.inputs.size(), ErrorKind::InvalidArgument,
+    if (name.empty() || g.find(name) < 0 || g.values[g.find(name)].kind != ValueKind::Input) {
+      while (next_slot < g.inputs.size() && inputs.count(g.values[g.inputs[next_slot]].name)) ++next_slot;
+      GRAFT_CHECK(next_slot < g.inputs.size(), ErrorKind::InvalidArgument,
                   "more --inputs files than the model has inputs");
-      name = g.values[g.inputs[inputs.size()]].name;
+      name = g.values[g.inputs[next_slot]].name;
     }
-    inputs[name] = t;
+    inputs[name] = t.clone(alloc, Category::Workspace);
   }
-  auto shapes = parse_shapes(a.input_shapes);
+  for (const auto& [name, s] : shapes) {
+    int v = g.find(name);
+    GRAFT_CHECK(v >= 0 && g.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
+                "--input " + name + ": the model has no input of that name");
+  }
   std::mt19937_64 rng(0);
   std::normal_distribution<double> nd(0.0, 1.0);
   for (int v : g.inputs) {
@@ -83,6 +85,22 @@ int cmd_run(const RunArgs& a) {
     }
     inputs[val.name] = t;
   }
+  return inputs;
+}
+
+void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  GRAFT_CHECK(!ec, ErrorKind::Io, "cannot create folder '" + dir + "': " + ec.message());
+  save_tensor_pb(dir + "/" + file, t, name);
+}
+
+int cmd_run(const RunArgs& a) {
+  Allocator& alloc = Allocator::global();
+  ImportOptions io;
+  io.alloc = &alloc;
+  Graph g = load_onnx(a.model, io);
+  auto inputs = make_inputs(g, parse_shapes(a.input_shapes), a.input_files, alloc);
   RunOptions ro;
   ro.profile = a.profile;
   ro.check_finite = a.check_finite;
@@ -103,10 +121,8 @@ int cmd_run(const RunArgs& a) {
     }
     std::printf("output %s: %s %s mean=%.6g min=%.6g max=%.6g\n", g.values[g.outputs[i]].name.c_str(),
                 dtype_name(t.dtype()), shape_str(t.shape()).c_str(), t.numel() ? sum / t.numel() : 0.0, mn, mx);
-    if (!a.save_outputs_dir.empty()) {
-      std::filesystem::create_directories(a.save_outputs_dir);
-      save_tensor_pb(a.save_outputs_dir + "/output_" + std::to_string(i) + ".pb", t, g.values[g.outputs[i]].name);
-    }
+    if (!a.save_outputs_dir.empty())
+      save_tensor(a.save_outputs_dir, "output_" + std::to_string(i) + ".pb", t, g.values[g.outputs[i]].name);
   }
   std::printf("MA %s  MAX_MA %s (%lld bytes; run peak over start %s)  time %.3f ms\n",
               human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str(),

@@ -201,6 +201,13 @@ const OpDef kOps[] = {
 
 }  // namespace
 
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
+void set_num_threads(int n) {
+  if (n > 0) openblas_set_num_threads(n);
+}
+int num_threads() { return openblas_get_num_threads(); }
+
 void register_linalg_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);
 }
