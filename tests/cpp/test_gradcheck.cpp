@@ -258,3 +258,41 @@ TEST(GradCheckTied, SharedParameterGetsOneSummedGradient) {
     EXPECT_NEAR(gr.data<double>()[i], std::exp(x) * (1 + x), 1e-12);
   }
 }
+
+// An op without a gradient rule on the path to a parameter: a typed error naming the op, the node
+// and the parameter, raised while building the session (nothing has run or changed).
+TEST(GradCheckErrors, OpWithoutGradientRuleIsNamed) {
+  Allocator alloc;
+  Graph g;
+  int w = g.add_value("weight", ValueKind::Param, false);
+  g.values[w].data = Tensor::zeros({3}, DType::F64, alloc, Category::Parameter);
+  g.values[w].dtype = DType::F64;
+  g.values[w].shape = {3};
+  g.values[w].shape_known = true;
+  Node n;  // graft's own ReluGrad has a kernel but no gradient rule of its own
+  n.op = "ReluGrad";
+  n.domain = "graft";
+  n.name = "no_rule";
+  n.inputs = {w, w};
+  n.outputs = {g.add_value("r", ValueKind::Intermediate, false)};
+  g.add_node(n);
+  Node s;
+  s.op = "ReduceSum";
+  s.inputs = {g.find("r")};
+  s.attrs.set_int("keepdims", 0);
+  s.outputs = {g.add_value("loss", ValueKind::Intermediate, false)};
+  g.add_node(s);
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  try {
+    TrainSession t(std::move(g), o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::Unsupported);
+    EXPECT_NE(m.find("no_rule"), std::string::npos) << m;
+    EXPECT_NE(m.find("ReluGrad"), std::string::npos) << m;
+    EXPECT_NE(m.find("weight"), std::string::npos) << m;
+  }
+}
