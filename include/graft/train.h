@@ -2,9 +2,9 @@
 // persistent .grad buffers, and optimizers.
 //
 //   graft::SessionOptions o;  o.loss = "loss";  o.mode = graft::GradMode::Accumulate;
-//   auto s = graft::TrainSession::load("model.onnx", o, {{"x", {32, 784}}});
-//   graft::AdamW opt(s.trainable(), {.lr = 1e-3});
-//   for (...) { s.set_input("x", x); s.set_input("y", y); double loss = s.step(); opt.step(); s.zero_grad(); }
+//   auto s = graft::TrainSession::open("model.onnx", o, {{"x", {32, 784}}});
+//   graft::AdamW opt(s->trainable(), {.lr = 1e-3});
+//   for (...) { s->set_input("x", x); s->set_input("y", y); double loss = s->step(); opt.step(); s->zero_grad(); }
 #pragma once
 
 #include <functional>
@@ -47,9 +47,10 @@ class TrainSession {
  public:
   // Takes a loaded graph (parameters live in opt.alloc) and input shapes for symbolic dims.
   TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes = {});
-  static TrainSession load(const std::string& path, const SessionOptions& opt,
-                           const std::map<std::string, Shape>& input_shapes = {});
-  TrainSession(TrainSession&&) = default;
+  // Not movable: the executor refers to the graph. Hold sessions by unique_ptr.
+  TrainSession(TrainSession&&) = delete;
+  static std::unique_ptr<TrainSession> open(const std::string& path, const SessionOptions& opt,
+                                            const std::map<std::string, Shape>& input_shapes = {});
 
   void set_input(const std::string& name, Tensor t);
   // Forward + backward; gradients are delivered per mode. Returns the loss (NaN without a loss).
@@ -57,6 +58,9 @@ class TrainSession {
   // The same in two halves (the PyTorch front end): forward keeps what backward needs.
   void forward();
   void backward(const std::map<std::string, Tensor>& output_grads = {});
+  // Drops an in-flight run (forward without backward), releasing what it saved.
+  void cancel();
+  bool in_run() const { return in_run_; }
   // Graph outputs of the last forward.
   std::vector<Tensor> outputs() const;
   Tensor output(const std::string& name) const;
@@ -83,7 +87,8 @@ class TrainSession {
 
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive);
-  Graph g_;
+  std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
+  Graph& g_;
   SessionOptions opt_;
   Allocator* alloc_;
   BackwardGraph bg_;

@@ -35,15 +35,15 @@ void add_inplace(Tensor& dst, const Tensor& src) {
   }
 }
 
-TrainSession TrainSession::load(const std::string& path, const SessionOptions& opt,
-                                const std::map<std::string, Shape>& input_shapes) {
+std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const SessionOptions& opt,
+                                                 const std::map<std::string, Shape>& input_shapes) {
   ImportOptions io;
   io.alloc = opt.alloc ? opt.alloc : &Allocator::global();
-  return TrainSession(load_onnx(path, io), opt, input_shapes);
+  return std::make_unique<TrainSession>(load_onnx(path, io), opt, input_shapes);
 }
 
 TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes)
-    : g_(std::move(g)), opt_(opt), alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
+    : gp_(std::make_unique<Graph>(std::move(g))), g_(*gp_), opt_(opt), alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
   infer_shapes(g_, input_shapes);
   AutodiffOptions ao;
   ao.loss = opt.loss;
@@ -214,6 +214,13 @@ void TrainSession::backward(const std::map<std::string, Tensor>& output_grads) {
       deliver(params_[param_of_value_[bg_.params[i]]], std::move(grad), exclusive);
     }
   }
+}
+
+void TrainSession::cancel() {
+  if (in_run_) exec_->abort();
+  in_run_ = false;
+  forward_outputs_.clear();
+  last_kept_.clear();
 }
 
 double TrainSession::step() {

@@ -1,0 +1,180 @@
+// graft._graft: the thin pybind11 layer under graft.GraftModule.
+//
+// Tensors cross the boundary without copies: PyTorch memory comes in as (data pointer, shape,
+// dtype) and is wrapped as graft external storage (the Python side keeps those tensors alive for
+// as long as graft may read them); graft memory goes out as numpy arrays whose base is a capsule
+// owning a reference to the graft Storage, which torch.from_numpy shares. C++ never keeps a
+// Python object: the gradient hook is called during backward and released when the run ends.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "graft/ops.h"
+#include "graft/train.h"
+
+namespace py = pybind11;
+using namespace graft;
+
+namespace {
+
+DType parse_dtype(const std::string& s) {
+  if (s == "float32") return DType::F32;
+  if (s == "float64") return DType::F64;
+  if (s == "int64") return DType::I64;
+  if (s == "bool") return DType::Bool;
+  fail(ErrorKind::Unsupported, "dtype " + s + " is not supported by graft (float32, float64, int64, bool)");
+}
+
+Tensor wrap(uintptr_t ptr, const std::vector<int64_t>& shape, const std::string& dtype) {
+  return Tensor::external(reinterpret_cast<void*>(ptr), shape, parse_dtype(dtype), nullptr);
+}
+
+// What a numpy array of graft memory keeps alive: the block, and the allocator it returns to
+// (which may outlive the session: a .grad adopted by PyTorch lives as long as PyTorch wants).
+struct Keep {
+  std::shared_ptr<Allocator> alloc;  // destroyed last
+  std::shared_ptr<Storage> storage;
+};
+
+// A numpy array viewing graft memory; the capsule keeps the Storage (and its allocator) alive.
+py::array to_numpy(const Tensor& t, const std::shared_ptr<Allocator>& alloc) {
+  if (!t.defined()) return py::array();
+  auto* keep = new Keep{alloc, t.storage()};
+  py::capsule base(keep, [](void* p) { delete static_cast<Keep*>(p); });
+  py::dtype dt;
+  switch (t.dtype()) {
+    case DType::F32: dt = py::dtype::of<float>(); break;
+    case DType::F64: dt = py::dtype::of<double>(); break;
+    case DType::I64: dt = py::dtype::of<int64_t>(); break;
+    case DType::Bool: dt = py::dtype::of<bool>(); break;
+  }
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end()), strides(t.shape().size());
+  py::ssize_t s = static_cast<py::ssize_t>(dtype_size(t.dtype()));
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return py::array(dt, shape, strides, t.raw(), base);
+}
+
+py::dict memory_stats(const Allocator& a) {
+  py::dict d;
+  d["current"] = a.current();
+  d["peak"] = a.peak();
+  py::dict cur, at_peak;
+  for (int c = 0; c < kNumCategories; ++c) {
+    cur[category_name(static_cast<Category>(c))] = a.current(static_cast<Category>(c));
+    at_peak[category_name(static_cast<Category>(c))] = a.at_peak()[c];
+  }
+  d["by_category"] = cur;
+  d["at_peak"] = at_peak;
+  return d;
+}
+
+// Owns the session and its allocator.
+struct PySession {
+  std::shared_ptr<Allocator> alloc = std::make_shared<Allocator>();
+  std::unique_ptr<TrainSession> s;
+  py::object hook;  // set only for the duration of backward()
+
+  PySession(const std::string& path, const std::map<std::string, std::vector<int64_t>>& shapes,
+            const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
+            const std::vector<std::string>& input_grads, const std::string& mode, bool check_finite,
+            int64_t max_memory) {
+    SessionOptions o;
+    o.output_grads = output_grads;
+    o.freeze = freeze;
+    o.input_grads = input_grads;
+    o.mode = parse_grad_mode(mode);
+    o.check_finite = check_finite;
+    o.max_memory = max_memory;
+    o.alloc = alloc.get();
+    std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
+    s = TrainSession::open(path, o, sh);
+    s->set_hook([this](const Parameter& p, const Tensor& g) {
+      if (!hook.is_none()) hook(p.name, to_numpy(g, alloc));
+    });
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_graft, m) {
+  m.doc() = "graft's C++ runtime (internal; use graft.GraftModule)";
+  static py::exception<Error> graft_error(m, "GraftError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::object ex = graft_error;
+      PyErr_SetObject(ex.ptr(), py::make_tuple(e.what(), error_kind_name(e.kind())).ptr());
+    }
+  });
+  m.def("set_num_threads", &set_num_threads);
+  m.def("num_threads", &num_threads);
+
+  py::class_<PySession>(m, "Session")
+      .def(py::init<const std::string&, const std::map<std::string, std::vector<int64_t>>&,
+                    const std::vector<std::string>&, const std::vector<std::string>&,
+                    const std::vector<std::string>&, const std::string&, bool, int64_t>(),
+           py::arg("path"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
+           py::arg("input_grads"), py::arg("mode"), py::arg("check_finite") = false, py::arg("max_memory") = 0)
+      .def("parameters", [](PySession& p) {
+        std::vector<std::tuple<std::string, bool>> r;
+        for (const auto& q : p.s->parameters()) r.emplace_back(q.name, q.trainable);
+        return r;
+      })
+      .def("outputs_info", [](PySession& p) {
+        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
+        const Graph& g = p.s->graph();
+        for (int o : g.outputs) r.emplace_back(g.values[o].name, dtype_name(g.values[o].dtype), g.values[o].shape);
+        return r;
+      })
+      .def("bind_param", [](PySession& p, const std::string& name, uintptr_t ptr, const std::vector<int64_t>& shape,
+                            const std::string& dtype) { p.s->bind_parameter(name, wrap(ptr, shape, dtype)); })
+      // Binds an existing gradient buffer (accumulated into in place), or None (set_to_none).
+      .def("bind_grad", [](PySession& p, const std::string& name, std::optional<uintptr_t> ptr,
+                           const std::vector<int64_t>& shape, const std::string& dtype) {
+        Parameter& q = p.s->parameter(name);
+        q.grad = ptr ? wrap(*ptr, shape, dtype) : Tensor();
+      })
+      // The gradient graft adopted for `name` (a new buffer, when it was None), or None.
+      .def("take_grad", [](PySession& p, const std::string& name) -> py::object {
+        Parameter& q = p.s->parameter(name);
+        if (!q.grad.defined() || !q.grad.storage()->owner) return py::none();
+        py::array a = to_numpy(q.grad, p.alloc);
+        q.grad = Tensor();
+        return std::move(a);
+      })
+      .def("set_input", [](PySession& p, const std::string& name, uintptr_t ptr, const std::vector<int64_t>& shape,
+                           const std::string& dtype) { p.s->set_input(name, wrap(ptr, shape, dtype)); })
+      .def("forward", [](PySession& p) {
+        {
+          py::gil_scoped_release nogil;
+          p.s->forward();
+        }
+        std::vector<py::array> r;
+        for (const Tensor& t : p.s->outputs()) r.push_back(to_numpy(t, p.alloc));
+        return r;
+      })
+      .def("backward", [](PySession& p, const std::map<std::string, std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& grads,
+                          py::object hook) {
+        std::map<std::string, Tensor> og;
+        for (const auto& [n, g] : grads) og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g));
+        p.hook = hook;
+        try {
+          p.s->backward(og);
+        } catch (...) {
+          p.hook = py::none();
+          throw;
+        }
+        p.hook = py::none();
+      }, py::arg("grads"), py::arg("hook") = py::none())
+      .def("input_grad", [](PySession& p, const std::string& name) { return to_numpy(p.s->input_grad(name), p.alloc); })
+      .def("cancel", [](PySession& p) { p.s->cancel(); })
+      .def("in_run", [](PySession& p) { return p.s->in_run(); })
+      .def("memory", [](PySession& p) { return memory_stats(*p.alloc); })
+      .def("reset_peak", [](PySession& p) { p.alloc->reset_peak(); })
+      .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; });
+}
