@@ -4,6 +4,8 @@
 // docs/memory.md. H is chosen so that W > A, which makes the formulas single-termed.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "graft/models.h"
 #include "graft/train.h"
 
@@ -98,5 +100,51 @@ TEST(GradDelivery, ThreeModesGiveBitIdenticalGradients) {
     ASSERT_FALSE(acc.grads[i].empty());
     EXPECT_EQ(acc.grads[i], hold.grads[i]) << "param " << i;
     EXPECT_EQ(acc.grads[i], hook.grads[i]) << "param " << i;
+  }
+}
+
+// A failed allocation in the middle of a step is a typed error; the session stays usable and
+// every byte of the failed step is returned.
+TEST(GradDelivery, FailedAllocationLeavesSessionUsable) {
+  Allocator alloc;
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+  Tensor x = Tensor::zeros({B, H}, DType::F32, alloc, Category::Workspace);
+  s.set_input("x", x);
+  s.step();
+  s.zero_grad(false);
+  const int64_t before = alloc.current();
+  alloc.set_limit(before + L * A + W / 2);  // enough for the forward, not for a weight gradient
+  try {
+    s.step();
+    FAIL() << "expected OutOfMemory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::OutOfMemory);
+  }
+  EXPECT_FALSE(s.in_run());
+  // Everything the failed backward allocated is gone; only the forward outputs (the new loss,
+  // replacing the previous one) remain readable.
+  EXPECT_EQ(alloc.current(), before);
+  alloc.set_limit(0);
+  double loss = s.step();
+  EXPECT_TRUE(std::isfinite(loss));
+}
+
+TEST(GradDelivery, MemoryBudgetIsCheckedBeforeAnyRun) {
+  Allocator alloc;
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  o.max_memory = 1000;  // far below parameters alone
+  try {
+    TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+    FAIL() << "expected OutOfMemory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::OutOfMemory);
+    std::string m = e.what();
+    EXPECT_NE(m.find("budget of 1000"), std::string::npos) << m;
+    EXPECT_NE(m.find("biggest live values"), std::string::npos) << m;
   }
 }
