@@ -37,6 +37,16 @@ struct TrainArgs {
 };
 int cmd_train(const TrainArgs& a);
 
+// The seed's benchmark (src/cli/bench.cpp): linear_stack(B, H, L) trained with SGD per mode.
+struct BenchArgs {
+  int64_t batch = 256, hidden = 1024, layer = 4;
+  int steps = 3, threads = 0;
+  std::string mode = "all";  // hold, accumulate, hook or all
+  bool set_to_none = false, json = false, timeline_json = false;
+  std::string trace;
+};
+int cmd_bench(const BenchArgs& a);
+
 // Shared helpers.
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);

@@ -49,6 +49,19 @@ int main(int argc, char** argv) {
   t->add_option("--save-grads", tr.save_grads, "Write the last step's gradients (grad_N.pb) into this folder");
   t->add_option("--save-params", tr.save_params, "Write the final parameters (param_N.pb) into this folder");
 
+  BenchArgs be;
+  auto* b = app.add_subcommand("bench", "The seed's benchmark: L x [Linear(H,H)+ReLU] trained with SGD, memory and time per mode");
+  b->add_option("--batch", be.batch, "Batch size B")->capture_default_str();
+  b->add_option("--hidden", be.hidden, "Hidden size H")->capture_default_str();
+  b->add_option("--layer", be.layer, "Number of layers L")->capture_default_str();
+  b->add_option("--steps", be.steps, "Timed steps (after one warm-up step)")->capture_default_str();
+  b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook or all")->capture_default_str();
+  b->add_flag("--set-to-none", be.set_to_none, "zero_grad(set_to_none=True) before each step");
+  b->add_option("--threads", be.threads, "GEMM threads (0: library default)")->capture_default_str();
+  b->add_flag("--json", be.json, "Print one JSON object (config + rows)");
+  b->add_flag("--timeline-json", be.timeline_json, "JSON (as --json) with each mode's allocator timeline of the last step");
+  b->add_option("--trace", be.trace, "Write a Chrome trace-event JSON of the last step (chrome://tracing, Perfetto)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -58,6 +71,7 @@ int main(int argc, char** argv) {
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
     if (*t) return cmd_train(tr);
+    if (*b) return cmd_bench(be);
   } catch (const graft::Error& e) {
     std::fprintf(stderr, "graft: %s\n", e.what());
     return 2;
