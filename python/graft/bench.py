@@ -1,0 +1,343 @@
+"""The seed's benchmark: PyTorch eager against graft's gradient-delivery modes, each in its own process.
+
+    /usr/bin/python3 -m graft.bench --batch 256 --hidden 1024 --layer 4 [--steps 3] [--set-to-none]
+                                    [--threads T] [--json] [--plot memory.png] [--graft-bin PATH]
+
+The model is the seed's: L x (nn.Linear(H, H), nn.ReLU()), loss = out.mean(), torch.optim.SGD with
+lr 0.01 and no momentum, optimizer.zero_grad(set_to_none=...) before each step. Every system runs
+in a fresh process with the same thread count: PyTorch as ``python3 -m graft.bench --worker torch``
+and graft as ``graft bench --mode M --json``. Each does one warm-up step, then N timed steps, and
+measures the peak resident-memory delta of a step the same way: write "5" to /proc/self/clear_refs
+(VmHWM := VmRSS) at the step's start, read VmHWM after the optimizer step, subtract VmRSS at the
+start. Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
+allocator statistics), the peak RSS delta (max over the timed steps), seconds per step (median),
+and the ratios of RSS delta and time to PyTorch eager.
+
+The graft binary is --graft-bin, else $GRAFT_BIN, else bin/graft under the install prefix this
+package was installed to (<prefix>/lib/python3/dist-packages/graft -> <prefix>/bin/graft), else
+`graft` on PATH.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("hold", "accumulate", "hook")
+PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class BenchError(Exception):
+    pass
+
+
+# --- measurement helpers (the same protocol as src/cli/bench.cpp) -------------------------------
+def _status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def _reset_hwm():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def flops_per_step(b, h, layers):
+    """3 GEMMs of 2*B*H*H per layer (forward, dX, dW); the first layer has no dX."""
+    return 2.0 * b * h * h * (3 * layers - 1)
+
+
+def torch_worker(a):
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(a.layer):
+        layers += [nn.Linear(a.hidden, a.hidden), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(a.batch, a.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hwm_ok = _reset_hwm()
+    secs, rss = [], []
+    loss = None
+    for k in range(a.steps + 1):  # k = 0: warm-up
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=a.set_to_none)
+        rss0 = _status_bytes("VmRSS")
+        if hwm_ok:
+            _reset_hwm()
+        loss = model(x).mean()
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        hwm = _status_bytes("VmHWM")
+        if k == 0:
+            continue
+        secs.append(t1 - t0)
+        rss.append(hwm - rss0 if hwm_ok and hwm >= 0 and rss0 >= 0 else -1)
+    sec = statistics.median(secs)
+    return {
+        "system": "pytorch",
+        "mode": "eager",
+        "ma_bytes": None,
+        "max_ma_bytes": None,
+        "peak_rss_delta_bytes": max(rss),
+        "peak_rss_delta_bytes_per_step": rss,
+        "step_seconds": sec,
+        "step_seconds_per_step": secs,
+        "gflops": flops_per_step(a.batch, a.hidden, a.layer) / sec / 1e9 if sec > 0 else 0.0,
+        "loss": float(loss),
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+    }
+
+
+# --- the driver ----------------------------------------------------------------------------------
+def find_graft_bin(explicit):
+    for given, what in ((explicit, "--graft-bin"), (os.environ.get("GRAFT_BIN"), "GRAFT_BIN")):
+        if given:
+            found = shutil.which(given)  # a path to an executable, or a name on PATH
+            if not found:
+                raise BenchError(f"{what} {given!r} is not an executable file")
+            return found
+    # <prefix>/lib/python3/dist-packages/graft -> <prefix>/bin/graft
+    prefix_bin = os.path.normpath(os.path.join(PKG_DIR, "..", "..", "..", "..", "bin", "graft"))
+    if os.path.isfile(prefix_bin) and os.access(prefix_bin, os.X_OK):
+        return prefix_bin
+    on_path = shutil.which("graft")
+    if on_path:
+        return on_path
+    raise BenchError("cannot find the graft binary: pass --graft-bin PATH or set GRAFT_BIN")
+
+
+def _size_args(a):
+    out = ["--batch", str(a.batch), "--hidden", str(a.hidden), "--layer", str(a.layer),
+           "--steps", str(a.steps), "--threads", str(a.threads)]
+    if a.set_to_none:
+        out.append("--set-to-none")
+    return out
+
+
+def _run_json(cmd, what, env=None):
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    except OSError as e:
+        raise BenchError(f"{what}: cannot run {cmd[0]}: {e.strerror}")
+    if p.returncode != 0:
+        lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+        raise BenchError(f"{what} failed (exit {p.returncode}): {lines[-1] if lines else 'no message'}")
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise BenchError(f"{what} printed no JSON")
+
+
+def run_torch(a):
+    env = dict(os.environ)
+    parent = os.path.dirname(PKG_DIR)
+    env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "graft.bench", "--worker", "torch", *_size_args(a)]
+    return _run_json(cmd, "the PyTorch worker", env)
+
+
+def run_graft(a, graft_bin, mode, timeline):
+    cmd = [graft_bin, "bench", "--mode", mode, "--json", *_size_args(a)]
+    if timeline:
+        cmd.append("--timeline-json")
+    return _run_json(cmd, f"graft bench --mode {mode}")
+
+
+def _ratio(x, ref):
+    if x is None or ref is None or ref <= 0 or x < 0:
+        return None
+    return x / ref
+
+
+def _human(b):
+    if b is None:
+        return "-"
+    if b < 0:
+        return "n/a"
+    v, units = float(b), ["B", "KiB", "MiB", "GiB", "TiB"]
+    i = 0
+    while abs(v) >= 1024 and i < 4:
+        v /= 1024
+        i += 1
+    return f"{v:.0f} {units[i]}" if i == 0 else f"{v:.2f} {units[i]}"
+
+
+def _fmt_ratio(r):
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def print_table(doc):
+    c = doc["config"]
+    print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} fp32, SGD lr 0.01, "
+          f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
+          f"{c['threads']} thread(s), each row its own process")
+    hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "s/step", "GFLOP/s", "RSS ratio", "time ratio")
+    fmt = "{:<8} {:<11} {:>11} {:>11} {:>15} {:>10} {:>8} {:>10} {:>10}"
+    print(fmt.format(*hdr))
+    for r in doc["rows"]:
+        print(fmt.format(r["system"], r["mode"], _human(r["ma_bytes"]), _human(r["max_ma_bytes"]),
+                         _human(r["peak_rss_delta_bytes"]), f"{r['step_seconds']:.4f}",
+                         f"{r.get('gflops', 0.0):.1f}", _fmt_ratio(r.get("rss_ratio")),
+                         _fmt_ratio(r.get("time_ratio"))))
+    if c.get("sgemm_gflops") is not None:
+        print(f"ceiling: sgemm {c['batch']}x{c['hidden']}x{c['hidden']} {c['sgemm_gflops']:.1f} GFLOP/s "
+              f"(timed in the graft processes)")
+    print("ratios are to PyTorch eager; MA / MAX_MA are graft's allocator (CPU PyTorch has no allocator stats)")
+
+
+def plot(path, doc, timelines):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = doc["config"]
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    colors = {"hold": "tab:red", "accumulate": "tab:blue", "hook": "tab:green"}
+    styles = {"hold": "-", "accumulate": "-", "hook": "--"}
+    mib = 1024.0 * 1024.0
+    for mode, tl in timelines.items():
+        cols = tl["columns"]
+        si, bi = cols.index("step"), cols.index("bytes")
+        n = tl["n_steps"]
+        start = tl["start_bytes"]
+        # Highest allocator bytes within each executor step (x = -1: before the first op, n: after
+        # the last, i.e. hold's delivery into .grad and the optimizer); carried across silent steps.
+        peak_at, last_at = {}, {}
+        for e in tl["events"]:
+            peak_at[e[si]] = max(peak_at.get(e[si], e[bi]), e[bi])
+            last_at[e[si]] = e[bi]
+        xs, ys, cur = [], [], start
+        for x in range(-1, n + 1):
+            xs.append(x)
+            ys.append((peak_at.get(x, cur) - start) / mib)
+            cur = last_at.get(x, cur)  # the level after the step
+        xs.append(n + 1)  # where the step ends: MA
+        ys.append((cur - start) / mib)
+        ax.step(xs, ys, where="post", color=colors.get(mode), linestyle=styles.get(mode),
+                label=f"graft {mode} ({n} ops; MAX_MA - start = {(max(ys)):.2f} MiB)")
+        if tl.get("barrier_step", -1) >= 0 and mode == "accumulate":
+            ax.axvline(tl["barrier_step"], color="gray", linestyle=":", linewidth=1)
+            ax.text(tl["barrier_step"], 0, " end of forward", color="gray", va="bottom", fontsize=8)
+    torch_row = next((r for r in doc["rows"] if r["system"] == "pytorch"), None)
+    if torch_row is not None and torch_row["peak_rss_delta_bytes"] >= 0:
+        ax.axhline(torch_row["peak_rss_delta_bytes"] / mib, color="black", linestyle="-.", linewidth=1,
+                   label=f"PyTorch eager peak RSS delta ({torch_row['peak_rss_delta_bytes'] / mib:.2f} MiB)")
+    ax.set_xlabel("op index (executor step; -1 = before the run, last = gradient delivery + SGD)")
+    ax.set_ylabel("MiB above the step's start (graft allocator)")
+    ax.set_title(f"Memory over one training step: B={c['batch']} H={c['hidden']} L={c['layer']}, "
+                 f"set_to_none={str(c['set_to_none']).lower()}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr, not the usage block
+        self.exit(2, f"graft.bench: error: {message}\n")
+
+
+def build_parser():
+    p = _Parser(prog="python3 -m graft.bench",
+                                description="The seed's benchmark: PyTorch eager vs graft hold/accumulate/hook")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layer", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for both systems (default: os.cpu_count())")
+    p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
+    p.add_argument("--plot", metavar="FILE.png", help="draw graft's memory over a step against PyTorch's peak")
+    p.add_argument("--graft-bin", metavar="PATH", help="the graft binary (else $GRAFT_BIN, install prefix, PATH)")
+    p.add_argument("--modes", default=",".join(MODES), help="graft modes to run (comma-separated)")
+    p.add_argument("--worker", choices=["torch"], help=argparse.SUPPRESS)
+    return p
+
+
+def validate(a):
+    for name in ("batch", "hidden", "layer", "steps"):
+        if getattr(a, name) <= 0:
+            raise BenchError(f"--{name} must be positive (got {getattr(a, name)})")
+    if a.threads is None:
+        a.threads = os.cpu_count() or 1
+    if a.threads <= 0:
+        raise BenchError(f"--threads must be positive (got {a.threads})")
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise BenchError(f"--modes takes hold, accumulate, hook (got {a.modes!r})")
+    a.modes = modes
+    if a.plot:
+        d = os.path.dirname(os.path.abspath(a.plot))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise BenchError(f"cannot write --plot {a.plot!r}: {d} is not a writable folder")
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    try:
+        validate(a)
+        if a.worker == "torch":
+            print(json.dumps(torch_worker(a)))
+            return 0
+        graft_bin = find_graft_bin(a.graft_bin)
+        torch_row = run_torch(a)
+        rows = [torch_row]
+        timelines = {}
+        sgemm = []
+        for m in a.modes:
+            doc = run_graft(a, graft_bin, m, timeline=bool(a.plot))
+            row = doc["rows"][0]
+            if "timeline" in row:
+                timelines[m] = row.pop("timeline")
+            sgemm.append(doc["config"].get("sgemm_gflops"))
+            rows.append(row)
+        ref_rss, ref_sec = torch_row["peak_rss_delta_bytes"], torch_row["step_seconds"]
+        for r in rows:
+            r["rss_ratio"] = _ratio(r["peak_rss_delta_bytes"], ref_rss)
+            r["time_ratio"] = _ratio(r["step_seconds"], ref_sec)
+        sg = [s for s in sgemm if s is not None]
+        out = {
+            "config": {
+                "batch": a.batch, "hidden": a.hidden, "layer": a.layer, "steps": a.steps,
+                "warmup_steps": 1, "set_to_none": a.set_to_none, "threads": a.threads, "dtype": "float32",
+                "lr": 0.01, "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
+                "sgemm_gflops": max(sg) if sg else None, "graft_bin": graft_bin,
+                "python": sys.executable,
+            },
+            "rows": rows,
+        }
+        if a.plot:
+            plot(a.plot, out, timelines)
+        if a.json:
+            print(json.dumps(out))
+        else:
+            print_table(out)
+            if a.plot:
+                print(f"plot written to {a.plot}")
+        return 0
+    except BenchError as e:
+        print(f"graft.bench: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
