@@ -117,7 +117,8 @@ const OpDef& op_for(const Node& n);
 // Binds graph-input shapes, runs static shape inference over every node, and folds constant
 // subgraphs (Shape -> Gather -> Concat -> Reshape ...). `shapes` gives concrete shapes for inputs
 // with symbolic dims; missing ones are an InvalidArgument error naming the input and its dims.
-void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {});
+// Folded constants are allocated from `alloc` (nullptr: Allocator::global()).
+void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {}, Allocator* alloc = nullptr);
 // Infers one node (used by the autodiff driver for nodes it emits).
 void infer_node(Graph& g, int node);
 // Runs one node's kernel on concrete tensors (tests, folding).

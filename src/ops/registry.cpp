@@ -98,7 +98,7 @@ void InferCtx::set_out(int i, DType dt, const Shape& s) {
 void InferCtx::error(ErrorKind k, const std::string& msg) const { fail(k, node().label() + ": " + msg); }
 
 int InferCtx::axis(int64_t a, int rank, const char* what) const {
-  if (a < -rank || a >= std::max(rank, 1))
+  if (a < -rank || a >= rank)
     error(ErrorKind::InvalidModel, std::string(what) + " " + std::to_string(a) +
                                        " is out of range for rank " + std::to_string(rank));
   return static_cast<int>(a < 0 ? a + rank : a);
@@ -132,7 +132,9 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
   d.kernel(ctx);
 }
 
-void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes) {
+constexpr int64_t kMaxFoldBytes = int64_t(16) << 20;
+
+void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocator* fold_alloc) {
   for (const auto& [name, s] : shapes) {
     int v = g.find(name);
     GRAFT_CHECK(v >= 0 && g.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
@@ -167,7 +169,7 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes) {
                                            "]; give its shape (e.g. --input " + val.name + "=2x3)");
     }
   }
-  Allocator& alloc = Allocator::global();
+  Allocator& alloc = fold_alloc ? *fold_alloc : Allocator::global();
   for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
     if (g.nodes[ni].dead) continue;
     infer_node(g, static_cast<int>(ni));
@@ -179,6 +181,12 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes) {
       if (v >= 0 && g.values[v].kind != ValueKind::Constant) all_const = false;
     bool is_shape = n.op == "Shape" && n.domain.empty();
     if (!all_const && !is_shape) continue;
+    // Folding allocates at plan time, from sizes the model declares: fold only small results
+    // (shape arithmetic), and leave big ones to the executor, whose allocations are checked.
+    int64_t out_bytes = 0;
+    for (int o : n.outputs)
+      if (o >= 0) out_bytes += numel(g.values[o].shape) * static_cast<int64_t>(dtype_size(g.values[o].dtype));
+    if (out_bytes > kMaxFoldBytes) continue;
     std::vector<const Tensor*> ins;
     Tensor placeholder;
     for (int v : n.inputs) ins.push_back(v >= 0 ? &g.values[v].data : nullptr);

@@ -30,6 +30,7 @@ void infer_reshape(InferCtx& c) {
     }
     c.check(d >= 0, "shape " + shape_str(spec) + " has a negative entry");
     out[i] = d;
+    c.check(d == 0 || known <= INT64_MAX / d, "shape " + shape_str(spec) + " overflows int64");
     known *= d;
   }
   int64_t n = numel(in);
@@ -146,6 +147,7 @@ void infer_concat(InferCtx& c) {
     for (int k = 0; k < r; ++k)
       if (k != ax) c.check(s[k] == out[k], "input '" + c.in(i).name + "' of shape " + shape_str(s) +
                                                " does not match " + shape_str(c.shape(0)) + " off the concat axis");
+    c.check(s[ax] <= INT64_MAX - out[ax], "concatenated size overflows int64");
     out[ax] += s[ax];
   }
   c.set_out(0, c.dtype(0), out);
@@ -192,7 +194,7 @@ std::vector<int64_t> split_sizes(InferCtx& c) {
                                                            " entries for " + std::to_string(c.n_out()) + " outputs");
     int64_t t = 0;
     for (int64_t v : sz) {
-      c.check(v >= 0, "negative split size");
+      c.check(v >= 0 && v <= s[ax] - t, "split sizes " + shape_str(sz) + " do not sum to " + std::to_string(s[ax]));
       t += v;
     }
     c.check(t == s[ax], "split sizes sum to " + std::to_string(t) + ", not " + std::to_string(s[ax]));
@@ -298,7 +300,7 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
     if (seen[a]) err("axis repeated");
     seen[a] = true;
     int64_t dim = s[a], st = steps[i], b = starts[i], e = ends[i];
-    if (st == 0) err("step 0");
+    if (st == 0 || st == INT64_MIN) err("step " + std::to_string(st) + " is not allowed");
     if (dim == 0) {  // nothing to take (and the clamping below needs dim >= 1)
       sp.step[a] = st;
       sp.out[a] = 0;
@@ -310,11 +312,11 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
     if (st > 0) {
       b = std::clamp<int64_t>(b, 0, dim);
       e = std::clamp<int64_t>(e, 0, dim);
-      len = e > b ? (e - b + st - 1) / st : 0;
+      len = e > b ? (e - b - 1) / st + 1 : 0;
     } else {
       b = std::clamp<int64_t>(b, 0, dim - 1);
       e = std::clamp<int64_t>(e, -1, dim - 1);
-      len = b > e ? (b - e + (-st) - 1) / (-st) : 0;
+      len = b > e ? (b - e - 1) / (-st) + 1 : 0;
     }
     sp.start[a] = b;
     sp.step[a] = st;

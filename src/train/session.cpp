@@ -44,7 +44,7 @@ std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const 
 
 TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes)
     : gp_(std::make_unique<Graph>(std::move(g))), g_(*gp_), opt_(opt), alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
-  infer_shapes(g_, input_shapes);
+  infer_shapes(g_, input_shapes, alloc_);
   AutodiffOptions ao;
   ao.loss = opt.loss;
   ao.output_grads = opt.output_grads;
