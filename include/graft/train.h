@@ -38,7 +38,8 @@ struct SessionOptions {
   GradMode mode = GradMode::Accumulate;
   bool check_finite = false;  // stop at the first op producing NaN/Inf, naming it
   bool profile = false;
-  bool timeline = false;      // record the allocator timeline per step
+  bool timeline = false;      // tag allocator events with the executor step (recording itself is
+                              // switched on with Allocator::set_timeline)
   int64_t max_memory = 0;     // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
   Allocator* alloc = nullptr; // nullptr: Allocator::global()
 };
