@@ -55,6 +55,8 @@ inline bool is_float(DType t) { return t == DType::F32 || t == DType::F64; }
 using Shape = std::vector<int64_t>;
 // Number of elements; throws InvalidModel on a negative dim or an int64 overflow.
 int64_t numel(const Shape& s);
+// The same, with `what` (e.g. "input 'x'") named in the error.
+int64_t numel(const Shape& s, const std::string& what);
 std::string shape_str(const Shape& s);
 
 // ---------------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
     for (int64_t d : s)
       GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument,
                   "input '" + val.name + "' has a symbolic shape; give it with --input " + val.name + "=...");
+    numel(s, "input '" + val.name + "'");
     Tensor t = Tensor::zeros(s, val.dtype, alloc, Category::Workspace, val.name);
     for (int64_t i = 0; i < t.numel(); ++i) {
       if (val.dtype == DType::F32) t.data<float>()[i] = static_cast<float>(nd(rng));

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 
 namespace graft {
 
@@ -21,8 +22,28 @@ const char* error_kind_name(ErrorKind k) {
   return "error";
 }
 
+namespace {
+// Names in messages come from untrusted files: escape control and non-ASCII bytes so a message is
+// always one printable line (no terminal escapes, no broken UTF-8).
+std::string printable(const std::string& m) {
+  std::string r;
+  r.reserve(m.size());
+  for (unsigned char c : m) {
+    if (c >= 0x20 && c < 0x7f) {
+      r += static_cast<char>(c);
+    } else {
+      static const char* hex = "0123456789abcdef";
+      r += "\\x";
+      r += hex[c >> 4];
+      r += hex[c & 15];
+    }
+  }
+  return r;
+}
+}  // namespace
+
 Error::Error(ErrorKind kind, const std::string& msg)
-    : std::runtime_error(std::string(error_kind_name(kind)) + ": " + msg), kind_(kind) {}
+    : std::runtime_error(std::string(error_kind_name(kind)) + ": " + printable(msg)), kind_(kind) {}
 
 void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
 
@@ -55,6 +76,14 @@ int64_t numel(const Shape& s) {
     n *= d;
   }
   return n;
+}
+
+int64_t numel(const Shape& s, const std::string& what) {
+  try {
+    return numel(s);
+  } catch (const Error& e) {
+    throw Error(e.kind(), what + ": " + std::string(e.what()).substr(std::string(error_kind_name(e.kind())).size() + 2));
+  }
 }
 
 std::string shape_str(const Shape& s) {
@@ -94,10 +123,8 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
                                      std::to_string(limit_) + " bytes (" +
                                      std::to_string(current_) + " in use)");
   auto s = std::make_shared<Storage>();
-  // aligned_alloc needs a multiple of the alignment; the padding is not accounted (exact bytes).
-  size_t padded = (bytes + 63) / 64 * 64;
-  if (padded == 0) padded = 64;
-  s->data = std::aligned_alloc(64, padded);
+  // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the end.
+  s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
   if (!s->data)
     fail(ErrorKind::OutOfMemory, "the system refused " + std::to_string(bytes) + " bytes" +
                                      (what.empty() ? "" : " for '" + what + "'"));
@@ -116,7 +143,7 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
 }
 
 void Allocator::release(Storage& s) {
-  std::free(s.data);
+  ::operator delete(s.data, std::align_val_t(64));
   current_ -= static_cast<int64_t>(s.bytes);
   by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
   s.data = nullptr;

@@ -107,7 +107,14 @@ void Executor::run_to(int end_step) {
         const Value& ov = g_.values[o];
         if (d.alias) vals_[o] = vals_[n.inputs[0]].reshaped(ov.shape);
         else if (i == 0 && st.inplace_in >= 0) vals_[o] = vals_[st.inplace_in];
-        else vals_[o] = Tensor::empty(ov.shape, ov.dtype, alloc_, ov.category, ov.name);
+        else {
+          try {
+            vals_[o] = Tensor::empty(ov.shape, ov.dtype, alloc_, ov.category, ov.name);
+          } catch (const Error& e) {
+            if (e.kind() != ErrorKind::OutOfMemory) throw;
+            fail(ErrorKind::OutOfMemory, n.label() + ": " + std::string(e.what()).substr(15));
+          }
+        }
         outs[i] = &vals_[o];
       }
       if (!d.alias) {

@@ -88,7 +88,12 @@ void InferCtx::set_out(int i, DType dt, const Shape& s) {
   if (!has_out(i)) return;
   for (int64_t d : s)
     if (d < 0) error(ErrorKind::ShapeMismatch, "computed a negative dimension in " + shape_str(s));
-  numel(s);  // overflow check
+  try {
+    numel(s);  // overflow check
+  } catch (const Error& e) {
+    error(ErrorKind::InvalidModel, "output '" + g_.values[node().outputs[i]].name + "' would have shape " +
+                                       shape_str(s) + ", more elements than int64 holds");
+  }
   Value& v = g_.values[node().outputs[i]];
   v.dtype = dt;
   v.shape = s;
@@ -157,7 +162,7 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
       }
       for (int64_t d : s)
         GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument, "input '" + val.name + "': negative dimension");
-      numel(s);
+      numel(s, "input '" + val.name + "'");
       val.shape = s;
       val.shape_known = true;
     }

@@ -23,7 +23,8 @@ def graft_bin():
 
 
 def run_graft(*args, check=True):
-    p = subprocess.run([graft_bin(), *map(str, args)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run([graft_bin(), *map(str, args)], capture_output=True, text=True, errors="replace",
+                       timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"graft {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
