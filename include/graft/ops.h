@@ -129,6 +129,12 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
 void set_num_threads(int n);
 int num_threads();
 
+// Dropout's random stream: each active Dropout kernel seeds its generator from the node's seed and
+// a process-wide counter, which it then advances. Checkpoints save and restore the counter so a
+// resumed run draws the same masks as an uninterrupted one.
+uint64_t dropout_rng_state();
+void set_dropout_rng_state(uint64_t state);
+
 // Family registration (each src/ops/*.cpp file).
 void register_elementwise_ops(std::vector<const OpDef*>& t);
 void register_linalg_ops(std::vector<const OpDef*>& t);

@@ -72,6 +72,7 @@ class TrainSession {
   void set_hook(GradHook h) { hook_ = std::move(h); }
 
   std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
   std::vector<Parameter*> trainable();
   Parameter& parameter(const std::string& name);
   // Shares external memory as a parameter's weights (zero-copy); shape and dtype must match.
@@ -114,6 +115,9 @@ class Optimizer {
   virtual void step() = 0;
   void zero_grad(bool set_to_none = true);
   int64_t steps() const { return t_; }
+  // For checkpoints (graft/checkpoint.h): the parameters updated, in order, and the step count.
+  const std::vector<Parameter*>& params() const { return params_; }
+  void set_steps(int64_t t) { t_ = t; }
 
  protected:
   std::vector<Parameter*> params_;
@@ -132,6 +136,10 @@ class SGD final : public Optimizer {
   SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc = nullptr);
   void step() override;
   SGDOptions options;
+  // Momentum buffers, one per parameter (undefined until the parameter's first step).
+  std::vector<Tensor>& momentum_buffer() { return buf_; }
+  const std::vector<Tensor>& momentum_buffer() const { return buf_; }
+  Allocator& allocator() const { return *alloc_; }
 
  private:
   Allocator* alloc_;
@@ -152,6 +160,12 @@ class AdamW final : public Optimizer {
   AdamWOptions options;
   std::vector<Tensor>& exp_avg() { return m_; }
   std::vector<Tensor>& exp_avg_sq() { return v_; }
+  const std::vector<Tensor>& exp_avg() const { return m_; }
+  const std::vector<Tensor>& exp_avg_sq() const { return v_; }
+  // Steps taken per parameter (PyTorch's state['step']); 0 = no state yet.
+  std::vector<int64_t>& param_steps() { return steps_; }
+  const std::vector<int64_t>& param_steps() const { return steps_; }
+  Allocator& allocator() const { return *alloc_; }
 
  private:
   Allocator* alloc_;

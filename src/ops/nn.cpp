@@ -415,6 +415,9 @@ const OpDef kOps[] = {
 
 }  // namespace
 
+uint64_t dropout_rng_state() { return dropout_counter(); }
+void set_dropout_rng_state(uint64_t state) { dropout_counter() = state; }
+
 void register_nn_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);
 }
