@@ -126,3 +126,32 @@ def test_inference_matches_eager(name, opset, tmp_path):
     with torch.no_grad():
         ref = wrapped(args[0]).numpy()
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum_nesterov_wd", "sgd_plain"])
+def test_sgd_matches_torch(case, opt, tmp_path):
+    name, model, args, d, files = case
+    momentum, nesterov, wd = (0.9, True, 0.01) if opt != "sgd_plain" else (0.0, False, 0.0)
+    cmd = ["train", d / "model.onnx", "--loss", "loss", "--steps", 4, "--optimizer", "sgd", "--lr", "0.05",
+           "--momentum", momentum, "--weight-decay", wd, "--json", "--save-params", tmp_path / "params",
+           "--inputs", *files]
+    if nesterov:
+        cmd.append("--nesterov")
+    for f in frozen_names(model):
+        cmd += ["--freeze", f]
+    steps = json_lines(run_graft(*cmd).stdout)
+    params = load_pbs(tmp_path / "params", "param")
+    m = copy.deepcopy(model)
+    o = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, momentum=momentum,
+                        nesterov=nesterov, weight_decay=wd)
+    losses = []
+    for _ in range(4):
+        o.zero_grad()
+        loss = m(*args)
+        loss.backward()
+        losses.append(loss.item())
+        o.step()
+    np.testing.assert_allclose([s["loss"] for s in steps], losses, rtol=RTOL, atol=ATOL)
+    for n, p in m.named_parameters():
+        if n in params:
+            np.testing.assert_allclose(params[n], p.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n)
