@@ -34,6 +34,9 @@ struct TrainArgs {
   bool nesterov = false, set_to_none = false, check_finite = false, json = false;
   int64_t max_memory = 0;
   std::string save_grads, save_params;
+  std::string checkpoint;  // folder of checkpoints (docs/checkpoints.md)
+  int checkpoint_every = 0, checkpoint_keep = 2;
+  bool resume = false;
 };
 int cmd_train(const TrainArgs& a);
 

@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
   t->add_flag("--json", tr.json, "One JSON object per step");
   t->add_option("--save-grads", tr.save_grads, "Write the last step's gradients (grad_N.pb) into this folder");
   t->add_option("--save-params", tr.save_params, "Write the final parameters (param_N.pb) into this folder");
+  t->add_option("--checkpoint", tr.checkpoint, "Folder for crash-safe checkpoints (ckpt-STEP.graft); one is written after the last step");
+  t->add_option("--checkpoint-every", tr.checkpoint_every, "Also checkpoint every K steps (0: only after the last)")->capture_default_str();
+  t->add_option("--checkpoint-keep", tr.checkpoint_keep, "Checkpoints to keep (>= 2)")->capture_default_str();
+  t->add_flag("--resume", tr.resume, "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
 
   BenchArgs be;
   auto* b = app.add_subcommand("bench", "The seed's benchmark: L x [Linear(H,H)+ReLU] trained with SGD, memory and time per mode");

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "graft/checkpoint.h"
 #include "graft/ops.h"
 #include "graft/train.h"
 
@@ -12,6 +13,18 @@ namespace graft::cli {
 int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(a.steps >= 0, ErrorKind::InvalidArgument, "--steps must be >= 0");
   GRAFT_CHECK(a.lr >= 0, ErrorKind::InvalidArgument, "--lr must be >= 0");
+  GRAFT_CHECK(a.checkpoint_every >= 0, ErrorKind::InvalidArgument, "--checkpoint-every must be >= 0");
+  GRAFT_CHECK(a.checkpoint_keep >= 2, ErrorKind::InvalidArgument, "--checkpoint-keep must be >= 2 (the previous good checkpoint stays)");
+  GRAFT_CHECK(!a.resume || !a.checkpoint.empty(), ErrorKind::InvalidArgument, "--resume needs --checkpoint DIR");
+  GRAFT_CHECK(a.checkpoint_every == 0 || !a.checkpoint.empty(), ErrorKind::InvalidArgument,
+              "--checkpoint-every needs --checkpoint DIR");
+  if (!a.checkpoint.empty() && !a.resume) {
+    auto existing = list_checkpoints(a.checkpoint);
+    GRAFT_CHECK(existing.empty(), ErrorKind::InvalidArgument,
+                "checkpoint folder '" + a.checkpoint + "' already holds checkpoints (newest: step " +
+                    (existing.empty() ? std::string() : std::to_string(existing[0].first)) +
+                    "); pass --resume to continue that run, or use an empty folder");
+  }
   set_num_threads(a.threads);
   Allocator& alloc = Allocator::global();
   ImportOptions io;
@@ -59,7 +72,34 @@ int cmd_train(const TrainArgs& a) {
   std::printf("training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak %s\n",
               a.model.c_str(), s.trainable().size(), human_bytes(s.gradient_bytes()).c_str(), a.mode.c_str(),
               a.optimizer.c_str(), human_bytes(s.plan().planned_peak).c_str());
-  for (int step = 1; step <= a.steps; ++step) {
+  int start = 0;
+  if (a.resume) {
+    SGDOptions sgd_flags;
+    AdamWOptions adamw_flags;
+    if (auto* o = dynamic_cast<SGD*>(opt.get())) sgd_flags = o->options;
+    if (auto* o = dynamic_cast<AdamW*>(opt.get())) adamw_flags = o->options;
+    ResumeResult r = resume_from_dir(a.checkpoint, s, opt.get());
+    for (const std::string& m : r.skipped) std::fprintf(stderr, "graft: warning: skipped %s\n", m.c_str());
+    if (r.found) {
+      GRAFT_CHECK(r.step <= a.steps, ErrorKind::InvalidArgument,
+                  "checkpoint '" + r.path + "' is at step " + std::to_string(r.step) + ", past --steps " + std::to_string(a.steps));
+      start = static_cast<int>(r.step);
+      std::printf("resumed from %s at step %d\n", r.path.c_str(), start);
+      bool differ = false;
+      if (auto* o = dynamic_cast<SGD*>(opt.get()))
+        differ = o->options.lr != sgd_flags.lr || o->options.momentum != sgd_flags.momentum ||
+                 o->options.weight_decay != sgd_flags.weight_decay || o->options.nesterov != sgd_flags.nesterov;
+      if (auto* o = dynamic_cast<AdamW*>(opt.get()))
+        differ = o->options.lr != adamw_flags.lr || o->options.beta1 != adamw_flags.beta1 || o->options.beta2 != adamw_flags.beta2 ||
+                 o->options.eps != adamw_flags.eps || o->options.weight_decay != adamw_flags.weight_decay;
+      if (differ)
+        std::fprintf(stderr, "graft: warning: the optimizer hyperparameters in the flags differ from the checkpoint's; using the checkpoint's\n");
+    } else {
+      std::printf("no checkpoint in %s yet: starting at step 0\n", a.checkpoint.c_str());
+    }
+    std::fflush(stdout);
+  }
+  for (int step = start + 1; step <= a.steps; ++step) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
@@ -78,6 +118,8 @@ int cmd_train(const TrainArgs& a) {
       std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s\n", step, loss, secs * 1e3,
                   human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str());
     std::fflush(stdout);
+    if (!a.checkpoint.empty() && ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps))
+      save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
   }
   if (!a.save_params.empty()) {
     int i = 0;
