@@ -243,13 +243,13 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
 
   // ---- seeds ----
   if (bg.loss >= 0) {
-    const Value& lv = g_.values[bg.loss];
+    const Value lv = g_.values[bg.loss];  // a copy: adding values below may move the vector
     int one = scalar(1.0, lv.dtype);
     if (!lv.shape.empty()) one = emit1("Reshape", {one, ints(lv.shape)});
     contrib_[bg.loss].push_back(one);
   } else {
     for (size_t k = 0; k < seeds.size(); ++k) {
-      const Value& ov = g_.values[seeds[k]];
+      const Value ov = g_.values[seeds[k]];  // a copy: add_value may move the vector
       int in = g_.add_value(ov.name + "__grad", ValueKind::Input);
       g_.values[in].dtype = ov.dtype;
       g_.values[in].shape = ov.shape;

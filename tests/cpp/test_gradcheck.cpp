@@ -88,7 +88,7 @@ void check(const Case& c) {
   // loss = Sum_k ReduceSum(y_k * R_k)
   std::vector<int> terms;
   for (int k = 0; k < c.n_out; ++k) {
-    const Value& yv = g.values[outs[k]];
+    const Value yv = g.values[outs[k]];  // a copy: add_value below may move the vector
     if (!is_float(yv.dtype)) continue;
     int r = g.add_value("R" + std::to_string(k), ValueKind::Constant, false);
     Tensor rt = Tensor::empty(yv.shape, DType::F64, alloc, Category::Workspace);
