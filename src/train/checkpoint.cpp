@@ -16,6 +16,7 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -292,6 +293,7 @@ void parse_header(const std::string& text, Header& h) {
       h.has_opt = true;
       h.kind = req_str(oj, "kind", "optimizer", path);
       h.opt_steps = req_int(oj, "steps", "optimizer", path);
+      if (h.opt_steps < 0) corrupt(path, "optimizer: negative step count");
       const json& hp = req(oj, "hyperparameters", "optimizer", path);
       std::set<std::string> allowed;
       if (h.kind == "sgd") {
@@ -300,6 +302,11 @@ void parse_header(const std::string& text, Header& h) {
         h.sgd.dampening = req_num(hp, "dampening", "sgd", path);
         h.sgd.weight_decay = req_num(hp, "weight_decay", "sgd", path);
         h.sgd.nesterov = req_bool(hp, "nesterov", "sgd", path);
+        const SGDOptions& o = h.sgd;
+        if (!(o.lr >= 0 && o.momentum >= 0 && o.weight_decay >= 0 && std::isfinite(o.lr) && std::isfinite(o.momentum) &&
+              std::isfinite(o.dampening) && std::isfinite(o.weight_decay)) ||
+            (o.nesterov && !(o.momentum > 0 && o.dampening == 0)))
+          corrupt(path, "sgd: hyperparameters out of range");
         allowed = {"momentum_buffer"};
       } else if (h.kind == "adamw") {
         h.adamw.lr = req_num(hp, "lr", "adamw", path);
@@ -307,6 +314,10 @@ void parse_header(const std::string& text, Header& h) {
         h.adamw.beta2 = req_num(hp, "beta2", "adamw", path);
         h.adamw.eps = req_num(hp, "eps", "adamw", path);
         h.adamw.weight_decay = req_num(hp, "weight_decay", "adamw", path);
+        const AdamWOptions& o = h.adamw;
+        if (!(o.lr >= 0 && o.eps >= 0 && o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1 &&
+              std::isfinite(o.lr) && std::isfinite(o.eps) && std::isfinite(o.weight_decay)))
+          corrupt(path, "adamw: hyperparameters out of range");
         allowed = {"exp_avg", "exp_avg_sq"};
       } else {
         corrupt(path, "optimizer: unknown kind '" + h.kind + "'");
@@ -324,6 +335,7 @@ void parse_header(const std::string& text, Header& h) {
         const ParamEntry& p = h.params[it->second];
         const int64_t bytes = numel(p.shape) * static_cast<int64_t>(dtype_size(p.dtype));
         e.step = req_int(sj, "step", ctx, path);
+        if (e.step < 0) corrupt(path, ctx + ": negative step");
         const json& slots = req(sj, "slots", ctx, path);
         if (!slots.is_array()) corrupt(path, ctx + ": 'slots' is not an array");
         for (const json& slj : slots) {
@@ -639,7 +651,12 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
                  {"rng", {{"dropout_counter", dropout_rng_state()}}},
                  {"parameters", std::move(params)},
                  {"optimizer", std::move(oj)}};
-  const std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {  // e.g. a parameter name that is not valid UTF-8
+    fail(ErrorKind::InvalidArgument, "checkpoint '" + path + "': cannot encode the header: " + e.what());
+  }
   unsigned char pre[kPreamble];
   std::memcpy(pre, kMagic, 8);
   const uint32_t version = kCheckpointVersion, flags = 0;

@@ -84,7 +84,7 @@ def read_ckpt(path):
 
 
 def write_ckpt(path, header, data):
-    h = json.dumps(header).encode()
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
     body = MAGIC + struct.pack("<IIQQ", 1, 0, len(h), len(data)) + h + data
     pathlib.Path(path).write_bytes(body + struct.pack("<I", zlib.crc32(body)) + END)
 
@@ -221,6 +221,49 @@ def test_no_valid_checkpoint_is_refused(models, tmp_path):
                    "invalid model", f"no checkpoint in '{d}' verifies", "ckpt-00000001.graft", "ckpt-00000002.graft",
                    "checksum mismatch")
     assert snapshot(d) == before
+
+
+def _set(path, value):
+    def f(h):
+        *keys, last = path
+        for k in keys:
+            h = h[k]
+        h[last] = value
+    return f
+
+
+# Headers that are well framed (the CRC matches) but describe something impossible.
+CRAFTED = {
+    "not-json": (None, "the header is not valid JSON"),
+    "missing-step": (lambda h: h.pop("step"), "missing 'step'"),
+    "step-not-int": (_set(["step"], 1.5), "'step' is not an integer"),
+    "unknown-dtype": (_set(["parameters", 0, "dtype"], "float16"), "unknown dtype 'float16'"),
+    "huge-shape": (_set(["parameters", 0, "shape"], [2**40, 2**40]), "is too large"),
+    "negative-dim": (_set(["parameters", 0, "shape"], [-1, 12]), "bad dimension"),
+    "blob-size": (_set(["parameters", 0, "data", "bytes"], 4), "holds 4 bytes, its dtype and shape need 768"),
+    "blob-overlap": (_set(["parameters", 0, "grad", "offset"], 0), "starts at data offset 0, expected 768"),
+    "duplicate-name": (_set(["parameters", 1, "name"], "fc1.weight"), "appears twice"),
+    "unknown-optimizer": (_set(["optimizer", "kind"], "lion"), "unknown kind 'lion'"),
+    "negative-lr": (_set(["optimizer", "hyperparameters", "lr"], -1.0), "hyperparameters out of range"),
+    "state-of-unknown-param": (_set(["optimizer", "state", 0, "param"], "nope"), "no such parameter"),
+    "adamw-step-without-moments": (_set(["optimizer", "state", 0, "slots"], []), "exp_avg and exp_avg_sq"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CRAFTED))
+def test_crafted_headers_are_refused(models, tmp_path, kind):
+    d = tmp_path / "ck"
+    run_graft(*train_args(models["small"], 1), "--checkpoint", d)
+    f = d / "ckpt-00000001.graft"
+    header, data = read_ckpt(f)
+    mutate, reason = CRAFTED[kind]
+    if mutate is None:
+        header = b"{not json"
+    else:
+        mutate(header)
+    write_ckpt(f, header, data)
+    expect_refusal([*train_args(models["small"], 3), "--checkpoint", d, "--resume"],
+                   "invalid model", f"checkpoint '{f}' is corrupt", reason)
 
 
 def test_checkpoint_of_another_model_or_optimizer_is_refused(models, tmp_path):
