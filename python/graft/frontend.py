@@ -18,8 +18,12 @@ optimizer.step() on the original parameters is seen by graft. Gradient delivery:
   graft's backward ends (the old ORTModule behaviour, kept as the baseline).
 """
 import os
+import re
+import sys
 import tempfile
-from typing import Any, Dict, List, Tuple
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,6 +31,10 @@ from torch.utils import _pytree as pytree
 from . import _graft
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.bool: "bool"}
+
+# Instrumentation for tests: set to a list and _GraftFunction.backward appends
+# ("graft_backward_start" | "graft_backward_end", time.monotonic()) around graft's backward.
+TRACE: Optional[list] = None
 
 
 class GraftError(RuntimeError):
@@ -39,6 +47,10 @@ class GraftExportError(GraftError):
 
 class GraftUnsupportedError(GraftError):
     """The exported model uses an op, dtype or attribute graft does not support."""
+
+
+class GraftWarning(UserWarning):
+    """The export may not mean what the module does (e.g. a Python branch on a tensor value)."""
 
 
 def _dtype_name(t: torch.Tensor, what: str, module_name: str) -> str:
@@ -62,8 +74,26 @@ class _Entry:
         self.params: List[Tuple[str, torch.Tensor]] = []      # every initializer we bind (params + buffers)
         self.trainable: List[Tuple[str, torch.nn.Parameter]] = []
         self.input_grads: List[str] = []
-        self.tmpdir = None
         self.training_run = False
+        self.run_id = 0  # bumped by every forward; a backward must belong to the latest one
+
+
+def _wrap_outputs(arrays, owners):
+    """torch tensors over graft's output arrays, zero-copy. An output that aliases torch memory
+    graft was given (an input passed through, a view of a parameter) is graft-external: the numpy
+    array does not keep that memory alive, so it becomes a view of the torch tensor owning it."""
+    out = []
+    for a in arrays:
+        ptr, nbytes = a.__array_interface__["data"][0], a.nbytes
+        t = torch.from_numpy(a)
+        for o in owners:
+            base = o.data_ptr()
+            if nbytes and o.dtype == t.dtype and base <= ptr and ptr + nbytes <= base + o.numel() * o.element_size():
+                off = (ptr - base) // o.element_size()
+                t = o.detach().reshape(-1)[off:off + t.numel()].view(t.shape)
+                break
+        out.append(t)
+    return out
 
 
 class _GraftFunction(torch.autograd.Function):
@@ -83,8 +113,11 @@ class _GraftFunction(torch.autograd.Function):
             if not d.is_contiguous():
                 raise GraftError(f"parameter '{name}' is not contiguous; graft shares parameter memory in place")
             sess.bind_param(name, d.data_ptr(), list(d.shape), _DTYPES[d.dtype])
-        outs = [torch.from_numpy(a) for a in sess.forward()]  # zero-copy views of graft memory
-        ctx.entry, ctx.keep = entry, keep
+        arrays = sess.forward()
+        outs = _wrap_outputs(arrays, keep + [p for _, p in entry.params])  # zero-copy views
+        del arrays
+        entry.run_id += 1
+        ctx.entry, ctx.keep, ctx.run_id, ctx.training_run = entry, keep, entry.run_id, entry.training_run
         if not entry.training_run:
             sess.cancel()
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -94,6 +127,13 @@ class _GraftFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         entry: _Entry = ctx.entry
         sess = entry.session
+        if not ctx.training_run:  # nothing here needs a gradient (outputs require grad via the dummy)
+            return (None,) * len(ctx.needs_input_grad)
+        if ctx.run_id != entry.run_id or not sess.in_run():
+            raise GraftError(
+                f"{entry.module_name}: this backward belongs to a forward that a later forward with the same "
+                "input shapes replaced (graft keeps one run in flight per input signature). Call backward "
+                "before the next forward, or run the other forward under torch.no_grad().")
         grads, keep = {}, []
         for name, out_grad, (oname, dt, shape) in zip(entry.output_names, grad_outputs, entry.outputs_info):
             if name not in entry.float_outputs:
@@ -104,6 +144,8 @@ class _GraftFunction(torch.autograd.Function):
             grads[name] = (g.data_ptr(), list(g.shape), _DTYPES[g.dtype])
         mode = entry.mode
         param_grads = []
+        if TRACE is not None:
+            TRACE.append(("graft_backward_start", time.monotonic()))
         if mode == "accumulate":
             for name, p in entry.trainable:
                 pg = p.grad
@@ -138,10 +180,19 @@ class _GraftFunction(torch.autograd.Function):
             for name, p in entry.trainable:
                 g = sess.take_grad(name)
                 param_grads.append(torch.from_numpy(g) if g is not None else None)
-        input_grads = []
-        for name in entry.input_names:
-            input_grads.append(torch.from_numpy(sess.input_grad(name)) if name in entry.input_grads else None)
+        if TRACE is not None:
+            TRACE.append(("graft_backward_end", time.monotonic()))
+        arrays = [sess.input_grad(name) for name in entry.input_grads]
+        igrads = dict(zip(entry.input_grads, _wrap_outputs(arrays, keep)))
+        del arrays
+        sess.cancel()  # graft keeps no reference to outputs or gradients between steps
+        input_grads = [igrads.get(name) for name in entry.input_names]
         return (None, None, *input_grads, *param_grads)
+
+
+def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for k in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + "module." + k[len(prefix):]] = state_dict.pop(k)
 
 
 class GraftModule(torch.nn.Module):
@@ -159,6 +210,9 @@ class GraftModule(torch.nn.Module):
         self.max_memory = max_memory
         self._cache: Dict[Any, _Entry] = {}
         self._dummy = torch.zeros(0, requires_grad=True)  # makes outputs require grad (see forward)
+        # Inside a parent module, load_state_dict reaches the wrapped module through this one: the
+        # keys state_dict gave (the wrapped module's, no "module.") get that step back.
+        self._register_load_state_dict_pre_hook(_add_module_prefix)
 
     # state_dict / load_state_dict are those of the wrapped module.
     def state_dict(self, *args, **kwargs):
@@ -166,6 +220,35 @@ class GraftModule(torch.nn.Module):
 
     def load_state_dict(self, *args, **kwargs):
         return self.module.load_state_dict(*args, **kwargs)
+
+    # DistributedDataParallel reads this attribute once, when it wraps the module: the one moment
+    # to refuse what cannot work. "accumulate" writes .grad past autograd, so DDP's allreduce hooks
+    # would never fire. find_unused_parameters=True (without static_graph) searches the autograd
+    # graph for parameters, where "hook" mode's are not (graft delivers them itself), and so marks
+    # every parameter unused, then ready a second time when graft delivers its gradient.
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        if self.gradients == "accumulate":
+            raise GraftError(
+                f"{self._name()}: DistributedDataParallel needs gradients='hook' (or 'hold'): with "
+                "'accumulate' graft writes .grad directly, so DDP's allreduce hooks would never fire and "
+                "gradients would not be averaged across processes.")
+        ddp = sys._getframe(1).f_locals  # DistributedDataParallel.__init__, where it asks
+        if (self.gradients == "hook" and isinstance(ddp.get("self"), torch.nn.parallel.DistributedDataParallel)
+                and ddp.get("find_unused_parameters") and not ddp.get("static_graph")):
+            raise GraftError(
+                f"{self._name()}: DistributedDataParallel(find_unused_parameters=True) does not work with "
+                "gradients='hook' (DDP looks for parameters in the autograd graph; graft delivers their "
+                "gradients itself). Pass find_unused_parameters=False or static_graph=True, or use "
+                "gradients='hold'.")
+        try:
+            return self.__dict__["_graft_ddp_ignore"]
+        except KeyError:
+            raise AttributeError("_ddp_params_and_buffers_to_ignore") from None
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, value):
+        self.__dict__["_graft_ddp_ignore"] = value
 
     def _name(self) -> str:
         return type(self.module).__name__
@@ -181,10 +264,14 @@ class GraftModule(torch.nn.Module):
         return (tuple(sig), self.training, frozen)
 
     def _build(self, args, flat_args, spec) -> _Entry:
+        # The exported file is only read while the session is built: nothing of it stays on disk.
+        with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
+            return self._build_in(os.path.join(tmp, "model.onnx"), flat_args, spec)
+
+    def _build_in(self, path, flat_args, spec) -> _Entry:
         e = _Entry()
         e.mode = self.gradients
-        e.tmpdir = tempfile.TemporaryDirectory(prefix="graft_")
-        path = os.path.join(e.tmpdir.name, "model.onnx")
+        e.module_name = self._name()
         module = self.module
         out_spec = {}
 
@@ -208,22 +295,35 @@ class GraftModule(torch.nn.Module):
         e.input_names = [f"input_{i}" for i in range(len(tensors))]
         buffers = {n: b.detach().clone() for n, b in module.named_buffers()}  # export must not change state
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", torch.jit.TracerWarning)
                 torch.onnx.export(Flat(), tensors, path, input_names=e.input_names,
                                   opset_version=self.opset, do_constant_folding=False, export_params=True,
                                   training=torch.onnx.TrainingMode.TRAINING if self.training
                                   else torch.onnx.TrainingMode.EVAL)
         except GraftExportError:
             raise
-        except Exception as ex:  # the exporter's own error: data-dependent control flow, unsupported op...
+        except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...
+            first = str(ex).splitlines()[0] if str(ex) else ""
+            op = re.search(r"operator '([^']+)'", first)
+            what = (f"it cannot export the operator {op.group(1)} at opset {self.opset}" if op
+                    else f"{type(ex).__name__}: {first}")
             raise GraftExportError(
-                f"{self._name()}: torch.onnx.export failed ({type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}). "
-                "Keep this module (or the submodule at fault) in eager mode, or make its control flow "
-                "independent of the data.") from ex
+                f"{self._name()}: torch.onnx.export failed ({what}). Keep this module (or the submodule "
+                "that uses it) in eager mode, or rewrite it with exportable ops.") from ex
         finally:
             with torch.no_grad():
                 for n, b in module.named_buffers():
                     b.copy_(buffers[n])
+        for w in caught:  # pass the exporter's warnings on; a branch on a tensor value gets ours
+            if issubclass(w.category, torch.jit.TracerWarning) and "Python boolean" in str(w.message):
+                warnings.warn(GraftWarning(
+                    f"{self._name()}: the export traced through a Python branch on a tensor value "
+                    f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "
+                    "with these input shapes. If the condition depends on tensor values (not shapes), "
+                    "keep this module in eager mode."), stacklevel=4)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         e.output_spec = out_spec["spec"]
 
         import onnx  # Debian's python3-onnx
@@ -260,9 +360,16 @@ class GraftModule(torch.nn.Module):
             e.outputs_info = e.session.outputs_info()
         except _graft.GraftError as ex:
             msg, kind = ex.args if len(ex.args) == 2 else (str(ex), "")
-            cls = GraftUnsupportedError if kind == "unsupported" else GraftError
-            raise cls(f"{self._name()}: {msg}. Keep the submodule that uses it in eager mode, "
-                      "or rewrite it with supported ops.") from None
+            msg = msg.replace(f"{path}: ", "")
+            for name in re.findall(r"node '([^']+)' \(Constant\)", msg):  # name what the constant feeds
+                outs = {o for n in m.graph.node if n.name == name for o in n.output}
+                users = [f"{n.op_type} node '{n.name}'" for n in m.graph.node if outs & set(n.input)]
+                if users:
+                    msg += f" (the constant feeds {', '.join(users)})"
+            if kind == "unsupported":
+                raise GraftUnsupportedError(f"{self._name()}: {msg}. Keep the submodule that uses it in eager "
+                                            "mode, or rewrite it with supported ops.") from None
+            raise GraftError(f"{self._name()}: {msg}") from None
         return e
 
     def forward(self, *args, **kwargs):
