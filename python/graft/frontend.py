@@ -96,6 +96,21 @@ def _wrap_outputs(arrays, owners):
     return out
 
 
+class _Deliver(torch.autograd.Function):
+    """A one-node graph whose backward hands `box`'s gradient to the parameter's AccumulateGrad.
+    Unlike torch.autograd.backward(param, grad), no Python reference to the gradient is left when
+    AccumulateGrad runs, so when .grad is None it adopts the buffer as eager PyTorch does."""
+
+    @staticmethod
+    def forward(ctx, param, box):
+        ctx.box = box
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.box.pop(), None
+
+
 class _GraftFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry: _Entry, dummy, *tensors):
@@ -168,9 +183,14 @@ class _GraftFunction(torch.autograd.Function):
         elif mode == "hook":
             by_name = dict(entry.trainable)
 
-            def deliver(name, array):
+            def deliver(name, array, exclusive):
                 # PyTorch's own accumulation path: AccumulateGrad, tensor hooks, DDP's hooks.
-                torch.autograd.backward(by_name[name], torch.from_numpy(array))
+                if exclusive:  # graft keeps no other reference: AccumulateGrad may adopt it as .grad
+                    box = [torch.from_numpy(array)]
+                    with torch.enable_grad():
+                        torch.autograd.backward(_Deliver.apply(by_name[name], box))
+                else:  # the caller holds a reference, so AccumulateGrad copies (or adds in place)
+                    torch.autograd.backward(by_name[name], torch.from_numpy(array))
 
             sess.backward(grads, deliver)
         else:  # hold

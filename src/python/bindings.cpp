@@ -93,7 +93,9 @@ struct PySession {
     std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
     s = TrainSession::open(path, o, sh);
     s->set_hook([this](const Parameter& p, const Tensor& g) {
-      if (!hook.is_none()) hook(p.name, to_numpy(g, alloc));
+      // exclusive: graft's own block with no other reference, so the callee may keep it (no copy).
+      bool exclusive = g.storage().use_count() == 1 && g.storage()->owner == alloc.get();
+      if (!hook.is_none()) hook(p.name, to_numpy(g, alloc), exclusive);
     });
   }
 };
