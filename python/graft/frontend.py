@@ -388,7 +388,7 @@ class GraftModule(torch.nn.Module):
                     msg += f" (the constant feeds {', '.join(users)})"
             if kind == "unsupported":
                 raise GraftUnsupportedError(f"{self._name()}: {msg}. Keep the submodule that uses it in eager "
-                                            "mode, or rewrite it with supported ops.") from None
+                                            "mode, or rewrite it with ops graft supports.") from None
             raise GraftError(f"{self._name()}: {msg}") from None
         return e
 

@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graft
 import graft._graft as _graft
 from graft import frontend
 from graft.frontend import GraftError, GraftExportError, GraftModule, GraftUnsupportedError, GraftWarning
