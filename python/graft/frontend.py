@@ -341,7 +341,7 @@ class GraftModule(torch.nn.Module):
                     f"{self._name()}: the export traced through a Python branch on a tensor value "
                     f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "
                     "with these input shapes. If the condition depends on tensor values (not shapes), "
-                    "keep this module in eager mode."), stacklevel=4)
+                    "keep this module in eager mode."), stacklevel=5)
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         e.output_spec = out_spec["spec"]
