@@ -20,6 +20,9 @@ struct PlanOptions {
   // Nodes with index >= this run after every node below it (forward before backward, so a
   // run can stop between them). -1: no barrier.
   int phase_barrier = -1;
+  // Values the caller reads when the first phase (forward) ends, e.g. graph outputs: they live
+  // at least until then, and no longer than their last read (the caller keeps its own reference).
+  std::vector<int> forward_outputs;
 };
 
 struct PlanStep {

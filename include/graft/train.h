@@ -61,6 +61,9 @@ class TrainSession {
   void backward(const std::map<std::string, Tensor>& output_grads = {});
   // Drops an in-flight run (forward without backward), releasing what it saved.
   void cancel();
+  // Drops the session's references to the last forward's outputs and loss (a caller that took
+  // them, like the PyTorch front end, then decides how long they live).
+  void release_outputs();
   bool in_run() const { return in_run_; }
   // Graph outputs of the last forward.
   std::vector<Tensor> outputs() const;
@@ -101,6 +104,7 @@ class TrainSession {
   std::map<std::string, int> kept_index_;
   std::vector<Tensor> last_kept_;
   std::vector<Tensor> forward_outputs_;
+  Tensor loss_;
   GradHook hook_;
   bool in_run_ = false;
 };

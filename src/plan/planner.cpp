@@ -125,14 +125,6 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
   p.buffer.resize(nv);
   for (int v = 0; v < nv; ++v) p.buffer[v] = v;
   // Release step per value: after its last use, or right after definition if never read.
-  auto release_step = [&](int v) -> int {
-    if (kept[v]) return 1 << 30;
-    return p.last_use[v] >= 0 ? p.last_use[v] : def_step[v];
-  };
-  // Members per buffer, to know when a buffer's memory is returned.
-  std::vector<std::vector<int>> members(nv);
-  for (int v = 0; v < nv; ++v) members[v].push_back(v);
-
   p.barrier_step = static_cast<int>(order.size());
   if (opt.phase_barrier >= 0)
     for (size_t s = 0; s < order.size(); ++s)
@@ -140,6 +132,20 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
         p.barrier_step = static_cast<int>(s);
         break;
       }
+  std::vector<bool> fwd_out(nv, false);
+  for (int v : opt.forward_outputs) fwd_out[v] = true;
+  auto release_step = [&](int v) -> int {
+    if (kept[v]) return 1 << 30;
+    int r = p.last_use[v] >= 0 ? p.last_use[v] : def_step[v];
+    // A forward output must still exist when the run pauses at the barrier (the caller reads it
+    // then), so it is released after the first step of the second phase at the earliest.
+    if (fwd_out[v]) r = std::max(r, p.barrier_step);
+    return r;
+  };
+  // Members per buffer, to know when a buffer's memory is returned.
+  std::vector<std::vector<int>> members(nv);
+  for (int v = 0; v < nv; ++v) members[v].push_back(v);
+
   p.steps.resize(order.size());
   for (size_t s = 0; s < order.size(); ++s) {
     const Node& n = g.nodes[order[s]];
@@ -169,6 +175,13 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       }
     }
   }
+  // Values to release after each step (values past the last step live until the run ends).
+  std::vector<std::vector<int>> release_at(order.size());
+  for (int v = 0; v < nv; ++v) {
+    if (!owned(g.values[v]) || kept[v] || def_step[v] < 0) continue;
+    int r = release_step(v);
+    if (r < static_cast<int>(order.size())) release_at[r].push_back(v);
+  }
   // Frees, and the buffer memory simulation.
   std::vector<int> remaining(nv, 0);  // live member count per buffer
   int64_t live = 0;
@@ -186,15 +199,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       p.planned_peak = live;
       p.peak_step = static_cast<int>(s);
     }
-    std::vector<int> cand;
-    for (int v : n.inputs)
-      if (v >= 0) cand.push_back(v);
-    for (int o : n.outputs)
-      if (o >= 0) cand.push_back(o);
-    std::sort(cand.begin(), cand.end());
-    cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
-    for (int v : cand) {
-      if (!owned(g.values[v]) || kept[v] || release_step(v) != static_cast<int>(s)) continue;
+    for (int v : release_at[s]) {
       st.frees.push_back(v);
       int b = p.buffer[v];
       if (--remaining[b] == 0 && owned(g.values[b])) {

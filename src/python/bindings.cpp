@@ -158,6 +158,7 @@ PYBIND11_MODULE(_graft, m) {
         }
         std::vector<py::array> r;
         for (const Tensor& t : p.s->outputs()) r.push_back(to_numpy(t, p.alloc));
+        p.s->release_outputs();  // PyTorch owns the outputs now (through the arrays' capsules)
         return r;
       })
       .def("backward", [](PySession& p, const std::map<std::string, std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& grads,

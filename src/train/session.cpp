@@ -61,8 +61,11 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<st
     kept_index_[key] = static_cast<int>(po.keep.size());
     po.keep.push_back(v);
   };
-  for (int o : g_.outputs) keep(o, "out:" + g_.values[o].name);
-  if (bg_.loss >= 0) keep(bg_.loss, "out:" + g_.values[bg_.loss].name);
+  // Outputs and the loss are read when forward ends; the executor releases them after their last
+  // use (the session and the caller keep their own references), so a model output the backward
+  // does not need is not held through backward.
+  for (int o : g_.outputs) po.forward_outputs.push_back(o);
+  if (bg_.loss >= 0) po.forward_outputs.push_back(bg_.loss);
   if (opt.mode == GradMode::Hold)
     for (size_t i = 0; i < bg_.params.size(); ++i) keep(bg_.param_grads[i], "grad:" + g_.values[bg_.params[i]].name);
   for (size_t i = 0; i < bg_.input_grads.size(); ++i) keep(bg_.input_grads[i], "igrad:" + opt.input_grads[i]);
@@ -132,6 +135,7 @@ Parameter& TrainSession::parameter(const std::string& name) {
 void TrainSession::bind_parameter(const std::string& name, Tensor data) {
   Parameter& p = parameter(name);
   exec_->bind(p.value, data);
+  g_.values[p.value].data = data;  // drop the imported copy: the bound memory is the parameter now
   p.data = std::move(data);
 }
 
@@ -162,7 +166,7 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
 void TrainSession::forward() {
   GRAFT_CHECK(!in_run_, ErrorKind::InvalidArgument, "forward() called twice without backward()");
   // The previous step's outputs are dropped before this step allocates anything.
-  forward_outputs_.clear();
+  release_outputs();
   last_kept_.clear();
   auto sink = [this](const Node& n, Tensor grad, bool exclusive) {
     deliver(params_[param_of_value_[n.attrs.get_int("param_value", -1)]], std::move(grad), exclusive);
@@ -182,6 +186,7 @@ void TrainSession::forward() {
   }
   forward_outputs_.clear();
   for (int o : g_.outputs) forward_outputs_.push_back(exec_->current(o));
+  loss_ = bg_.loss >= 0 ? exec_->current(bg_.loss) : Tensor();
 }
 
 void TrainSession::backward(const std::map<std::string, Tensor>& output_grads) {
@@ -219,15 +224,20 @@ void TrainSession::backward(const std::map<std::string, Tensor>& output_grads) {
 void TrainSession::cancel() {
   if (in_run_) exec_->abort();
   in_run_ = false;
-  forward_outputs_.clear();
+  release_outputs();
   last_kept_.clear();
+}
+
+void TrainSession::release_outputs() {
+  forward_outputs_.clear();
+  loss_ = Tensor();
 }
 
 double TrainSession::step() {
   forward();
   backward();
   if (bg_.loss < 0) return std::numeric_limits<double>::quiet_NaN();
-  return last_kept_[kept_index_.at("out:" + g_.values[bg_.loss].name)].at(0);
+  return loss_.at(0);
 }
 
 std::vector<Tensor> TrainSession::outputs() const { return forward_outputs_; }
