@@ -2,6 +2,10 @@
 
     /usr/bin/python3 -m graft.bench --batch 256 --hidden 1024 --layer 4 [--steps 3] [--set-to-none]
                                     [--threads T] [--json] [--plot memory.png] [--graft-bin PATH]
+                                    [--frontend torch]
+
+--frontend torch adds rows for graft.GraftModule (system "graftmodule"): the PyTorch model and
+loop of the eager row, wrapped, in each mode, each in its own process (needs graft._graft).
 
 The model is the seed's: L x (nn.Linear(H, H), nn.ReLU()), loss = out.mean(), torch.optim.SGD with
 lr 0.01 and no momentum, optimizer.zero_grad(set_to_none=...) before each step. Every system runs
@@ -9,7 +13,8 @@ in a fresh process with the same thread count: PyTorch as ``python3 -m graft.ben
 and graft as ``graft bench --mode M --json``. Each does one warm-up step, then N timed steps, and
 measures the peak resident-memory delta of a step the same way: write "5" to /proc/self/clear_refs
 (VmHWM := VmRSS) at the step's start, read VmHWM after the optimizer step, subtract VmRSS at the
-start. Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
+start. Children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set), so that glibc returns freed
+large blocks and the RSS delta reflects live memory at small sizes too. Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
 allocator statistics), the peak RSS delta (max over the timed steps), seconds per step (median),
 and the ratios of RSS delta and time to PyTorch eager.
 
@@ -69,6 +74,13 @@ def torch_worker(a):
     model = nn.Sequential(*layers)
     x = torch.randn(a.batch, a.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    system, mode = "pytorch", "eager"
+    if a.worker == "graftmodule":  # the same model and loop, wrapped: the PyTorch front end
+        from . import _graft
+        from .frontend import GraftModule
+        _graft.set_num_threads(a.threads)
+        model = GraftModule(model, gradients=a.gm_mode)
+        system, mode = "graftmodule", a.gm_mode
     hwm_ok = _reset_hwm()
     secs, rss = [], []
     loss = None
@@ -89,8 +101,8 @@ def torch_worker(a):
         rss.append(hwm - rss0 if hwm_ok and hwm >= 0 and rss0 >= 0 else -1)
     sec = statistics.median(secs)
     return {
-        "system": "pytorch",
-        "mode": "eager",
+        "system": system,
+        "mode": mode,
         "ma_bytes": None,
         "max_ma_bytes": None,
         "peak_rss_delta_bytes": max(rss),
@@ -130,7 +142,18 @@ def _size_args(a):
     return out
 
 
+def _child_env(env=None):
+    # Every system runs with the same malloc policy: blocks above 64 KiB are mmap'ed and returned
+    # on free, so the peak RSS delta tracks what is live rather than what glibc cached from the
+    # previous step. (At the seed's size every large block is mmap'ed anyway.) An explicit
+    # MALLOC_MMAP_THRESHOLD_ in the environment wins.
+    env = dict(os.environ if env is None else env)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    return env
+
+
 def _run_json(cmd, what, env=None):
+    env = _child_env(env)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     except OSError as e:
@@ -150,6 +173,14 @@ def run_torch(a):
     env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "graft.bench", "--worker", "torch", *_size_args(a)]
     return _run_json(cmd, "the PyTorch worker", env)
+
+
+def run_graftmodule(a, mode):
+    env = dict(os.environ)
+    parent = os.path.dirname(PKG_DIR)
+    env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "graft.bench", "--worker", "graftmodule", "--gm-mode", mode, *_size_args(a)]
+    return _run_json(cmd, f"the GraftModule worker ({mode})", env)
 
 
 def run_graft(a, graft_bin, mode, timeline):
@@ -188,7 +219,7 @@ def print_table(doc):
           f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
           f"{c['threads']} thread(s), each row its own process")
     hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "s/step", "GFLOP/s", "RSS ratio", "time ratio")
-    fmt = "{:<8} {:<11} {:>11} {:>11} {:>15} {:>10} {:>8} {:>10} {:>10}"
+    fmt = "{:<12} {:<11} {:>11} {:>11} {:>15} {:>10} {:>8} {:>10} {:>10}"
     print(fmt.format(*hdr))
     for r in doc["rows"]:
         print(fmt.format(r["system"], r["mode"], _human(r["ma_bytes"]), _human(r["max_ma_bytes"]),
@@ -268,7 +299,10 @@ def build_parser():
     p.add_argument("--plot", metavar="FILE.png", help="draw graft's memory over a step against PyTorch's peak")
     p.add_argument("--graft-bin", metavar="PATH", help="the graft binary (else $GRAFT_BIN, install prefix, PATH)")
     p.add_argument("--modes", default=",".join(MODES), help="graft modes to run (comma-separated)")
-    p.add_argument("--worker", choices=["torch"], help=argparse.SUPPRESS)
+    p.add_argument("--frontend", choices=["torch"],
+                   help="also run graft.GraftModule (the PyTorch front end) in each mode, each in its own process")
+    p.add_argument("--worker", choices=["torch", "graftmodule"], help=argparse.SUPPRESS)
+    p.add_argument("--gm-mode", choices=list(MODES), default="hook", help=argparse.SUPPRESS)
     return p
 
 
@@ -295,7 +329,7 @@ def main(argv=None):
     a = build_parser().parse_args(argv)
     try:
         validate(a)
-        if a.worker == "torch":
+        if a.worker:
             print(json.dumps(torch_worker(a)))
             return 0
         graft_bin = find_graft_bin(a.graft_bin)
@@ -310,6 +344,8 @@ def main(argv=None):
                 timelines[m] = row.pop("timeline")
             sgemm.append(doc["config"].get("sgemm_gflops"))
             rows.append(row)
+        if a.frontend == "torch":
+            rows += [run_graftmodule(a, m) for m in a.modes]
         ref_rss, ref_sec = torch_row["peak_rss_delta_bytes"], torch_row["step_seconds"]
         for r in rows:
             r["rss_ratio"] = _ratio(r["peak_rss_delta_bytes"], ref_rss)
