@@ -11,4 +11,7 @@ def __getattr__(name):
     if name in __all__:
         from . import frontend
         return getattr(frontend, name)
+    if name in ("_graft", "frontend", "bench"):
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(name)
