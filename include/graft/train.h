@@ -26,8 +26,10 @@ struct Parameter {
   bool trainable = true;
 };
 
-// Receives a parameter's complete gradient during backward (hook mode). The view is valid only
-// during the call; copy it to keep it.
+// Receives a parameter's complete gradient during backward (hook mode). To keep it, keep the
+// Tensor handle (it shares the block: no bytes are copied); graft drops its own reference when
+// the callback returns, so a kept gradient is then the callee's alone, like PyTorch's
+// AccumulateGrad stealing a fresh gradient for an empty .grad.
 using GradHook = std::function<void(const Parameter& p, const Tensor& grad)>;
 
 struct SessionOptions {

@@ -171,7 +171,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: clone into an empty .grad, else add
     s.set_hook([&](const Parameter& p, const Tensor& grad) {
       Parameter& q = s.parameter(p.name);
-      if (!q.grad.defined()) q.grad = grad.clone(alloc, Category::Gradient).reshaped(q.data.shape());
+      if (!q.grad.defined()) q.grad = grad.reshaped(q.data.shape());  // adopt: no copy
       else add_inplace(q.grad, grad);
     });
   SGDOptions o;

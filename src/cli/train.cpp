@@ -46,7 +46,7 @@ int cmd_train(const TrainArgs& a) {
   if (so.mode == GradMode::Hook)  // the CLI's hook accumulates, as PyTorch's AccumulateGrad would
     s.set_hook([&](const Parameter& p, const Tensor& grad) {
       Parameter& q = s.parameter(p.name);
-      if (!q.grad.defined()) q.grad = grad.clone(alloc, Category::Gradient);
+      if (!q.grad.defined()) q.grad = grad.reshaped(q.data.shape());  // adopt: no copy
       else add_inplace(q.grad, grad);
     });
 
