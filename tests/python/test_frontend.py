@@ -421,7 +421,9 @@ def ddp_worker(rank, port, out_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import datetime
+    # A bounded collective timeout: a lost peer fails the test instead of hanging CI.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     _graft.set_num_threads(1)
     result = {"errors": {}}
@@ -462,7 +464,13 @@ def test_ddp_hook_mode(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ctx = mp.start_processes(ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the DDP workers did not finish within 300 s")
     results = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(2)]
 
     # One process over the concatenated batch.
