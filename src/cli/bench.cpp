@@ -168,7 +168,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     for (int64_t i = 0; i < x.numel(); ++i) px[i] = nd(rng);
   }
   s.set_input("x", x);
-  if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: clone into an empty .grad, else add
+  if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: keep a fresh gradient as an empty .grad, else add
     s.set_hook([&](const Parameter& p, const Tensor& grad) {
       Parameter& q = s.parameter(p.name);
       if (!q.grad.defined()) q.grad = grad.reshaped(q.data.shape());  // adopt: no copy
