@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,16 +31,23 @@ enum class ErrorKind {
 };
 const char* error_kind_name(ErrorKind k);
 
+// Errors are data: kind, the node at fault (its name, "" when none) and the message are fields, so
+// the CLI and Python map them without parsing what() (which is "<kind>: <message>").
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, const std::string& msg);
+  Error(ErrorKind kind, const std::string& msg, const std::string& node = "");
   ErrorKind kind() const { return kind_; }
+  const std::string& node() const { return node_; }
+  const std::string& message() const { return message_; }
 
  private:
   ErrorKind kind_;
+  std::string node_, message_;
 };
 
 [[noreturn]] void fail(ErrorKind kind, const std::string& msg);
+// The same, naming the node at fault (its name goes in Error::node; `msg` already names it).
+[[noreturn]] void fail_at(ErrorKind kind, const std::string& node, const std::string& msg);
 
 #define GRAFT_CHECK(cond, kind, msg)         \
   do {                                       \
@@ -124,6 +132,7 @@ class Allocator {
  private:
   friend struct Storage;
   void release(Storage& s);
+  mutable std::mutex mu_;  // runs on several threads share one allocator
   void record();
   int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;
   std::array<int64_t, kNumCategories> by_cat_{}, at_peak_{};

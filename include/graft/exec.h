@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,10 +12,13 @@
 
 namespace graft {
 
+struct OpDef;
+
 struct RunOptions {
   bool profile = false;       // record per-op wall time
   bool check_finite = false;  // stop at the first op that writes NaN/Inf (names op and node)
   bool timeline = false;      // set the allocator's step per op (for memory timelines)
+  uint64_t seed = 0;          // the run's random stream (Dropout masks): a run is replayable
 };
 
 struct OpTime {
@@ -22,42 +26,64 @@ struct OpTime {
   double seconds;
 };
 
-// Called for each graft.GradSink node with the gradient and whether the executor holds the only
-// reference to its storage (then the sink may adopt the buffer instead of copying it).
-using SinkFn = std::function<void(const Node& sink, Tensor grad, bool exclusive)>;
+// Called for each gradient-sink node (OpDef::sink) with the node's index, the gradient, and whether
+// the executor holds the only reference to its storage (then the sink may adopt the buffer).
+using SinkFn = std::function<void(int sink_node, Tensor grad, bool exclusive)>;
+
+// The state of one execution of a plan: the values it has computed and not yet released, and how
+// far it got. Several runs of one Executor may be in flight at once, on several threads (each
+// PyTorch forward keeps its own saved activations); running one never modifies the Executor.
+class Run {
+ public:
+  // A value of this run (an output computed so far); undefined if not computed yet or released.
+  const Tensor& value(int v) const { return vals_[v]; }
+  int next_step() const { return next_; }
+  bool active() const { return active_; }
+  const std::vector<OpTime>& op_times() const { return times_; }
+  const RunOptions& options() const { return opt_; }
+
+ private:
+  friend class Executor;
+  std::vector<Tensor> vals_;
+  std::vector<OpTime> times_;
+  RunOptions opt_;
+  SinkFn sink_;
+  int next_ = 0;
+  bool active_ = false;
+};
 
 class Executor {
  public:
   Executor(const Graph& g, Plan plan, Allocator& alloc);
   const Plan& plan() const { return plan_; }
-  // Binds a graph input or parameter (overrides a parameter's initializer data; zero-copy).
+  const Graph& graph() const { return g_; }
+
+  // Starts a run over `bindings` (graph inputs and parameters, by value id; constants come from the
+  // graph). Checks each binding's dtype and shape against the plan. Nothing is computed yet.
+  std::unique_ptr<Run> start(const std::vector<std::pair<int, Tensor>>& bindings, const RunOptions& opt = {},
+                             SinkFn sink = nullptr) const;
+  // Runs steps [r.next_step(), end_step). On an error the run is aborted (its values released).
+  void run_to(Run& r, int end_step) const;
+  // Sets a graph input during a run (e.g. output gradients that arrive after forward).
+  void feed(Run& r, int value, Tensor t) const;
+  // Ends the run: returns the kept values (plan.keep order) and releases everything else.
+  std::vector<Tensor> finish(Run& r) const;
+  void abort(Run& r) const;  // drops the run's values
+
+  // One complete run over values bound with bind() (inference, tests).
   void bind(int value, Tensor t);
   void bind(const std::string& name, Tensor t) { bind(g_.value(name), std::move(t)); }
-  // Runs the plan. Returns the kept values (plan.keep order). Throws on a missing input.
   std::vector<Tensor> run(const RunOptions& opt = {}, const SinkFn& sink = nullptr);
-  // The same in pieces, so a run can pause between forward and backward (plan.barrier_step)
-  // with the saved values kept: begin(), run_to(step) as often as needed, finish().
-  void begin(const RunOptions& opt = {}, const SinkFn& sink = nullptr);
-  void run_to(int end_step);
-  std::vector<Tensor> finish();
-  // A value of the current run (an output computed so far), undefined if not computed or freed.
-  const Tensor& current(int value) const { return vals_[value]; }
-  int next_step() const { return next_; }
-  // Sets a graph input during a run (e.g. output gradients that arrive after forward).
-  void feed(int value, Tensor t);
-  void abort();  // drops the run's values (after an error)
-  const std::vector<OpTime>& op_times() const { return times_; }
+  const std::vector<OpTime>& op_times() const { return last_times_; }  // of the last run()
 
  private:
+  void check_binding(int v, const Tensor& t) const;
   const Graph& g_;
   Plan plan_;
   Allocator& alloc_;
+  std::vector<const OpDef*> defs_;  // per node, resolved once
   std::map<int, Tensor> bound_;
-  std::vector<OpTime> times_;
-  std::vector<Tensor> vals_;
-  RunOptions opt_;
-  SinkFn sink_;
-  int next_ = 0;
+  std::vector<OpTime> last_times_;
 };
 
 // Scans a float tensor for NaN / Inf.

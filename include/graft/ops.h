@@ -56,6 +56,7 @@ struct KernelCtx {
   std::vector<const Tensor*> ins;  // nullptr = absent optional input
   std::vector<Tensor*> outs;       // nullptr = absent optional output
   Allocator& alloc;                // for workspace only
+  uint64_t seed = 0;               // the run's random stream (RunOptions::seed)
   const Tensor& in(int i) const { return *ins[i]; }
   bool has_in(int i) const { return i < static_cast<int>(ins.size()) && ins[i]; }
   Tensor& out(int i) const { return *outs[i]; }
@@ -107,6 +108,7 @@ struct OpDef {
   bool alias;           // output 0 is input 0's storage reshaped; no kernel runs
   bool foldable;        // may be evaluated at plan time when all inputs are constant
   std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
+  bool sink = false;    // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");
@@ -129,11 +131,13 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
 void set_num_threads(int n);
 int num_threads();
 
-// Dropout's random stream: each active Dropout kernel seeds its generator from the node's seed and
-// a process-wide counter, which it then advances. Checkpoints save and restore the counter so a
-// resumed run draws the same masks as an uninterrupted one.
+// Dropout's random stream: each run gets a seed (RunOptions::seed) and every active Dropout kernel
+// seeds its generator from it, the node's seed attribute and the node's name, so a run replays
+// exactly. A TrainSession takes each step's seed from this process-wide counter and advances it;
+// checkpoints save and restore it so a resumed run draws the same masks as an uninterrupted one.
 uint64_t dropout_rng_state();
 void set_dropout_rng_state(uint64_t state);
+uint64_t next_dropout_seed();  // returns the counter and advances it (thread-safe)
 
 // Family registration (each src/ops/*.cpp file).
 void register_elementwise_ops(std::vector<const OpDef*>& t);

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,10 @@ struct SessionOptions {
   std::vector<std::string> output_grads;  // differentiate these outputs with given gradients
   std::vector<std::string> freeze;
   std::vector<std::string> input_grads;
+  // Graph inputs that are really parameters (a model exported without its weights, e.g.
+  // torch.onnx.export(export_params=False)): they become parameters with no data until
+  // bind_parameter() shares memory for them. Trainable unless also listed in `freeze`.
+  std::vector<std::string> param_inputs;
   GradMode mode = GradMode::Accumulate;
   bool check_finite = false;  // stop at the first op producing NaN/Inf, naming it
   bool profile = false;
@@ -46,28 +51,51 @@ struct SessionOptions {
   Allocator* alloc = nullptr; // nullptr: Allocator::global()
 };
 
+// One training step in flight: a forward, and then its backward. Several may be in flight at once
+// (each keeps what its own backward needs, like PyTorch's autograd graphs); destroying one releases
+// what it holds. Create with TrainSession::begin().
+struct StepState {
+  std::unique_ptr<Run> run;
+  std::vector<Tensor> inputs;       // bound for this step only (kept alive until it ends)
+  std::vector<Tensor> outputs;      // graph outputs of the forward (owned by the caller too)
+  Tensor loss;
+  std::vector<Tensor> input_grads;  // after backward: per requested input (SessionOptions order)
+  uint64_t seed = 0;                // the random stream it used (replayable)
+  bool forward_done = false, backward_done = false;
+};
+
 class TrainSession {
  public:
   // Takes a loaded graph (parameters live in opt.alloc) and input shapes for symbolic dims.
+  // Phases: shapes (infer + fold) -> autodiff -> plan -> parameters -> executor.
   TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes = {});
   // Not movable: the executor refers to the graph. Hold sessions by unique_ptr.
   TrainSession(TrainSession&&) = delete;
   static std::unique_ptr<TrainSession> open(const std::string& path, const SessionOptions& opt,
                                             const std::map<std::string, Shape>& input_shapes = {});
 
+  // --- steps with explicit state (several may be in flight; forward may run on any thread) ---
+  // Runs the forward of a new step over `inputs` (by name; every graph input not given falls back
+  // to set_input's). `seed`: the random stream (Dropout); default: the process-wide counter.
+  std::shared_ptr<StepState> forward(const std::map<std::string, Tensor>& inputs,
+                                     std::optional<uint64_t> seed = std::nullopt, bool keep_for_backward = true);
+  // Runs that step's backward: gradients are delivered per mode; requested input gradients land in
+  // step.input_grads. A step runs backward once.
+  void backward(StepState& step, const std::map<std::string, Tensor>& output_grads = {});
+
+  // --- the simple loop (one step at a time) ---
   void set_input(const std::string& name, Tensor t);
   // Forward + backward; gradients are delivered per mode. Returns the loss (NaN without a loss).
   double step();
-  // The same in two halves (the PyTorch front end): forward keeps what backward needs.
+  // The same in two halves: forward keeps what backward needs.
   void forward();
   void backward(const std::map<std::string, Tensor>& output_grads = {});
-  // Drops an in-flight run (forward without backward), releasing what it saved.
+  // Drops an in-flight step (forward without backward), releasing what it saved.
   void cancel();
-  // Drops the session's references to the last forward's outputs and loss (a caller that took
-  // them, like the PyTorch front end, then decides how long they live).
+  // Drops the session's references to the last forward's outputs and loss.
   void release_outputs();
-  bool in_run() const { return in_run_; }
-  // Graph outputs of the last forward.
+  bool in_run() const { return cur_ && cur_->forward_done && !cur_->backward_done; }
+  // Graph outputs of the last forward (tensors the caller owns: backward never writes into them).
   std::vector<Tensor> outputs() const;
   Tensor output(const std::string& name) const;
   // Gradients of requested inputs from the last backward.
@@ -88,27 +116,30 @@ class TrainSession {
   const BackwardGraph& backward_graph() const { return bg_; }
   Allocator& allocator() { return *alloc_; }
   GradMode mode() const { return opt_.mode; }
-  const std::vector<OpTime>& op_times() const { return exec_->op_times(); }
+  const SessionOptions& options() const { return opt_; }
+  // Per-op times of the last step (SessionOptions::profile).
+  const std::vector<OpTime>& op_times() const { return last_times_; }
   // Bytes of all trainable gradients (one full set), for memory reports.
   int64_t gradient_bytes() const;
 
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive);
+  void check_budget(const Plan& plan) const;
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
   Graph& g_;
   SessionOptions opt_;
   Allocator* alloc_;
   BackwardGraph bg_;
   std::unique_ptr<Executor> exec_;
-  std::vector<Parameter> params_;
-  std::vector<int> param_of_value_;  // value id -> index in params_, -1
-  std::vector<int> keep_outputs_;    // indices into plan.keep of graph outputs
-  std::map<std::string, int> kept_index_;
-  std::vector<Tensor> last_kept_;
-  std::vector<Tensor> forward_outputs_;
-  Tensor loss_;
+  std::vector<Parameter> params_;      // the one home of parameter memory and .grad
+  std::vector<int> param_of_value_;    // value id -> index in params_, -1
+  std::vector<int> param_of_sink_;     // node id -> index in params_ (gradient sinks), -1
+  std::vector<int> held_keep_;         // per params_ entry: index in plan.keep of its held gradient, -1
+  std::vector<int> igrad_keep_;        // per requested input: index in plan.keep, -1
+  std::map<std::string, Tensor> default_inputs_;  // set_input
+  std::shared_ptr<StepState> cur_;     // the simple loop's step
+  std::vector<OpTime> last_times_;
   GradHook hook_;
-  bool in_run_ = false;
 };
 
 // Adds `src` into `dst` elementwise (same shape and dtype).

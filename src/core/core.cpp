@@ -42,10 +42,14 @@ std::string printable(const std::string& m) {
 }
 }  // namespace
 
-Error::Error(ErrorKind kind, const std::string& msg)
-    : std::runtime_error(std::string(error_kind_name(kind)) + ": " + printable(msg)), kind_(kind) {}
+Error::Error(ErrorKind kind, const std::string& msg, const std::string& node)
+    : std::runtime_error(std::string(error_kind_name(kind)) + ": " + printable(msg)),
+      kind_(kind),
+      node_(printable(node)),
+      message_(printable(msg)) {}
 
 void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
+void fail_at(ErrorKind kind, const std::string& node, const std::string& msg) { throw Error(kind, msg, node); }
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -116,6 +120,7 @@ Allocator& Allocator::global() {
 }
 
 std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (limit_ > 0 && current_ + static_cast<int64_t>(bytes) > limit_)
     fail(ErrorKind::OutOfMemory, "allocating " + std::to_string(bytes) + " bytes" +
                                      (what.empty() ? "" : " for '" + what + "'") +
@@ -143,6 +148,7 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
 }
 
 void Allocator::release(Storage& s) {
+  std::lock_guard<std::mutex> lock(mu_);
   ::operator delete(s.data, std::align_val_t(64));
   current_ -= static_cast<int64_t>(s.bytes);
   by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
@@ -152,12 +158,14 @@ void Allocator::release(Storage& s) {
 
 void Allocator::recategorize(Storage& s, Category c) {
   if (s.owner != this) return;
+  std::lock_guard<std::mutex> lock(mu_);
   by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
   by_cat_[static_cast<int>(c)] += static_cast<int64_t>(s.bytes);
   s.category = c;
 }
 
 void Allocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
   peak_ = current_;
   at_peak_ = by_cat_;
 }

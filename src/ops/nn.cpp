@@ -1,6 +1,8 @@
 // Neural-network ops: Softmax, LogSoftmax, LayerNormalization, SoftmaxCrossEntropyLoss, Dropout,
 // with graft's fused gradient kernels. Statistics are accumulated in double.
+#include <atomic>
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "util.h"
@@ -347,8 +349,8 @@ void infer_dropout(InferCtx& c) {
   double p = c.const_in(1) ? c.const_in(1)->at(0) : 0.5;
   if (p < 0 || p >= 1) c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
 }
-uint64_t& dropout_counter() {
-  static uint64_t n = 0;
+std::atomic<uint64_t>& dropout_counter() {
+  static std::atomic<uint64_t> n{0};
   return n;
 }
 void dropout_kernel(KernelCtx& c) {
@@ -366,7 +368,8 @@ void dropout_kernel(KernelCtx& c) {
       if (mask) std::fill(mask, mask + x.numel(), true);
       return;
     }
-    std::mt19937_64 rng(static_cast<uint64_t>(c.attr_int("seed", 0)) * 1000003u + dropout_counter()++);
+    std::mt19937_64 rng(static_cast<uint64_t>(c.attr_int("seed", 0)) * 1000003u + c.seed * 7919u +
+                        std::hash<std::string>{}(c.node.name));
     std::bernoulli_distribution keep(1.0 - p);
     const T scale = static_cast<T>(1.0 / (1.0 - p));
     for (int64_t i = 0; i < x.numel(); ++i) {
@@ -415,8 +418,9 @@ const OpDef kOps[] = {
 
 }  // namespace
 
-uint64_t dropout_rng_state() { return dropout_counter(); }
+uint64_t dropout_rng_state() { return dropout_counter().load(); }
 void set_dropout_rng_state(uint64_t state) { dropout_counter() = state; }
+uint64_t next_dropout_seed() { return dropout_counter()++; }
 
 void register_nn_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);

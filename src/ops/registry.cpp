@@ -24,7 +24,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_reduce_ops(t);
     register_shape_ops(t);
     register_nn_ops(t);
-    static const OpDef sink{"GradSink", "graft", 1, 1, 0, 0, infer_sink, nullptr, nullptr, -1, false, false};
+    static const OpDef sink{"GradSink", "graft", 1, 1, 0, 0, infer_sink, nullptr, nullptr, -1, false, false, {}, true};
     t.push_back(&sink);
     return t;
   }();
@@ -40,7 +40,7 @@ const OpDef* find_op(const std::string& name, const std::string& domain) {
 const OpDef& op_for(const Node& n) {
   const OpDef* d = find_op(n.op, n.domain);
   if (!d)
-    fail(ErrorKind::Unsupported,
+    fail_at(ErrorKind::Unsupported, n.name,
          n.label() + ": graft has no kernel for op '" + n.op + "'" +
              (n.domain.empty() ? "" : " in domain '" + n.domain + "'") +
              " (run `graft inspect` to list unsupported ops; keep that part of the model outside "
@@ -100,7 +100,7 @@ void InferCtx::set_out(int i, DType dt, const Shape& s) {
   v.shape_known = true;
 }
 
-void InferCtx::error(ErrorKind k, const std::string& msg) const { fail(k, node().label() + ": " + msg); }
+void InferCtx::error(ErrorKind k, const std::string& msg) const { fail_at(k, node().name, node().label() + ": " + msg); }
 
 int InferCtx::axis(int64_t a, int rank, const char* what) const {
   if (a < -rank || a >= rank)
@@ -109,7 +109,7 @@ int InferCtx::axis(int64_t a, int rank, const char* what) const {
   return static_cast<int>(a < 0 ? a + rank : a);
 }
 
-void KernelCtx::error(ErrorKind k, const std::string& msg) const { fail(k, node.label() + ": " + msg); }
+void KernelCtx::error(ErrorKind k, const std::string& msg) const { fail_at(k, node.name, node.label() + ": " + msg); }
 
 // --- inference and folding ---------------------------------------------------------------------
 void infer_node(Graph& g, int ni) {

@@ -23,7 +23,7 @@ bool owned(const Value& v) { return v.kind == ValueKind::Intermediate; }
 
 int64_t bytes_of(const Value& v) { return numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype)); }
 
-bool is_sink(const Node& n) { return n.op == "GradSink" && n.domain == "graft"; }
+bool is_sink(const Node& n) { return op_for(n).sink; }
 
 std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vector<std::vector<int>>& cons) {
   const int nn = static_cast<int>(g.nodes.size());
@@ -163,8 +163,10 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       bool ok = owned(g.values[b]) && g.values[v].dtype == g.values[o].dtype &&
                 g.values[v].shape == g.values[o].shape && g.values[b].shape == g.values[o].shape &&
                 g.values[b].dtype == g.values[o].dtype;
-      // Every value living in that buffer must be dead after this step, and not kept.
-      for (int m : members[b]) ok = ok && !kept[m] && release_step(m) <= static_cast<int>(s);
+      // Every value living in that buffer must be dead after this step, and not kept. A forward
+      // output is never overwritten either: the caller holds it (a PyTorch tensor the user may
+      // keep, or TrainSession::outputs()) long after the plan's last read of it.
+      for (int m : members[b]) ok = ok && !kept[m] && !fwd_out[m] && release_step(m) <= static_cast<int>(s);
       // The output buffer must not be read by this node through another input slot (other
       // than the in-place one) from a different offset: only elementwise ops allow in-place,
       // and they read index i before writing index i, so reading the same buffer is safe.

@@ -19,8 +19,9 @@
 namespace graft {
 
 void add_inplace(Tensor& dst, const Tensor& src) {
-  GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::Internal,
-              "add_inplace: mismatched tensors");
+  GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::ShapeMismatch,
+              "add_inplace: cannot add " + std::string(dtype_name(src.dtype())) + " " + shape_str(src.shape()) +
+                  " into " + dtype_name(dst.dtype()) + " " + shape_str(dst.shape()));
   const int64_t n = dst.numel();
   if (dst.dtype() == DType::F32) {
     float* d = dst.data<float>();
@@ -44,7 +45,20 @@ std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const 
 
 TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes)
     : gp_(std::make_unique<Graph>(std::move(g))), g_(*gp_), opt_(opt), alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
+  // ---- parameters that arrive as graph inputs (exported without weights) ----
+  for (const std::string& name : opt.param_inputs) {
+    int v = g_.find(name);
+    GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
+                "param_inputs: '" + name + "' is not a graph input of the model");
+    Value& val = g_.values[v];
+    GRAFT_CHECK(val.shape_known, ErrorKind::InvalidArgument,
+                "param_inputs: '" + name + "' has a symbolic shape; a parameter's shape must be fixed");
+    val.kind = ValueKind::Param;
+    std::erase(g_.inputs, v);
+  }
+  // ---- shapes: bind input shapes, infer every node, fold constants ----
   infer_shapes(g_, input_shapes, alloc_);
+  // ---- autodiff ----
   AutodiffOptions ao;
   ao.loss = opt.loss;
   ao.output_grads = opt.output_grads;
@@ -54,63 +68,75 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<st
   ao.alloc = alloc_;
   bg_ = build_backward(g_, ao);
 
-  PlanOptions po;
-  po.phase_barrier = bg_.n_forward_nodes;
-  auto keep = [&](int v, const std::string& key) {
-    if (v < 0 || kept_index_.count(key)) return;
-    kept_index_[key] = static_cast<int>(po.keep.size());
-    po.keep.push_back(v);
-  };
-  // Outputs and the loss are read when forward ends; the executor releases them after their last
-  // use (the session and the caller keep their own references), so a model output the backward
-  // does not need is not held through backward.
-  for (int o : g_.outputs) po.forward_outputs.push_back(o);
-  if (bg_.loss >= 0) po.forward_outputs.push_back(bg_.loss);
-  if (opt.mode == GradMode::Hold)
-    for (size_t i = 0; i < bg_.params.size(); ++i) keep(bg_.param_grads[i], "grad:" + g_.values[bg_.params[i]].name);
-  for (size_t i = 0; i < bg_.input_grads.size(); ++i) keep(bg_.input_grads[i], "igrad:" + opt.input_grads[i]);
-  Plan plan = make_plan(g_, po);
-
-  int64_t param_bytes = 0;
+  // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
   for (int v : g_.params()) {
     Parameter p;
     p.name = g_.values[v].name;
     p.value = v;
-    p.data = g_.values[v].data;
+    p.data = std::move(g_.values[v].data);
+    g_.values[v].data = Tensor();
     p.trainable = std::find(bg_.params.begin(), bg_.params.end(), v) != bg_.params.end();
-    param_bytes += static_cast<int64_t>(p.data.nbytes());
     param_of_value_[v] = static_cast<int>(params_.size());
     params_.push_back(std::move(p));
   }
-  if (opt.max_memory > 0) {
-    int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
-    if (total > opt.max_memory) {
-      // Name the biggest values alive at the planned peak.
-      std::vector<std::pair<int64_t, std::string>> live;
-      std::vector<bool> freed(g_.values.size(), false);
-      for (int s = 0; s <= plan.peak_step; ++s) {
-        const Node& n = g_.nodes[plan.steps[s].node];
-        for (int o : n.outputs)
-          if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
-            live.push_back({numel(g_.values[o].shape) * static_cast<int64_t>(dtype_size(g_.values[o].dtype)), g_.values[o].name});
-        if (s < plan.peak_step)
-          for (int b : plan.steps[s].buffer_frees) freed[b] = true;
-      }
-      std::erase_if(live, [&](const auto& e) { return freed[g_.find(e.second)]; });
-      std::sort(live.rbegin(), live.rend());
-      std::string top;
-      for (size_t i = 0; i < live.size() && i < 3; ++i)
-        top += (i ? ", " : "") + live[i].second + " (" + std::to_string(live[i].first) + " bytes)";
-      fail(ErrorKind::OutOfMemory,
-           "the planned step needs " + std::to_string(total) + " bytes (activations " +
-               std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) +
-               ", parameters " + std::to_string(param_bytes) + ", gradients " +
-               std::to_string(gradient_bytes()) + "), over the budget of " + std::to_string(opt.max_memory) +
-               " bytes; biggest live values: " + top);
-    }
-  }
+  param_of_sink_.assign(g_.nodes.size(), -1);
+  for (size_t i = 0; i < bg_.params.size(); ++i)
+    if (bg_.sinks[i] >= 0) param_of_sink_[bg_.sinks[i]] = param_of_value_[bg_.params[i]];
+
+  // ---- plan ----
+  PlanOptions po;
+  po.phase_barrier = bg_.n_forward_nodes;
+  // Outputs and the loss are read when forward ends; the executor releases them after their last
+  // use (the session and the caller keep their own references), so a model output the backward
+  // does not need is not held through backward, and backward never writes into one.
+  for (int o : g_.outputs) po.forward_outputs.push_back(o);
+  if (bg_.loss >= 0) po.forward_outputs.push_back(bg_.loss);
+  auto keep = [&](int v) -> int {
+    if (v < 0) return -1;
+    for (size_t k = 0; k < po.keep.size(); ++k)
+      if (po.keep[k] == v) return static_cast<int>(k);
+    po.keep.push_back(v);
+    return static_cast<int>(po.keep.size()) - 1;
+  };
+  held_keep_.assign(params_.size(), -1);
+  if (opt.mode == GradMode::Hold)
+    for (size_t i = 0; i < bg_.params.size(); ++i) held_keep_[param_of_value_[bg_.params[i]]] = keep(bg_.param_grads[i]);
+  for (int v : bg_.input_grads) igrad_keep_.push_back(keep(v));
+  Plan plan = make_plan(g_, po);
+  check_budget(plan);
+  // ---- executor ----
   exec_ = std::make_unique<Executor>(g_, std::move(plan), *alloc_);
+}
+
+void TrainSession::check_budget(const Plan& plan) const {
+  if (opt_.max_memory <= 0) return;
+  int64_t param_bytes = 0;
+  for (const Parameter& p : params_)
+    param_bytes += numel(g_.values[p.value].shape) * static_cast<int64_t>(dtype_size(g_.values[p.value].dtype));
+  int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
+  if (total <= opt_.max_memory) return;
+  // Name the biggest values alive at the planned peak.
+  std::vector<std::pair<int64_t, int>> live;
+  std::vector<bool> freed(g_.values.size(), false);
+  for (int s = 0; s <= plan.peak_step; ++s) {
+    const Node& n = g_.nodes[plan.steps[s].node];
+    for (int o : n.outputs)
+      if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
+        live.push_back({numel(g_.values[o].shape) * static_cast<int64_t>(dtype_size(g_.values[o].dtype)), o});
+    if (s < plan.peak_step)
+      for (int b : plan.steps[s].buffer_frees) freed[b] = true;
+  }
+  std::erase_if(live, [&](const auto& e) { return freed[e.second]; });
+  std::sort(live.rbegin(), live.rend());
+  std::string top;
+  for (size_t i = 0; i < live.size() && i < 3; ++i)
+    top += (i ? ", " : "") + g_.values[live[i].second].name + " (" + std::to_string(live[i].first) + " bytes)";
+  fail(ErrorKind::OutOfMemory,
+       "the planned step needs " + std::to_string(total) + " bytes (activations " +
+           std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) + ", parameters " +
+           std::to_string(param_bytes) + ", gradients " + std::to_string(gradient_bytes()) +
+           "), over the budget of " + std::to_string(opt_.max_memory) + " bytes; biggest live values: " + top);
 }
 
 int64_t TrainSession::gradient_bytes() const {
@@ -134,8 +160,12 @@ Parameter& TrainSession::parameter(const std::string& name) {
 
 void TrainSession::bind_parameter(const std::string& name, Tensor data) {
   Parameter& p = parameter(name);
-  exec_->bind(p.value, data);
-  g_.values[p.value].data = data;  // drop the imported copy: the bound memory is the parameter now
+  const Value& v = g_.values[p.value];
+  GRAFT_CHECK(data.defined() && data.dtype() == v.dtype && data.shape() == v.shape, ErrorKind::ShapeMismatch,
+              "parameter '" + name + "' is " + dtype_name(v.dtype) + " " + shape_str(v.shape) + " but was given " +
+                  (data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape()) : "nothing"));
+  GRAFT_CHECK(data.nbytes() == 0 || data.raw() != nullptr, ErrorKind::InvalidArgument,
+              "parameter '" + name + "' was given a tensor with no memory (a null data pointer)");
   p.data = std::move(data);
 }
 
@@ -143,7 +173,17 @@ void TrainSession::set_input(const std::string& name, Tensor t) {
   int v = g_.find(name);
   GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
               "the model has no input named '" + name + "'");
-  exec_->bind(v, std::move(t));
+  GRAFT_CHECK(t.defined(), ErrorKind::InvalidArgument, "input '" + name + "' was given an undefined tensor");
+  const Value& val = g_.values[v];
+  GRAFT_CHECK(t.dtype() == val.dtype, ErrorKind::InvalidArgument,
+              "'" + name + "' expects dtype " + dtype_name(val.dtype) + " but got " + dtype_name(t.dtype()));
+  GRAFT_CHECK(t.shape() == val.shape, ErrorKind::ShapeMismatch,
+              "'" + name + "' was planned with shape " + shape_str(val.shape) + " but got " + shape_str(t.shape()) +
+                  " (a new shape needs a new session)");
+  GRAFT_CHECK(t.nbytes() == 0 || t.raw() != nullptr, ErrorKind::InvalidArgument,
+              "input '" + name + "' was given a tensor of " + std::to_string(t.nbytes()) +
+                  " bytes with no memory (a null data pointer)");
+  default_inputs_[name] = std::move(t);
 }
 
 void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
@@ -151,108 +191,157 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
     if (hook_) hook_(p, grad);
     return;
   }
+  if (p.grad.defined())
+    GRAFT_CHECK(p.grad.dtype() == grad.dtype() && p.grad.numel() == grad.numel(), ErrorKind::ShapeMismatch,
+                "parameter '" + p.name + "': its .grad is " + dtype_name(p.grad.dtype()) + " " + shape_str(p.grad.shape()) +
+                    " but its gradient is " + dtype_name(grad.dtype()) + " " + shape_str(p.data.shape()) +
+                    " (assign a .grad of the parameter's shape, or None)");
   if (!p.grad.defined()) {
     if (exclusive && grad.storage()->owner == alloc_) {
       alloc_->recategorize(*grad.storage(), Category::Gradient);  // adopt: no copy
-      p.grad = grad.reshaped(p.data.shape());
+      p.grad = grad.reshaped(g_.values[p.value].shape);
     } else {
-      p.grad = grad.clone(*alloc_, Category::Gradient).reshaped(p.data.shape());
+      p.grad = grad.clone(*alloc_, Category::Gradient).reshaped(g_.values[p.value].shape);
     }
     return;
   }
   add_inplace(p.grad, grad);
 }
 
-void TrainSession::forward() {
-  GRAFT_CHECK(!in_run_, ErrorKind::InvalidArgument, "forward() called twice without backward()");
-  // The previous step's outputs are dropped before this step allocates anything.
-  release_outputs();
-  last_kept_.clear();
-  auto sink = [this](const Node& n, Tensor grad, bool exclusive) {
-    deliver(params_[param_of_value_[n.attrs.get_int("param_value", -1)]], std::move(grad), exclusive);
-  };
+std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Tensor>& inputs,
+                                                 std::optional<uint64_t> seed, bool keep_for_backward) {
+  auto st = std::make_shared<StepState>();
+  std::vector<std::pair<int, Tensor>> bind;
+  for (const Parameter& p : params_) {
+    GRAFT_CHECK(p.data.defined(), ErrorKind::InvalidArgument,
+                "parameter '" + p.name + "' has no data (bind_parameter shares memory for it)");
+    GRAFT_CHECK(p.data.dtype() == g_.values[p.value].dtype && p.data.shape() == g_.values[p.value].shape,
+                ErrorKind::ShapeMismatch,
+                "parameter '" + p.name + "' holds " + dtype_name(p.data.dtype()) + " " + shape_str(p.data.shape()) +
+                    " but the model planned " + dtype_name(g_.values[p.value].dtype) + " " +
+                    shape_str(g_.values[p.value].shape) + " (assign a tensor of the planned shape, or build a new session)");
+    bind.emplace_back(p.value, p.data);
+  }
+  for (const auto& [name, t] : inputs) {
+    int v = g_.find(name);
+    GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
+                "the model has no input named '" + name + "'");
+  }
+  for (int v : g_.inputs) {
+    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) != bg_.output_grad_inputs.end())
+      continue;  // fed by backward
+    const std::string& name = g_.values[v].name;
+    auto it = inputs.find(name);
+    const Tensor* t = it != inputs.end() ? &it->second : nullptr;
+    if (!t) {
+      auto d = default_inputs_.find(name);
+      GRAFT_CHECK(d != default_inputs_.end(), ErrorKind::InvalidArgument,
+                  "input '" + name + "' was not given (set_input or pass it to forward)");
+      t = &d->second;
+    }
+    bind.emplace_back(v, *t);
+    st->inputs.push_back(*t);
+  }
+  st->seed = seed ? *seed : next_dropout_seed();
   RunOptions ro;
   ro.check_finite = opt_.check_finite;
   ro.profile = opt_.profile;
   ro.timeline = opt_.timeline;
-  exec_->begin(ro, sink);
-  in_run_ = true;
-  try {
-    exec_->run_to(exec_->plan().barrier_step);
-  } catch (...) {
-    exec_->abort();
-    in_run_ = false;
-    throw;
+  ro.seed = st->seed;
+  st->run = exec_->start(bind, ro, [this](int node, Tensor grad, bool exclusive) {
+    deliver(params_[param_of_sink_[node]], std::move(grad), exclusive);
+  });
+  exec_->run_to(*st->run, exec_->plan().barrier_step);
+  for (int o : g_.outputs) {
+    Tensor t = st->run->value(o);
+    // A constant (or folded) output is graft's own storage, shared by every step: the caller gets
+    // a copy it owns, so editing it cannot change what later steps return.
+    if (g_.values[o].kind == ValueKind::Constant && t.defined()) t = t.clone(*alloc_, Category::Activation);
+    st->outputs.push_back(t);
   }
-  forward_outputs_.clear();
-  for (int o : g_.outputs) forward_outputs_.push_back(exec_->current(o));
-  loss_ = bg_.loss >= 0 ? exec_->current(bg_.loss) : Tensor();
+  st->loss = bg_.loss >= 0 ? st->run->value(bg_.loss) : Tensor();
+  st->forward_done = true;
+  if (!keep_for_backward) {
+    if (opt_.profile) last_times_ = st->run->op_times();
+    exec_->abort(*st->run);
+    st->backward_done = true;
+  }
+  return st;
+}
+
+void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& output_grads) {
+  GRAFT_CHECK(st.forward_done && st.run, ErrorKind::InvalidArgument, "backward of a step whose forward did not run");
+  GRAFT_CHECK(!st.backward_done && st.run->active(), ErrorKind::InvalidArgument,
+              "this step's backward already ran (or the step was cancelled); run a new forward");
+  std::vector<Tensor> kept;
+  for (const auto& [name, t] : output_grads) {
+    auto it = std::find(opt_.output_grads.begin(), opt_.output_grads.end(), name);
+    GRAFT_CHECK(it != opt_.output_grads.end(), ErrorKind::InvalidArgument,
+                "'" + name + "' is not one of the outputs this session differentiates");
+    exec_->feed(*st.run, bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
+  }
+  st.backward_done = true;
+  exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
+  if (opt_.profile) last_times_ = st.run->op_times();
+  kept = exec_->finish(*st.run);
+  st.input_grads.clear();
+  for (int k : igrad_keep_) st.input_grads.push_back(k >= 0 ? kept[k] : Tensor());
+  if (opt_.mode == GradMode::Hold) {
+    // The baseline: every gradient was alive until now; deliver them in order, releasing each.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (held_keep_[i] < 0) continue;
+      Tensor grad = std::move(kept[held_keep_[i]]);
+      kept[held_keep_[i]] = Tensor();
+      bool exclusive = grad.storage().use_count() == 1;
+      deliver(params_[i], std::move(grad), exclusive);
+    }
+  }
+}
+
+void TrainSession::forward() {
+  GRAFT_CHECK(!in_run(), ErrorKind::InvalidArgument, "forward() called twice without backward()");
+  // The previous step's outputs are dropped before this step allocates anything.
+  cur_.reset();
+  cur_ = forward({}, std::nullopt, true);
 }
 
 void TrainSession::backward(const std::map<std::string, Tensor>& output_grads) {
-  GRAFT_CHECK(in_run_, ErrorKind::InvalidArgument, "backward() called without forward()");
-  std::vector<Tensor> kept;
-  try {
-    for (const auto& [name, t] : output_grads) {
-      auto it = std::find(opt_.output_grads.begin(), opt_.output_grads.end(), name);
-      GRAFT_CHECK(it != opt_.output_grads.end(), ErrorKind::InvalidArgument,
-                  "'" + name + "' is not one of the outputs this session differentiates");
-      exec_->feed(bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
-    }
-    exec_->run_to(static_cast<int>(exec_->plan().steps.size()));
-    kept = exec_->finish();
-  } catch (...) {
-    exec_->abort();
-    in_run_ = false;
-    throw;
-  }
-  in_run_ = false;
-  last_kept_ = std::move(kept);
-  if (opt_.mode == GradMode::Hold) {
-    // The baseline: every gradient was alive until now; deliver them in order, releasing each.
-    for (size_t i = 0; i < bg_.params.size(); ++i) {
-      auto it = kept_index_.find("grad:" + g_.values[bg_.params[i]].name);
-      if (it == kept_index_.end()) continue;
-      Tensor grad = std::move(last_kept_[it->second]);
-      last_kept_[it->second] = Tensor();
-      bool exclusive = grad.storage().use_count() == 1;
-      deliver(params_[param_of_value_[bg_.params[i]]], std::move(grad), exclusive);
-    }
-  }
+  GRAFT_CHECK(in_run(), ErrorKind::InvalidArgument, "backward() called without forward()");
+  backward(*cur_, output_grads);
 }
 
 void TrainSession::cancel() {
-  if (in_run_) exec_->abort();
-  in_run_ = false;
-  release_outputs();
-  last_kept_.clear();
+  if (cur_ && cur_->run && cur_->run->active()) exec_->abort(*cur_->run);
+  cur_.reset();
 }
 
 void TrainSession::release_outputs() {
-  forward_outputs_.clear();
-  loss_ = Tensor();
+  if (!cur_) return;
+  cur_->outputs.clear();
+  cur_->loss = Tensor();
 }
 
 double TrainSession::step() {
   forward();
   backward();
   if (bg_.loss < 0) return std::numeric_limits<double>::quiet_NaN();
-  return loss_.at(0);
+  return cur_->loss.at(0);
 }
 
-std::vector<Tensor> TrainSession::outputs() const { return forward_outputs_; }
+std::vector<Tensor> TrainSession::outputs() const { return cur_ ? cur_->outputs : std::vector<Tensor>{}; }
 
 Tensor TrainSession::output(const std::string& name) const {
-  for (size_t i = 0; i < g_.outputs.size() && i < forward_outputs_.size(); ++i)
-    if (g_.values[g_.outputs[i]].name == name) return forward_outputs_[i];
+  for (size_t i = 0; cur_ && i < g_.outputs.size() && i < cur_->outputs.size(); ++i)
+    if (g_.values[g_.outputs[i]].name == name) return cur_->outputs[i];
   fail(ErrorKind::InvalidArgument, "no output named '" + name + "' from the last forward");
 }
 
 Tensor TrainSession::input_grad(const std::string& name) const {
-  auto it = kept_index_.find("igrad:" + name);
-  GRAFT_CHECK(it != kept_index_.end(), ErrorKind::InvalidArgument,
+  auto it = std::find(opt_.input_grads.begin(), opt_.input_grads.end(), name);
+  GRAFT_CHECK(it != opt_.input_grads.end(), ErrorKind::InvalidArgument,
               "no gradient was requested for input '" + name + "'");
-  return it->second < static_cast<int>(last_kept_.size()) ? last_kept_[it->second] : Tensor();
+  size_t k = it - opt_.input_grads.begin();
+  return cur_ && k < cur_->input_grads.size() ? cur_->input_grads[k] : Tensor();
 }
 
 void TrainSession::zero_grad(bool set_to_none) {
