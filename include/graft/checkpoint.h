@@ -56,8 +56,8 @@ int64_t load_checkpoint(const std::string& path, TrainSession& s, Optimizer* opt
 
 // The file name used for `step` ("ckpt-00000012.graft").
 std::string checkpoint_file_name(int64_t step);
-// Checkpoint files in `dir` (full paths) with their steps, newest first. Temporaries and files
-// renamed aside as corrupt are not listed.
+// Checkpoint files in `dir` (full paths) with their steps, newest first. Temporaries, files
+// renamed aside as corrupt and entries that are not regular files are not listed.
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& dir);
 
 // Saves DIR/ckpt-<step>.graft (creating DIR), updates DIR/latest, then deletes older checkpoints
@@ -70,15 +70,35 @@ struct ResumeResult {
   bool found = false;                // false: DIR holds no checkpoint (start from scratch)
   std::string path;                  // the file loaded
   int64_t step = 0;
-  std::vector<std::string> skipped;  // "FILE: reason" for each newer file refused as corrupt
+  std::vector<std::string> skipped;  // "FILE: reason" for each newer file refused as corrupt, and
+                                     // each entry ignored as not a regular file
 };
 // Loads the newest checkpoint in `dir` that verifies. A file that fails verification as corrupt
 // (InvalidModel) is renamed to FILE.corrupt (kept for inspection, never tried again) and the next
-// older one is tried. Throws InvalidModel naming every refused file if DIR holds checkpoints but
+// older one is tried. Entries named like checkpoints that are not regular files (a FIFO, a folder,
+// a device) are never opened, so resume cannot block on them; each is reported in `skipped`. Throws InvalidModel naming every refused file if DIR holds checkpoints but
 // none verifies; a checkpoint that verifies but does not fit the session or optimizer stops the
 // search with load_checkpoint's error (it belongs to another run; falling back would mix runs).
 // Stale temporaries from an interrupted save are removed.
 ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer* opt);
+
+// One run per folder: holds DIR/.lock (created with DIR if missing) locked with
+// flock(LOCK_EX | LOCK_NB) for the object's lifetime; the file holds the holder's pid. A second
+// holder is refused at once (InvalidArgument naming the holder's pid), never made to wait. The
+// destructor removes the file; a killed holder's lock is released by the kernel and its stale file
+// is taken over by the next run.
+class CheckpointDirLock {
+ public:
+  explicit CheckpointDirLock(const std::string& dir);
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 // CRC-32 (IEEE 802.3, as zlib's crc32), continuing from `crc` (0 to start).
 uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);

@@ -3,8 +3,12 @@
 // Everything read from the file is untrusted: sizes are validated before anything is allocated
 // from them, names are checked for duplicates, and the node list is re-sorted topologically (a
 // cycle or a read of an undefined value is an error naming the node).
+#include <fcntl.h>
 #include <onnx/onnx_pb.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -364,12 +368,31 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
 }
 
 Tensor load_tensor_pb(const std::string& path, std::string* name) {
-  std::ifstream f(path, std::ios::binary);
-  GRAFT_CHECK(f.good(), ErrorKind::Io, "cannot open tensor file '" + path + "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
+  // Read with a bound: a regular file only (opened non-blocking, so a FIFO cannot hang us, and
+  // checked before reading, so /dev/zero cannot be read without end), at most protobuf's 2 GiB
+  // message limit, and exactly the size fstat reported.
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  GRAFT_CHECK(fd >= 0, ErrorKind::Io, "cannot open tensor file '" + path + "': " + std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  GRAFT_CHECK(::fstat(fd, &st) == 0, ErrorKind::Io, "cannot stat tensor file '" + path + "': " + std::strerror(errno));
+  GRAFT_CHECK(S_ISREG(st.st_mode), ErrorKind::Io, "tensor file '" + path + "' is not a regular file");
+  constexpr int64_t kMaxTensorFile = (int64_t{2} << 30) - 1;
+  GRAFT_CHECK(st.st_size <= kMaxTensorFile, ErrorKind::InvalidModel,
+              "tensor file '" + path + "' is " + std::to_string(st.st_size) + " bytes, over protobuf's 2 GiB message limit");
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  for (size_t done = 0; done < bytes.size();) {
+    ssize_t r = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    GRAFT_CHECK(r >= 0, ErrorKind::Io, "cannot read tensor file '" + path + "': " + std::strerror(errno));
+    GRAFT_CHECK(r > 0, ErrorKind::Io, "tensor file '" + path + "' shrank while being read");
+    done += static_cast<size_t>(r);
+  }
   onnx::TensorProto tp;
-  GRAFT_CHECK(tp.ParseFromString(ss.str()), ErrorKind::InvalidModel,
+  GRAFT_CHECK(tp.ParseFromString(bytes), ErrorKind::InvalidModel,
               "'" + path + "' is not a valid ONNX TensorProto");
   if (name) *name = tp.name();
   return convert_tensor(tp, Allocator::global(), Category::Workspace,

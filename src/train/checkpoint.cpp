@@ -9,6 +9,7 @@
 #include "graft/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -89,6 +90,27 @@ struct Fd {
     if (fd >= 0) ::close(fd);
   }
 };
+
+const char* file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a plain file";
+}
+
+// Opens a checkpoint for reading without ever blocking: O_NONBLOCK (a FIFO would otherwise wait
+// for a writer forever), then refuses anything but a regular file before the first read.
+void open_regular(Fd& f, const std::string& path) {
+  f.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (f.fd < 0) io_error(path, "cannot open: " + errno_str());
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) io_error(path, "cannot stat: " + errno_str());
+  if (!S_ISREG(st.st_mode)) io_error(path, std::string("not a regular file (") + file_kind(st.st_mode) + ")");
+  int fl = ::fcntl(f.fd, F_GETFL);  // regular files never block; clear the flag all the same
+  if (fl >= 0) ::fcntl(f.fd, F_SETFL, fl & ~O_NONBLOCK);
+}
 
 void read_exact(int fd, void* buf, size_t n, const std::string& path) {
   auto* p = static_cast<char*>(buf);
@@ -368,11 +390,9 @@ Header read_and_verify(const std::string& path) {
   Header h;
   h.path = path;
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) io_error(path, "cannot open: " + errno_str());
+  open_regular(f, path);
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) io_error(path, "cannot stat: " + errno_str());
-  if (!S_ISREG(st.st_mode)) io_error(path, "not a regular file");
   h.file_size = st.st_size;
   if (h.file_size < static_cast<int64_t>(kPreamble + kTrailer))
     corrupt(path, "truncated: " + std::to_string(h.file_size) + " bytes, shorter than the " +
@@ -484,8 +504,7 @@ Staged stage(const Header& h, TrainSession& s, Optimizer* opt) {
   if (auto* sgd = dynamic_cast<SGD*>(opt)) oa = &sgd->allocator();
   if (auto* adam = dynamic_cast<AdamW*>(opt)) oa = &adam->allocator();
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0) io_error(path, "cannot open: " + errno_str());
+  open_regular(f, path);
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) io_error(path, "cannot stat: " + errno_str());
   if (st.st_size != h.file_size) io_error(path, "the file changed while being loaded");
@@ -712,7 +731,10 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   for (; it != end; it.increment(ec)) {
     if (ec) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot list: " + ec.message());
     int64_t step;
-    if (parse_step(it->path().filename().string(), step)) out.push_back({step, it->path().string()});
+    if (!parse_step(it->path().filename().string(), step)) continue;
+    std::error_code sec;  // stat, never open: a FIFO or device named like a checkpoint is no checkpoint
+    if (!it->is_regular_file(sec)) continue;
+    out.push_back({step, it->path().string()});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second > b.second; });
   return out;
@@ -758,6 +780,20 @@ ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer*
       }
     }
   }
+  if (fs::is_directory(dir, ec)) {
+    // Entries named like checkpoints that are not regular files (a FIFO, a folder, a device, a
+    // dangling link) are reported and left alone; list_checkpoints never lists them, so nothing
+    // opens them and resume cannot block on them.
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      int64_t st;
+      if (!parse_step(it->path().filename().string(), st)) continue;
+      struct stat sb {};
+      const bool exists = ::stat(it->path().c_str(), &sb) == 0;
+      if (exists && S_ISREG(sb.st_mode)) continue;
+      r.skipped.push_back("checkpoint '" + it->path().string() + "' is not a regular file (" +
+                          (exists ? file_kind(sb.st_mode) : "a dangling link") + "); ignored");
+    }
+  }
   auto files = list_checkpoints(dir);
   std::vector<std::string> refused;
   for (const auto& [st, path] : files) {
@@ -787,6 +823,55 @@ ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer*
                                       " refused):" + all);
   }
   return r;
+}
+
+// --- the folder lock -------------------------------------------------------------------------
+CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot create: " + ec.message());
+  path_ = (fs::path(dir) / ".lock").string();
+  for (int attempt = 0;; ++attempt) {
+    int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    if (fd < 0) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot open its lock file '" + path_ + "': " + errno_str());
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      fail(ErrorKind::Io, "checkpoint folder '" + dir + "': its lock file '" + path_ + "' is not a regular file");
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char buf[32] = {};
+      ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+      ::close(fd);
+      if (err != EWOULDBLOCK && err != EINTR)
+        fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot lock '" + path_ + "': " + std::strerror(err));
+      long long pid = n > 0 ? std::atoll(buf) : 0;
+      fail(ErrorKind::InvalidArgument,
+           "checkpoint folder '" + dir + "' is in use by another graft run (" +
+               (pid > 0 ? "pid " + std::to_string(pid) : std::string("pid unknown")) + ", holding '" + path_ +
+               "'); wait for it to finish or use another folder");
+    }
+    // The holder before us may have removed the file after we opened it (it unlinks on exit); a
+    // lock on a removed file guards nothing, so make sure the name still refers to our file.
+    struct stat now {};
+    if (::stat(path_.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) {
+      fd_ = fd;
+      break;
+    }
+    ::close(fd);
+    if (attempt > 100) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': its lock file keeps being replaced");
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    // The lock holds regardless; only the pid shown to a refused run is missing.
+  }
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ < 0) return;
+  ::unlink(path_.c_str());  // still locked: a waiter that opened it re-checks the name and retries
+  ::close(fd_);
 }
 
 }  // namespace graft
