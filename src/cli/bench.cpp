@@ -377,7 +377,7 @@ int cmd_bench(const BenchArgs& a) {
   GRAFT_CHECK(a.hidden <= INT32_MAX && a.batch <= INT32_MAX, ErrorKind::InvalidArgument,
               "--batch and --hidden must fit a 32-bit BLAS dimension");
   GRAFT_CHECK(a.steps > 0, ErrorKind::InvalidArgument, "--steps must be positive (got " + std::to_string(a.steps) + ")");
-  GRAFT_CHECK(a.threads >= 0, ErrorKind::InvalidArgument, "--threads must be >= 0 (0: the BLAS default)");
+  check_threads("--threads", a.threads);
   std::vector<GradMode> modes;
   if (a.mode == "all") modes = {GradMode::Hold, GradMode::Accumulate, GradMode::Hook};
   else if (a.mode == "hold" || a.mode == "accumulate" || a.mode == "hook") modes = {parse_grad_mode(a.mode)};

@@ -60,4 +60,21 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
 // Writes `t` as an ONNX TensorProto file, creating the folder.
 void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name);
 
+// --- checked options and file-system preconditions (src/cli/options.cpp, docs/faults.md) ---------
+// A byte count: plain bytes, or a number (fractions allowed) with K, M, G or T, optionally followed
+// by B or iB, all 1024-based ("512M", "8GiB", "1.5G"). Refuses empty, negative, malformed and
+// >= 2^63 values with an InvalidArgument naming `flag`.
+int64_t parse_size(const std::string& flag, const std::string& text);
+// Refuses a negative or absurd thread count, naming `flag`.
+void check_threads(const std::string& flag, int threads);
+// The largest input .pb file read: 2 GiB - 1 (protobuf's message limit) or the available memory.
+int64_t input_file_limit();
+// Before anything is read: every --inputs file is a regular file (never opened if it is not, so a
+// FIFO cannot block and a device cannot be read without end), within input_file_limit(), and no
+// file is given twice.
+void check_input_files(const std::vector<std::string>& files);
+// Creates `dir` if missing and proves it writable (a probe file created and removed), so that an
+// output flag fails before training starts rather than after; errors name `flag`.
+void prepare_output_dir(const std::string& flag, const std::string& dir);
+
 }  // namespace graft::cli

@@ -50,6 +50,8 @@ std::string human_bytes(int64_t b) {
 std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
                                           const std::vector<std::string>& files, Allocator& alloc) {
   std::map<std::string, Tensor> inputs;
+  std::map<std::string, std::string> from_file;  // input name -> the file that gave it
+  check_input_files(files);
   size_t next_slot = 0;
   for (const auto& f : files) {
     std::string name;
@@ -60,6 +62,13 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
                   "more --inputs files than the model has inputs");
       name = g.values[g.inputs[next_slot]].name;
     }
+    GRAFT_CHECK(!from_file.count(name), ErrorKind::InvalidArgument,
+                "input '" + name + "' is given twice: by --inputs '" + from_file[name] + "' and '" + f + "'");
+    auto sh = shapes.find(name);
+    GRAFT_CHECK(sh == shapes.end(), ErrorKind::InvalidArgument,
+                "input '" + name + "' is given both by --inputs '" + f + "' and by --input " + name + " (shape " +
+                    (sh == shapes.end() ? std::string() : shape_str(sh->second)) + "): a conflict; give one or the other");
+    from_file[name] = f;
     inputs[name] = t.clone(alloc, Category::Workspace);
   }
   for (const auto& [name, s] : shapes) {
@@ -97,6 +106,7 @@ void save_tensor(const std::string& dir, const std::string& file, const Tensor& 
 }
 
 int cmd_run(const RunArgs& a) {
+  prepare_output_dir("--save-outputs", a.save_outputs_dir);
   Allocator& alloc = Allocator::global();
   ImportOptions io;
   io.alloc = &alloc;

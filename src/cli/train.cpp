@@ -1,7 +1,11 @@
 // `graft train`: trains a model on given or random inputs; one progress line per step.
+#include <signal.h>
+
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "commands.h"
 #include "graft/checkpoint.h"
@@ -9,6 +13,34 @@
 #include "graft/train.h"
 
 namespace graft::cli {
+
+namespace {
+// SIGINT / SIGTERM during training: the handler only records the signal; the loop checks it
+// between steps, finishes cleanly (a checkpoint when --checkpoint was given) and exits 128+signal.
+volatile sig_atomic_t g_stop_signal = 0;
+
+void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+struct StopSignals {
+  struct sigaction old_int {}, old_term {};
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    // SA_RESTART: a signal landing in a read or write resumes it instead of failing it with EINTR.
+    // SA_RESETHAND: a second signal while we finish up acts as the default (ends the process at
+    // once); an interrupted save leaves only a temporary, which --resume removes.
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+  }
+};
+}  // namespace
 
 int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(a.steps >= 0, ErrorKind::InvalidArgument, "--steps must be >= 0");
@@ -18,6 +50,14 @@ int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(!a.resume || !a.checkpoint.empty(), ErrorKind::InvalidArgument, "--resume needs --checkpoint DIR");
   GRAFT_CHECK(a.checkpoint_every == 0 || !a.checkpoint.empty(), ErrorKind::InvalidArgument,
               "--checkpoint-every needs --checkpoint DIR");
+  check_threads("--threads", a.threads);
+  // Every output is proven writable before the first step, not found unwritable after the last.
+  prepare_output_dir("--save-grads", a.save_grads);
+  prepare_output_dir("--save-params", a.save_params);
+  prepare_output_dir("--checkpoint", a.checkpoint);
+  // One run per checkpoint folder, for the whole run.
+  std::optional<CheckpointDirLock> lock;
+  if (!a.checkpoint.empty()) lock.emplace(a.checkpoint);
   if (!a.checkpoint.empty() && !a.resume) {
     auto existing = list_checkpoints(a.checkpoint);
     GRAFT_CHECK(existing.empty(), ErrorKind::InvalidArgument,
@@ -69,9 +109,12 @@ int cmd_train(const TrainArgs& a) {
   } else {
     fail(ErrorKind::InvalidArgument, "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
-  std::printf("training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak %s\n",
+  std::printf("training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak %s",
               a.model.c_str(), s.trainable().size(), human_bytes(s.gradient_bytes()).c_str(), a.mode.c_str(),
               a.optimizer.c_str(), human_bytes(s.plan().planned_peak).c_str());
+  if (a.max_memory > 0)
+    std::printf(", memory budget %s (%lld bytes)", human_bytes(a.max_memory).c_str(), static_cast<long long>(a.max_memory));
+  std::printf("\n");
   int start = 0;
   if (a.resume) {
     SGDOptions sgd_flags;
@@ -99,6 +142,8 @@ int cmd_train(const TrainArgs& a) {
     }
     std::fflush(stdout);
   }
+  StopSignals stop_signals;
+  int saved_step = a.resume ? start : -1;  // the step of the newest checkpoint on disk, if known
   for (int step = start + 1; step <= a.steps; ++step) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
@@ -118,8 +163,23 @@ int cmd_train(const TrainArgs& a) {
       std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s\n", step, loss, secs * 1e3,
                   human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str());
     std::fflush(stdout);
-    if (!a.checkpoint.empty() && ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps))
+    if (!a.checkpoint.empty() && ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps)) {
       save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
+      saved_step = step;
+    }
+    if (const int sig = g_stop_signal; sig != 0 && step < a.steps) {
+      const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+      if (!a.checkpoint.empty()) {
+        std::string path = saved_step == step ? (std::filesystem::path(a.checkpoint) / checkpoint_file_name(step)).string()
+                                              : save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
+        std::fprintf(stderr, "graft: interrupted by %s after step %d of %d: checkpoint written to %s (continue with --resume)\n",
+                     name, step, a.steps, path.c_str());
+      } else {
+        std::fprintf(stderr, "graft: interrupted by %s after step %d of %d: no checkpoint was requested (--checkpoint DIR), "
+                     "so the training state is not saved\n", name, step, a.steps);
+      }
+      return 128 + sig;
+    }
   }
   if (!a.save_params.empty()) {
     int i = 0;

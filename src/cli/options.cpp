@@ -1,0 +1,149 @@
+// Checked command-line values and file-system preconditions shared by the subcommands: sizes with
+// binary suffixes, thread counts, input files that are read with a bound, output folders proven
+// writable before any work starts (docs/faults.md).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "commands.h"
+
+namespace graft::cli {
+namespace fs = std::filesystem;
+
+int64_t parse_size(const std::string& flag, const std::string& text) {
+  auto bad = [&](const std::string& why) -> int64_t {
+    fail(ErrorKind::InvalidArgument, flag + " '" + text + "': " + why +
+                                         " (give bytes, or a number with K, M, G or T: 1024-based, e.g. 512M, 8GiB, 1.5G)");
+  };
+  if (text.empty()) return bad("empty value");
+  size_t i = 0;
+  unsigned __int128 whole = 0;
+  size_t int_digits = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    whole = whole * 10 + static_cast<unsigned>(text[i] - '0');
+    if (whole > static_cast<unsigned __int128>(INT64_MAX)) return bad("too large (the limit is 2^63-1 bytes)");
+    ++i;
+    ++int_digits;
+  }
+  unsigned __int128 frac = 0, frac_den = 1;
+  size_t frac_digits = 0;
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+      if (frac_digits < 18) {  // further digits cannot change a whole number of bytes below 2^63
+        frac = frac * 10 + static_cast<unsigned>(text[i] - '0');
+        frac_den *= 10;
+      }
+      ++i;
+      ++frac_digits;
+    }
+    if (frac_digits == 0) return bad("not a number");
+  }
+  if (int_digits == 0) return bad(text[0] == '-' ? "must not be negative" : "not a number");
+  std::string suffix = text.substr(i);
+  for (char& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  int shift = -1;
+  if (suffix.empty() || suffix == "B") shift = 0;
+  const char* units = "KMGT";
+  for (int k = 0; k < 4 && shift < 0; ++k) {
+    const std::string u(1, units[k]);
+    if (suffix == u || suffix == u + "B" || suffix == u + "IB") shift = 10 * (k + 1);
+  }
+  if (shift < 0) return bad("unknown unit '" + text.substr(i) + "'");
+  const unsigned __int128 mult = static_cast<unsigned __int128>(1) << shift;
+  if (frac_digits && shift == 0 && frac != 0) return bad("not a whole number of bytes");
+  const unsigned __int128 bytes = whole * mult + frac * mult / frac_den;  // rounded down to whole bytes
+  if (bytes > static_cast<unsigned __int128>(INT64_MAX)) return bad("too large (the limit is 2^63-1 bytes)");
+  return static_cast<int64_t>(bytes);
+}
+
+void check_threads(const std::string& flag, int threads) {
+  GRAFT_CHECK(threads >= 0, ErrorKind::InvalidArgument,
+              flag + " " + std::to_string(threads) + ": must be >= 0 (0: the BLAS library's default)");
+  GRAFT_CHECK(threads <= 4096, ErrorKind::InvalidArgument,
+              flag + " " + std::to_string(threads) + ": more than 4096 threads is not a sane setting");
+}
+
+namespace {
+std::string file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a plain file";
+}
+
+// Memory the kernel says is available without swapping (MemAvailable), or -1 if unknown.
+int64_t available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb;
+  std::string unit;
+  while (f >> key >> kb) {
+    std::getline(f, unit);
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+int64_t input_file_limit() {
+  // A TensorProto is one protobuf message, which protobuf refuses past 2 GiB; nothing larger can
+  // be a valid input file. Reading it takes its size in memory (twice, briefly: the bytes and the
+  // tensor), so it must also fit in what the machine has available.
+  int64_t limit = (int64_t{2} << 30) - 1;
+  int64_t avail = available_memory();
+  if (avail > 0) limit = std::min(limit, avail);
+  return limit;
+}
+
+void check_input_files(const std::vector<std::string>& files) {
+  std::map<std::pair<dev_t, ino_t>, std::string> first;
+  const int64_t limit = input_file_limit();
+  for (const std::string& f : files) {
+    struct stat st {};
+    // stat, not open: opening a FIFO would block and a device would read without end.
+    if (::stat(f.c_str(), &st) != 0)
+      fail(ErrorKind::Io, "--inputs '" + f + "': cannot open: " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode))
+      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is not a regular file (" + file_kind(st.st_mode) + ")");
+    if (st.st_size > limit)
+      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is " + std::to_string(st.st_size) +
+                                           " bytes, over the limit of " + std::to_string(limit) +
+                                           " bytes (2 GiB, the protobuf message limit, or the available memory)");
+    auto key = std::make_pair(st.st_dev, st.st_ino);
+    auto [it, fresh] = first.emplace(key, f);
+    if (!fresh)
+      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is given twice" +
+                                           (it->second == f ? std::string() : " (also as '" + it->second + "')"));
+  }
+}
+
+void prepare_output_dir(const std::string& flag, const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail(ErrorKind::Io, flag + " '" + dir + "': cannot create the folder: " + ec.message());
+  if (!fs::is_directory(dir, ec)) fail(ErrorKind::Io, flag + " '" + dir + "': not a folder");
+  // Prove it writable now, not after hours of training: create and remove a probe file.
+  const std::string probe = (fs::path(dir) / (".graft-probe-" + std::to_string(::getpid()))).string();
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0 && errno == EEXIST) {  // a leftover of a killed run with our pid: replace it
+    ::unlink(probe.c_str());
+    fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, 0644);
+  }
+  if (fd < 0) fail(ErrorKind::Io, flag + " '" + dir + "': the folder is not writable: " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+}  // namespace graft::cli
