@@ -268,7 +268,7 @@ def test_file_size_limit_while_checkpointing_is_a_typed_error(models, tmp_path):
 
 # ---- 7. SIGINT / SIGTERM ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT-130", "SIGTERM-143"])
 def test_signal_finishes_the_step_checkpoints_and_resume_continues(models, tmp_path, sig, code):
     d = tmp_path / "ck"
     p, first = start_slow(models, "--checkpoint", d)
@@ -290,7 +290,7 @@ def test_signal_finishes_the_step_checkpoints_and_resume_continues(models, tmp_p
     assert [int(l.split()[1]) for l in r.stdout.splitlines() if l.startswith("step ")] == [step + 1, step + 2]
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT-130", "SIGTERM-143"])
 def test_signal_without_checkpoint_stops_after_the_step(models, sig, code):
     p, _ = start_slow(models)
     out, err = finish(p, sig)
