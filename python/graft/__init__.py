@@ -1,16 +1,22 @@
 """graft: a C++ training runtime for ONNX graphs that never needs more memory than PyTorch eager.
 
 graft.GraftModule wraps a torch.nn.Module (see graft.frontend); graft.bench reproduces the
-seed's memory table against PyTorch.
+seed's memory table against PyTorch. Errors: graft.errors (every one is a graft.GraftError).
 """
-__all__ = ["GraftModule", "GraftError", "GraftExportError", "GraftUnsupportedError"]
+from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInternalError,  # noqa: F401
+                     GraftInvalidModelError, GraftIoError, GraftNonFiniteError, GraftOutOfMemoryError,
+                     GraftShapeError, GraftUnsupportedError, GraftWarning)
+
+__all__ = ["GraftModule", "GraftError", "GraftExportError", "GraftUnsupportedError", "GraftInvalidModelError",
+           "GraftShapeError", "GraftArgumentError", "GraftOutOfMemoryError", "GraftIoError", "GraftNonFiniteError",
+           "GraftInternalError", "GraftWarning"]
 
 
 def __getattr__(name):
     # Imported lazily so `python3 -m graft.bench` works without the compiled module.
-    if name in __all__:
+    if name == "GraftModule":
         from . import frontend
-        return getattr(frontend, name)
+        return frontend.GraftModule
     if name in ("_graft", "frontend", "bench"):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")

@@ -4,210 +4,121 @@
     loss = loss_fn(model(x), y); loss.backward(); opt.step()   # train as usual
     ddp = DistributedDataParallel(graft.GraftModule(model))    # DDP wraps GraftModule
 
-On the first call (and whenever the input signature changes) the module is exported with
-torch.onnx.export in training (or eval) mode and a graft session is built and cached. Parameters
-are shared, not copied: graft reads each parameter's storage in place on every call, so
-optimizer.step() on the original parameters is seen by graft. Gradient delivery:
+On the first call, and whenever what the export bakes in changes, the module is exported with
+torch.onnx.export (graft._export) and a graft session is built and cached. What the cache key
+covers: the structure and values of every non-tensor argument, each tensor argument's shape,
+dtype, device and requires_grad, each submodule's training flag and plain attributes (a Dropout's
+p, a user's scale), and which parameters are frozen. Tensors anywhere in the arguments are graph
+inputs, never constants. The cache is LRU-bounded (cache_size). Parameters are looked up on every
+call: a parameter replaced by one of the same shape and dtype is rebound; any other change makes a
+new export. Parameters are shared, not copied, so optimizer.step() on them is seen by graft.
 
-* "accumulate": graft adds each gradient into param.grad in place the moment it is complete
-  (adopting graft's buffer as param.grad, without a copy, when it is None).
-* "hook": at that moment graft hands the gradient to PyTorch's own accumulation
-  (param.backward(grad)), so param.register_hook hooks and DistributedDataParallel's allreduce
-  hooks fire during graft's backward.
-* "hold": parameters are inputs of the autograd Function and every gradient comes back when
-  graft's backward ends (the old ORTModule behaviour, kept as the baseline).
+Gradient delivery ("accumulate", "hook", "hold") and what autograd asks for: graft._function.
 """
+import collections
 import os
-import re
 import sys
 import tempfile
-import time
+import threading
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
-from torch.utils import _pytree as pytree
 
-from . import _graft
+from . import _export, _flatten
+from ._function import DTYPES, GraftFunction, _accumulate_grad_node
+from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftUnsupportedError,  # noqa: F401
+                     GraftWarning, with_context)
 
-_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.bool: "bool"}
-
-# Instrumentation for tests: set to a list and _GraftFunction.backward appends
+# Instrumentation for tests: set to a list and graft's backward appends
 # ("graft_backward_start" | "graft_backward_end", time.monotonic()) around graft's backward.
-TRACE: Optional[list] = None
+TRACE = None
+
+MODES = ("hook", "accumulate", "hold")
 
 
-class GraftError(RuntimeError):
-    """A graft error surfaced in Python (the message names the module, node or op at fault)."""
-
-
-class GraftExportError(GraftError):
-    """torch.onnx.export could not export the module (e.g. data-dependent control flow)."""
-
-
-class GraftUnsupportedError(GraftError):
-    """The exported model uses an op, dtype or attribute graft does not support."""
-
-
-class GraftWarning(UserWarning):
-    """The export may not mean what the module does (e.g. a Python branch on a tensor value)."""
-
-
-def _dtype_name(t: torch.Tensor, what: str, module_name: str) -> str:
-    try:
-        return _DTYPES[t.dtype]
-    except KeyError:
+def _dtype_ok(t: torch.Tensor, what: str, module_name: str):
+    if t.dtype not in DTYPES:
         raise GraftUnsupportedError(
             f"{module_name}: {what} has dtype {t.dtype}; graft supports float32, float64, int64 and bool. "
-            "Cast it before calling the module, or keep this module in eager mode.") from None
+            "Cast it before calling the module, or keep this module in eager mode.", "unsupported")
+
+
+def _device_ok(t: torch.Tensor, what: str, module_name: str):
+    if t.device.type != "cpu":
+        raise GraftUnsupportedError(
+            f"{module_name}: {what} is on device '{t.device}'; graft runs on the CPU. Move it with .cpu(), or keep "
+            "this module in eager mode.", "unsupported")
 
 
 class _Entry:
-    """One exported model + graft session, for one input signature."""
+    """One export + graft session, for one cache key."""
 
     def __init__(self):
         self.session = None
+        self.module_name = ""
+        self.mode = "hook"
         self.input_names: List[str] = []
-        self.float_outputs: List[str] = []
-        self.output_names: List[str] = []
-        self.output_spec = None
-        self.params: List[Tuple[str, torch.Tensor]] = []      # every initializer we bind (params + buffers)
+        self.input_index: List[int] = []
+        self.param_inputs: List[str] = []        # graph inputs bound to module state ("m.fc.weight")
+        self.slots: List[Tuple[Any, str, str]] = []  # per param input: (owner module, attribute, param|buffer)
+        self.current: List[torch.Tensor] = []    # per param input: the tensor bound now
         self.trainable: List[Tuple[str, torch.nn.Parameter]] = []
         self.input_grads: List[str] = []
-        self.training_run = False
-        self.run_id = 0  # bumped by every forward; a backward must belong to the latest one
+        self.output_names: List[str] = []
+        self.float_outputs: List[str] = []
+        self.outputs_info = []
+        self.output_template = None
+        self.has_dropout = False
+        self.lock = threading.Lock()
+        self._acc: Dict[int, Tuple[torch.Tensor, Any]] = {}
 
+    def refresh_trainable(self):
+        self.trainable = [(g, p) for g, p, (_, _, kind) in zip(self.param_inputs, self.current, self.slots)
+                          if kind == "param" and p.requires_grad and p.is_floating_point()]
 
-def _wrap_outputs(arrays, owners):
-    """torch tensors over graft's output arrays, zero-copy. An output that aliases torch memory
-    graft was given (an input passed through, a view of a parameter) is graft-external: the numpy
-    array does not keep that memory alive, so it becomes a view of the torch tensor owning it."""
-    out = []
-    for a in arrays:
-        ptr, nbytes = a.__array_interface__["data"][0], a.nbytes
-        t = torch.from_numpy(a)
-        for o in owners:
-            base = o.data_ptr()
-            if nbytes and o.dtype == t.dtype and base <= ptr and ptr + nbytes <= base + o.numel() * o.element_size():
-                off = (ptr - base) // o.element_size()
-                t = o.detach().reshape(-1)[off:off + t.numel()].view(t.shape)
-                break
-        out.append(t)
-    return out
+    def trainable_params(self):
+        return [p for _, p in self.trainable]
 
-
-class _Deliver(torch.autograd.Function):
-    """A one-node graph whose backward hands `box`'s gradient to the parameter's AccumulateGrad.
-    Unlike torch.autograd.backward(param, grad), no Python reference to the gradient is left when
-    AccumulateGrad runs, so when .grad is None it adopts the buffer as eager PyTorch does."""
-
-    @staticmethod
-    def forward(ctx, param, box):
-        ctx.box = box
-        return param.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        return ctx.box.pop(), None
-
-
-class _GraftFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, entry: _Entry, dummy, *tensors):
-        sess = entry.session
-        if sess.in_run():  # a forward whose backward never came: drop what it saved
-            sess.cancel()
-        n_in = len(entry.input_names)
-        keep = []
-        for name, t in zip(entry.input_names, tensors[:n_in]):
-            t = t.detach().contiguous()
-            keep.append(t)
-            sess.set_input(name, t.data_ptr(), list(t.shape), _DTYPES[t.dtype])
-        for name, p in entry.params:
-            d = p.detach()
-            if not d.is_contiguous():
-                raise GraftError(f"parameter '{name}' is not contiguous; graft shares parameter memory in place")
-            sess.bind_param(name, d.data_ptr(), list(d.shape), _DTYPES[d.dtype])
-        arrays = sess.forward()
-        outs = _wrap_outputs(arrays, keep + [p for _, p in entry.params])  # zero-copy views
-        del arrays
-        entry.run_id += 1
-        ctx.entry, ctx.keep, ctx.run_id, ctx.training_run = entry, keep, entry.run_id, entry.training_run
-        if not entry.training_run:
-            sess.cancel()
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        entry: _Entry = ctx.entry
-        sess = entry.session
-        if not ctx.training_run:  # nothing here needs a gradient (outputs require grad via the dummy)
-            return (None,) * len(ctx.needs_input_grad)
-        if ctx.run_id != entry.run_id or not sess.in_run():
-            raise GraftError(
-                f"{entry.module_name}: this backward belongs to a forward that a later forward with the same "
-                "input shapes replaced (graft keeps one run in flight per input signature). Call backward "
-                "before the next forward, or run the other forward under torch.no_grad().")
-        grads, keep = {}, []
-        for name, out_grad, (oname, dt, shape) in zip(entry.output_names, grad_outputs, entry.outputs_info):
-            if name not in entry.float_outputs:
+    def params_current(self, module_name) -> bool:
+        """Rebinds parameters replaced by ones of the same shape / dtype; False if the export no
+        longer fits (a new shape, dtype or requires_grad, or a parameter removed)."""
+        changed = False
+        for i, (owner, attr, kind) in enumerate(self.slots):
+            cur = (owner._parameters if kind == "param" else owner._buffers).get(attr)
+            ref = self.current[i]
+            if cur is ref:
                 continue
-            g = out_grad if out_grad is not None else torch.zeros(shape, dtype=getattr(torch, dt))
-            g = g.detach().contiguous()
-            keep.append(g)
-            grads[name] = (g.data_ptr(), list(g.shape), _DTYPES[g.dtype])
-        mode = entry.mode
-        param_grads = []
-        if TRACE is not None:
-            TRACE.append(("graft_backward_start", time.monotonic()))
-        if mode == "accumulate":
-            for name, p in entry.trainable:
-                pg = p.grad
-                if pg is not None and pg.is_contiguous() and pg.dtype == p.dtype and not pg.requires_grad:
-                    sess.bind_grad(name, pg.data_ptr(), list(pg.shape), _DTYPES[pg.dtype])
-                else:
-                    sess.bind_grad(name, None, [], "")
-            try:
-                sess.backward(grads)
-            finally:
-                for name, p in entry.trainable:
-                    g = sess.take_grad(name)  # a buffer graft adopted as .grad: hand it over
-                    if g is not None:
-                        g = torch.from_numpy(g)
-                        if p.grad is None:
-                            p.grad = g
-                        else:  # p.grad was not usable in place (dtype / layout): add into it
-                            p.grad.add_(g)
-                    sess.bind_grad(name, None, [], "")  # graft keeps no pointer to torch memory
-        elif mode == "hook":
-            by_name = dict(entry.trainable)
+            if cur is None or cur.shape != ref.shape or cur.dtype != ref.dtype or cur.requires_grad != ref.requires_grad:
+                return False
+            _device_ok(cur, f"parameter '{self.param_inputs[i][len(_export.PREFIX):]}'", module_name)
+            self.current[i] = cur
+            changed = True
+        if changed:
+            self.refresh_trainable()
+        return True
 
-            def deliver(name, array, exclusive):
-                # PyTorch's own accumulation path: AccumulateGrad, tensor hooks, DDP's hooks.
-                if exclusive:  # graft keeps no other reference: AccumulateGrad may adopt it as .grad
-                    box = [torch.from_numpy(array)]
-                    with torch.enable_grad():
-                        torch.autograd.backward(_Deliver.apply(by_name[name], box))
-                else:  # the caller holds a reference, so AccumulateGrad copies (or adds in place)
-                    torch.autograd.backward(by_name[name], torch.from_numpy(array))
+    def acc_node(self, p):
+        hit = self._acc.get(id(p))
+        if hit is None or hit[0] is not p:
+            hit = (p, _accumulate_grad_node(p))
+            self._acc[id(p)] = hit
+        return hit[1]
 
-            sess.backward(grads, deliver)
-        else:  # hold
-            for name, _ in entry.trainable:
-                sess.bind_grad(name, None, [], "")
-            sess.backward(grads)
-            for name, p in entry.trainable:
-                g = sess.take_grad(name)
-                param_grads.append(torch.from_numpy(g) if g is not None else None)
-        if TRACE is not None:
-            TRACE.append(("graft_backward_end", time.monotonic()))
-        arrays = [sess.input_grad(name) for name in entry.input_grads]
-        igrads = dict(zip(entry.input_grads, _wrap_outputs(arrays, keep)))
-        del arrays
-        sess.cancel()  # graft keeps no reference to outputs or gradients between steps
-        input_grads = [igrads.get(name) for name in entry.input_names]
-        return (None, None, *input_grads, *param_grads)
+    def draw_seed(self) -> int:
+        # Dropout masks come from a seed drawn from PyTorch's generator: torch.manual_seed makes a
+        # GraftModule run repeat. Models without Dropout leave PyTorch's generator untouched.
+        if not self.has_dropout:
+            return 0
+        return int(torch.randint(0, 1 << 62, (1,)).item())
+
+
+class _Call:
+    """What one call passes to the autograd Function besides tensors."""
+    __slots__ = ("n_in", "training_run")
+
+    def __init__(self, n_in, training_run):
+        self.n_in, self.training_run = n_in, training_run
 
 
 def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -216,23 +127,61 @@ def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys,
 
 
 class GraftModule(torch.nn.Module):
-    """Wraps `module` so that its forward and backward run in graft (see the module docstring)."""
+    """Wraps `module` so that its forward and backward run in graft (see the module docstring).
+
+    gradients: "hook" (default), "accumulate" or "hold"; opset: 13..17; check_finite: stop at the
+    first op producing NaN/Inf; max_memory: refuse a plan above this many bytes (0: no limit);
+    cache_size: how many exports (input signatures) to keep, least recently used dropped first.
+    """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
-                 check_finite: bool = False, max_memory: int = 0):
+                 check_finite: bool = False, max_memory: int = 0, cache_size: int = 8):
         super().__init__()
-        if gradients not in ("hook", "accumulate", "hold"):
-            raise ValueError(f"gradients must be 'hook', 'accumulate' or 'hold', not {gradients!r}")
+        if not isinstance(module, torch.nn.Module):
+            raise GraftArgumentError(f"GraftModule wraps a torch.nn.Module, not {type(module).__name__}",
+                                     "invalid argument")
+        if isinstance(module, GraftModule):
+            raise GraftArgumentError(f"{type(module.module).__name__} is already wrapped in a GraftModule; wrap it once",
+                                     "invalid argument")
+        if gradients not in MODES:
+            raise GraftArgumentError(f"gradients must be 'hook', 'accumulate' or 'hold', not {gradients!r}",
+                                     "invalid argument")
+        for what, v, lo in (("opset", opset, 13), ("max_memory", max_memory, 0), ("cache_size", cache_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise GraftArgumentError(f"{what} must be an integer >= {lo}, not {v!r}", "invalid argument")
+        if opset > 17:
+            raise GraftArgumentError(f"opset must be 13..17, not {opset}", "invalid argument")
+        name = type(module).__name__
+        for n, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if p.is_floating_point():
+                _dtype_ok(p, f"parameter '{n}'", name)
+            _device_ok(p, f"parameter '{n}'", name)
         self.module = module
         self.gradients = gradients
         self.opset = opset
         self.check_finite = check_finite
         self.max_memory = max_memory
-        self._cache: Dict[Any, _Entry] = {}
+        self.cache_size = cache_size
+        self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
+        self._exports = 0
+        self._warned = set()
+        self._under_ddp = False
+        self._lock = threading.RLock()
         self._dummy = torch.zeros(0, requires_grad=True)  # makes outputs require grad (see forward)
         # Inside a parent module, load_state_dict reaches the wrapped module through this one: the
         # keys state_dict gave (the wrapped module's, no "module.") get that step back.
         self._register_load_state_dict_pre_hook(_add_module_prefix)
+
+    # --- copy / pickle: the compiled state is dropped and rebuilt on the next call ---
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_cache"] = collections.OrderedDict()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.RLock()
 
     # state_dict / load_state_dict are those of the wrapped module.
     def state_dict(self, *args, **kwargs):
@@ -252,15 +201,18 @@ class GraftModule(torch.nn.Module):
             raise GraftError(
                 f"{self._name()}: DistributedDataParallel needs gradients='hook' (or 'hold'): with "
                 "'accumulate' graft writes .grad directly, so DDP's allreduce hooks would never fire and "
-                "gradients would not be averaged across processes.")
+                "gradients would not be averaged across processes.", "invalid argument")
         ddp = sys._getframe(1).f_locals  # DistributedDataParallel.__init__, where it asks
-        if (self.gradients == "hook" and isinstance(ddp.get("self"), torch.nn.parallel.DistributedDataParallel)
-                and ddp.get("find_unused_parameters") and not ddp.get("static_graph")):
-            raise GraftError(
-                f"{self._name()}: DistributedDataParallel(find_unused_parameters=True) does not work with "
-                "gradients='hook' (DDP looks for parameters in the autograd graph; graft delivers their "
-                "gradients itself). Pass find_unused_parameters=False or static_graph=True, or use "
-                "gradients='hold'.")
+        if isinstance(ddp.get("self"), torch.nn.parallel.DistributedDataParallel) and self.gradients == "hook":
+            if ddp.get("find_unused_parameters") and not ddp.get("static_graph"):
+                raise GraftError(
+                    f"{self._name()}: DistributedDataParallel(find_unused_parameters=True) does not work with "
+                    "gradients='hook' (DDP looks for parameters in the autograd graph; graft delivers their "
+                    "gradients itself). Pass find_unused_parameters=False or static_graph=True, or use "
+                    "gradients='hold'.", "invalid argument")
+            # Under DDP, parameters stay out of the autograd graph: their AccumulateGrad (where DDP's
+            # hooks sit) then runs only when graft delivers, never a second time with no gradient.
+            self._under_ddp = True
         try:
             return self.__dict__["_graft_ddp_ignore"]
         except KeyError:
@@ -273,143 +225,103 @@ class GraftModule(torch.nn.Module):
     def _name(self) -> str:
         return type(self.module).__name__
 
-    def _key(self, flat_args):
-        sig = []
-        for a in flat_args:
-            if isinstance(a, torch.Tensor):
-                sig.append((tuple(a.shape), a.dtype, a.requires_grad and a.is_floating_point()))
-            else:
-                sig.append(("const", repr(a)))
-        frozen = tuple(n for n, p in self.module.named_parameters() if not p.requires_grad)
-        return (tuple(sig), self.training, frozen)
+    def _warn_once(self, key, msg):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(GraftWarning(f"{self._name()}: {msg}"), stacklevel=4)
 
-    def _build(self, args, flat_args, spec) -> _Entry:
+    # --- building an entry ---
+    def _build(self, args, kwargs, tensors) -> _Entry:
         # The exported file is only read while the session is built: nothing of it stays on disk.
         with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
-            return self._build_in(os.path.join(tmp, "model.onnx"), flat_args, spec)
+            return self._build_in(os.path.join(tmp, "model.onnx"), args, kwargs, tensors)
 
-    def _build_in(self, path, flat_args, spec) -> _Entry:
+    def _build_in(self, path, args, kwargs, tensors) -> _Entry:
+        name = self._name()
+        ex = _export.export(self.module, args, kwargs, tensors, path, self.opset, name)
         e = _Entry()
-        e.mode = self.gradients
-        e.module_name = self._name()
+        e.module_name, e.mode = name, self.gradients
+        e.input_names, e.input_index = ex.input_names, ex.input_index
+        e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         module = self.module
-        out_spec = {}
-
-        class Flat(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.m = module
-
-            def forward(self, *tensors):
-                it = iter(tensors)
-                full = [next(it) if isinstance(a, torch.Tensor) else a for a in flat_args]
-                a, kw = pytree.tree_unflatten(full, spec)
-                out = self.m(*a, **kw)
-                leaves, out_spec["spec"] = pytree.tree_flatten(out)
-                bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-                if bad:
-                    raise GraftExportError(f"{type(module).__name__} returns non-tensor values ({', '.join(bad)})")
-                return tuple(leaves)
-
-        tensors = tuple(a for a in flat_args if isinstance(a, torch.Tensor))
-        e.input_names = [f"input_{i}" for i in range(len(tensors))]
-        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}  # export must not change state
-        try:
-            with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", torch.jit.TracerWarning)
-                torch.onnx.export(Flat(), tensors, path, input_names=e.input_names,
-                                  opset_version=self.opset, do_constant_folding=False, export_params=True,
-                                  training=torch.onnx.TrainingMode.TRAINING if self.training
-                                  else torch.onnx.TrainingMode.EVAL)
-        except GraftExportError:
-            raise
-        except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...
-            first = str(ex).splitlines()[0] if str(ex) else ""
-            op = re.search(r"operator '([^']+)'", first)
-            what = (f"it cannot export the operator {op.group(1)} at opset {self.opset}" if op
-                    else f"{type(ex).__name__}: {first}")
-            raise GraftExportError(
-                f"{self._name()}: torch.onnx.export failed ({what}). Keep this module (or the submodule "
-                "that uses it) in eager mode, or rewrite it with exportable ops.") from ex
-        finally:
-            with torch.no_grad():
-                for n, b in module.named_buffers():
-                    b.copy_(buffers[n])
-        for w in caught:  # pass the exporter's warnings on; a branch on a tensor value gets ours
-            if issubclass(w.category, torch.jit.TracerWarning) and "Python boolean" in str(w.message):
-                warnings.warn(GraftWarning(
-                    f"{self._name()}: the export traced through a Python branch on a tensor value "
-                    f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "
-                    "with these input shapes. If the condition depends on tensor values (not shapes), "
-                    "keep this module in eager mode."), stacklevel=5)
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        e.output_spec = out_spec["spec"]
-
+        for gname, sname in ex.params:
+            owner_name, _, attr = sname.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            kind = "param" if attr in owner._parameters else "buffer"
+            t = (owner._parameters if kind == "param" else owner._buffers)[attr]
+            e.param_inputs.append(gname)
+            e.slots.append((owner, attr, kind))
+            e.current.append(t)
+        e.refresh_trainable()
+        trainable = {g for g, _ in e.trainable}
+        freeze = [g for g in e.param_inputs if g not in trainable]
+        in_tensors = [tensors[i] for i in e.input_index]
+        e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
         import onnx  # Debian's python3-onnx
         m = onnx.load(path, load_external_data=False)
-        e.output_names = [o.name for o in m.graph.output]
-        init_names = [i.name for i in m.graph.initializer]
-        graph_inputs = {i.name for i in m.graph.input}
-        e.input_names = [n for n in e.input_names if n in graph_inputs]  # the exporter drops unused inputs
-        kept_inputs = [i for i, n in enumerate(f"input_{k}" for k in range(len(tensors))) if n in graph_inputs]
-        e.input_index = kept_inputs
-        named = {f"m.{n}": p for n, p in module.named_parameters()}
-        named_buffers = {f"m.{n}": b for n, b in module.named_buffers()}
-        freeze = []
-        for n in init_names:
-            if n in named and named[n].requires_grad and named[n].is_floating_point():
-                e.trainable.append((n, named[n]))
-                e.params.append((n, named[n]))
-            elif n in named or n in named_buffers:
-                e.params.append((n, named.get(n, named_buffers.get(n))))
-                freeze.append(n)
-            else:  # a constant the exporter made: graft keeps its own copy
-                freeze.append(n)
-        in_tensors = [tensors[i] for i in kept_inputs]
-        e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
-        for n, t in zip(e.input_names, in_tensors):
-            _dtype_name(t, f"input '{n}'", self._name())
+        e.float_outputs = [o.name for o in m.graph.output
+                           if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)]
+        from . import _graft
         try:
-            # Differentiate every float output (autograd feeds their gradients).
-            float_outputs = [o.name for o in m.graph.output
-                             if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)]
-            e.float_outputs = float_outputs
-            e.session = _graft.Session(path, {}, float_outputs, freeze, e.input_grads, self.gradients,
-                                       self.check_finite, self.max_memory)
+            e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
+                                       self.gradients, self.check_finite, self.max_memory)
             e.outputs_info = e.session.outputs_info()
-        except _graft.GraftError as ex:
-            msg, kind = ex.args if len(ex.args) == 2 else (str(ex), "")
-            msg = msg.replace(f"{path}: ", "")
-            for name in re.findall(r"node '([^']+)' \(Constant\)", msg):  # name what the constant feeds
-                outs = {o for n in m.graph.node if n.name == name for o in n.output}
+        except GraftError as err:
+            msg = err.message.replace(f"{path}: ", "")
+            import re
+            for node in re.findall(r"node '([^']+)' \(Constant\)", msg):  # name what the constant feeds
+                outs = {o for n in m.graph.node if n.name == node for o in n.output}
                 users = [f"{n.op_type} node '{n.name}'" for n in m.graph.node if outs & set(n.input)]
                 if users:
                     msg += f" (the constant feeds {', '.join(users)})"
-            if kind == "unsupported":
-                raise GraftUnsupportedError(f"{self._name()}: {msg}. Keep the submodule that uses it in eager "
-                                            "mode, or rewrite it with ops graft supports.") from None
-            raise GraftError(f"{self._name()}: {msg}") from None
+            if isinstance(err, GraftUnsupportedError):
+                msg += ". Keep the submodule that uses it in eager mode, or rewrite it with ops graft supports."
+            raise type(err)(f"{name}: {msg}", err.kind, err.node) from None
         return e
 
-    def forward(self, *args, **kwargs):
-        flat_args, spec = pytree.tree_flatten((args, kwargs))
-        for i, a in enumerate(flat_args):
-            if isinstance(a, torch.Tensor):
-                _dtype_name(a, f"input {i}", self._name())
-        key = self._key(flat_args)
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._build(args, flat_args, spec)
+    def _entry(self, args, kwargs, tensors, key) -> _Entry:
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and not entry.params_current(self._name()):
+                del self._cache[key]
+                entry = None
+            if entry is not None:
+                self._cache.move_to_end(key)
+                return entry
+            entry = self._build(args, kwargs, tensors)
             self._cache[key] = entry
-        tensors = [a for a in flat_args if isinstance(a, torch.Tensor)]
-        tensors = [tensors[i] for i in entry.input_index]
-        any_grad = bool(entry.trainable) or bool(entry.input_grads)
-        entry.training_run = torch.is_grad_enabled() and any_grad
-        extra = [p for _, p in entry.trainable] if self.gradients == "hold" else []
+            self._exports += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            if self._exports > 2 * self.cache_size:
+                self._warn_once("misses", f"exported {self._exports} times: every new input shape, dtype or "
+                                "non-tensor argument value (and every change of a submodule's mode or plain "
+                                "attributes) makes a new export. Pass values that vary as tensors, or raise "
+                                "cache_size.")
+            return entry
+
+    def forward(self, *args, **kwargs):
+        name = self._name()
+        if torch.is_autocast_cpu_enabled():
+            self._warn_once("autocast", "torch.autocast is on, but graft has no bfloat16 kernels yet: this module "
+                                        "runs in float32 (outputs are float32).")
         try:
-            outs = _GraftFunction.apply(entry, self._dummy, *tensors, *extra)
-        except _graft.GraftError as ex:
-            msg = ex.args[0] if ex.args else str(ex)
-            raise GraftError(f"{self._name()}: {msg}") from None
-        return pytree.tree_unflatten(list(outs), entry.output_spec)
+            tensors, static_key = _flatten.flatten_args((args, kwargs))
+        except _flatten.Unkeyable as ex:
+            raise GraftUnsupportedError(f"{name}: {ex}; pass tensors or plain values (numbers, strings, tuples, "
+                                        "dicts, dataclasses of them)", "unsupported") from None
+        sig = []
+        for i, t in enumerate(tensors):
+            _device_ok(t, f"input {i}", name)
+            _dtype_ok(t, f"input {i}", name)
+            sig.append((tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point()))
+        state = _flatten.module_state(self.module)
+        frozen = tuple(p.requires_grad for p in self.module.parameters())
+        key = (static_key, tuple(sig), state, frozen)
+        entry = self._entry(args, kwargs, tensors, key)
+        in_tensors = [tensors[i] for i in entry.input_index]
+        training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
+        params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
+        call = _Call(len(in_tensors), training_run)
+        outs = GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params)
+        return _flatten.rebuild(entry.output_template, iter(outs))

@@ -72,6 +72,13 @@ py::dict memory_stats(const Allocator& a) {
   return d;
 }
 
+// One step in flight (a PyTorch forward whose backward has not run): the StepState and the
+// allocator its memory returns to.
+struct PyStep {
+  std::shared_ptr<Allocator> alloc;
+  std::shared_ptr<StepState> st;
+};
+
 // Owns the session and its allocator.
 struct PySession {
   std::shared_ptr<Allocator> alloc = std::make_shared<Allocator>();
@@ -80,12 +87,13 @@ struct PySession {
 
   PySession(const std::string& path, const std::map<std::string, std::vector<int64_t>>& shapes,
             const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
-            const std::vector<std::string>& input_grads, const std::string& mode, bool check_finite,
-            int64_t max_memory) {
+            const std::vector<std::string>& input_grads, const std::vector<std::string>& param_inputs,
+            const std::string& mode, bool check_finite, int64_t max_memory) {
     SessionOptions o;
     o.output_grads = output_grads;
     o.freeze = freeze;
     o.input_grads = input_grads;
+    o.param_inputs = param_inputs;
     o.mode = parse_grad_mode(mode);
     o.check_finite = check_finite;
     o.max_memory = max_memory;
@@ -100,28 +108,43 @@ struct PySession {
   }
 };
 
+using TensorSpec = std::tuple<uintptr_t, std::vector<int64_t>, std::string>;
+
 }  // namespace
 
 PYBIND11_MODULE(_graft, m) {
   m.doc() = "graft's C++ runtime (internal; use graft.GraftModule)";
-  static py::exception<Error> graft_error(m, "GraftError", PyExc_RuntimeError);
+  // Every graft::Error surfaces as the graft.errors class for its kind, with kind, node and message
+  // as fields (graft.errors is pure Python, importable without this module).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      py::object ex = graft_error;
-      PyErr_SetObject(ex.ptr(), py::make_tuple(e.what(), error_kind_name(e.kind())).ptr());
+      static py::handle make = py::object(py::module_::import("graft.errors").attr("from_runtime")).release();
+      py::object exc = make(e.message(), error_kind_name(e.kind()), e.node());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
   m.def("set_num_threads", &set_num_threads);
   m.def("num_threads", &num_threads);
 
+  py::class_<PyStep>(m, "Step")
+      .def("input_grads", [](PyStep& s) {
+        std::vector<py::object> r;
+        for (const Tensor& t : s.st->input_grads) r.push_back(t.defined() ? py::object(to_numpy(t, s.alloc)) : py::none());
+        return r;
+      })
+      .def("pending", [](PyStep& s) { return s.st->forward_done && !s.st->backward_done; })
+      .def("seed", [](PyStep& s) { return s.st->seed; });
+
   py::class_<PySession>(m, "Session")
       .def(py::init<const std::string&, const std::map<std::string, std::vector<int64_t>>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
-                    const std::vector<std::string>&, const std::string&, bool, int64_t>(),
+                    const std::vector<std::string>&, const std::vector<std::string>&, const std::string&, bool,
+                    int64_t>(),
            py::arg("path"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
-           py::arg("input_grads"), py::arg("mode"), py::arg("check_finite") = false, py::arg("max_memory") = 0)
+           py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"), py::arg("check_finite") = false,
+           py::arg("max_memory") = 0)
       .def("parameters", [](PySession& p) {
         std::vector<std::tuple<std::string, bool>> r;
         for (const auto& q : p.s->parameters()) r.emplace_back(q.name, q.trainable);
@@ -131,6 +154,12 @@ PYBIND11_MODULE(_graft, m) {
         std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
         const Graph& g = p.s->graph();
         for (int o : g.outputs) r.emplace_back(g.values[o].name, dtype_name(g.values[o].dtype), g.values[o].shape);
+        return r;
+      })
+      .def("inputs_info", [](PySession& p) {
+        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
+        const Graph& g = p.s->graph();
+        for (int v : g.inputs) r.emplace_back(g.values[v].name, dtype_name(g.values[v].dtype), g.values[v].shape);
         return r;
       })
       .def("bind_param", [](PySession& p, const std::string& name, uintptr_t ptr, const std::vector<int64_t>& shape,
@@ -144,39 +173,48 @@ PYBIND11_MODULE(_graft, m) {
       // The gradient graft adopted for `name` (a new buffer, when it was None), or None.
       .def("take_grad", [](PySession& p, const std::string& name) -> py::object {
         Parameter& q = p.s->parameter(name);
-        if (!q.grad.defined() || !q.grad.storage()->owner) return py::none();
+        if (!q.grad.defined() || !q.grad.storage()->owner) {
+          q.grad = Tensor();
+          return py::none();
+        }
         py::array a = to_numpy(q.grad, p.alloc);
         q.grad = Tensor();
         return std::move(a);
       })
-      .def("set_input", [](PySession& p, const std::string& name, uintptr_t ptr, const std::vector<int64_t>& shape,
-                           const std::string& dtype) { p.s->set_input(name, wrap(ptr, shape, dtype)); })
-      .def("forward", [](PySession& p) {
+      // Runs a forward over `inputs` (name -> (pointer, shape, dtype), PyTorch memory the caller
+      // keeps alive). Returns the step and its outputs as numpy arrays over graft memory.
+      .def("forward", [](PySession& p, const std::map<std::string, TensorSpec>& inputs, uint64_t seed,
+                         bool keep_for_backward) {
+        std::map<std::string, Tensor> in;
+        for (const auto& [n, t] : inputs) in[n] = wrap(std::get<0>(t), std::get<1>(t), std::get<2>(t));
+        std::shared_ptr<StepState> st;
         {
           py::gil_scoped_release nogil;
-          p.s->forward();
+          st = p.s->forward(in, seed, keep_for_backward);
         }
         std::vector<py::array> r;
-        for (const Tensor& t : p.s->outputs()) r.push_back(to_numpy(t, p.alloc));
-        p.s->release_outputs();  // PyTorch owns the outputs now (through the arrays' capsules)
-        return r;
-      })
-      .def("backward", [](PySession& p, const std::map<std::string, std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& grads,
-                          py::object hook) {
+        for (const Tensor& t : st->outputs) r.push_back(to_numpy(t, p.alloc));
+        st->outputs.clear();  // PyTorch owns the outputs now (through the arrays' capsules)
+        st->loss = Tensor();
+        st->inputs.clear();   // the caller keeps its tensors alive while the step is pending
+        return py::make_tuple(PyStep{p.alloc, st}, r);
+      }, py::arg("inputs"), py::arg("seed"), py::arg("keep_for_backward") = true)
+      .def("backward", [](PySession& p, PyStep& step, const std::map<std::string, TensorSpec>& grads, py::object hook) {
         std::map<std::string, Tensor> og;
         for (const auto& [n, g] : grads) og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g));
         p.hook = hook;
         try {
-          p.s->backward(og);
+          p.s->backward(*step.st, og);
         } catch (...) {
           p.hook = py::none();
           throw;
         }
         p.hook = py::none();
-      }, py::arg("grads"), py::arg("hook") = py::none())
-      .def("input_grad", [](PySession& p, const std::string& name) { return to_numpy(p.s->input_grad(name), p.alloc); })
-      .def("cancel", [](PySession& p) { p.s->cancel(); })
-      .def("in_run", [](PySession& p) { return p.s->in_run(); })
+      }, py::arg("step"), py::arg("grads"), py::arg("hook") = py::none())
+      .def("release", [](PySession& p, PyStep& step) {
+        if (step.st && step.st->run && step.st->run->active()) step.st->run.reset();
+        step.st->backward_done = true;
+      })
       .def("memory", [](PySession& p) { return memory_stats(*p.alloc); })
       .def("reset_peak", [](PySession& p) { p.alloc->reset_peak(); })
       .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; });

@@ -1,0 +1,161 @@
+"""Exporting a module for graft: torch.onnx.export with training semantics kept.
+
+* The TorchScript exporter (``dynamo=False`` where the newer exporter is the default): the newer
+  one folds a training-mode BatchNorm into the preceding Linear with eval statistics.
+* ``export_params=False``: parameters and buffers become graph inputs named as in the module's
+  state_dict; graft binds PyTorch's memory to them, so the export writes no copy of the weights.
+* ``TrainingMode.PRESERVE``: every submodule is exported in the mode it is in; the module's
+  training flags, buffers and parameters are restored afterwards, whatever the exporter did.
+* Autocast is off during the export (graft computes in float32; see GraftModule).
+* After the export, every trainable parameter of a submodule that ran must be a graph input of
+  its own shape: a graph that silently dropped or folded a parameter is refused.
+"""
+import inspect
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
+
+import torch
+
+from . import _flatten
+from .errors import GraftExportError, GraftUnsupportedError, GraftWarning
+
+PREFIX = "m."  # the wrapped module's attribute name inside the exported wrapper
+
+
+@dataclass
+class Exported:
+    path: str
+    input_names: List[str]                 # graph inputs fed from the call's tensors, in order
+    input_index: List[int]                 # for each, its position among the call's tensors
+    params: List[Tuple[str, str]] = field(default_factory=list)  # (graph input, state_dict name) of params/buffers
+    output_names: List[str] = field(default_factory=list)
+    output_template: Any = None
+    has_dropout: bool = False
+
+
+def _export_kwargs():
+    kw = {}
+    params = inspect.signature(torch.onnx.export).parameters
+    if "dynamo" in params:
+        kw["dynamo"] = False  # the TorchScript exporter: keeps training semantics (see above)
+    return kw
+
+
+def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int, name: str) -> Exported:
+    out_holder = {}
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, *ts):
+            a, kw = _flatten.rebuild((args, kwargs), iter(ts))
+            out = self.m(*a, **kw)
+            out_holder["template"] = out
+            leaves = _flatten.flatten_outputs(out)
+            return tuple(leaves)
+
+    input_names = [f"input_{i}" for i in range(len(tensors))]
+    modes = [(m, m.training) for m in module.modules()]
+    params = list(module.named_parameters())
+    buffers = list(module.named_buffers())
+    saved_buffers = {n: (b, b.detach().clone(), b._version) for n, b in buffers}
+    saved_params = {n: (p, p.detach().clone(), p._version) for n, p in params}
+    called = set()
+    hooks = [m.register_forward_pre_hook(lambda m, _a: called.add(id(m))) for m in module.modules()]
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.enable_grad(), \
+                torch.autocast("cpu", enabled=False):
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            torch.onnx.export(Flat(), tuple(tensors), path, input_names=input_names, opset_version=opset,
+                              do_constant_folding=False, export_params=False,
+                              training=torch.onnx.TrainingMode.PRESERVE, **_export_kwargs())
+    except GraftExportError:
+        raise
+    except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...
+        first = str(ex).splitlines()[0] if str(ex) else ""
+        op = re.search(r"operator '([^']+)'", first)
+        what = (f"it cannot export the operator {op.group(1)} at opset {opset}" if op
+                else f"{type(ex).__name__}: {first}")
+        raise GraftExportError(
+            f"{name}: torch.onnx.export failed ({what}). Keep this module (or the submodule that uses it) in "
+            "eager mode, or rewrite it with exportable ops.", "export") from ex
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, t in modes:
+            m.training = t
+        # The exporter runs forward (a counter, BatchNorm statistics): put the state back.
+        mutated = []
+        with torch.no_grad():
+            for n, (b, before, version) in saved_buffers.items():
+                if b._version != version:
+                    mutated.append(n)
+                    b.copy_(before)
+            for n, (p, before, version) in saved_params.items():
+                if p._version != version:
+                    mutated.append(n)
+                    p.copy_(before)
+    if mutated:
+        raise GraftUnsupportedError(
+            f"{name}: forward updates {', '.join(repr(n) for n in mutated)} in place (a counter, BatchNorm "
+            "running statistics...); graft does not replay in-place updates of module state yet, so the module "
+            "would not match eager. Keep this module in eager mode.", "unsupported")
+    for w in caught:  # pass the exporter's warnings on; a branch on a tensor value gets ours
+        if issubclass(w.category, torch.jit.TracerWarning) and "Python boolean" in str(w.message):
+            warnings.warn(GraftWarning(
+                f"{name}: the export traced through a Python branch on a tensor value "
+                f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "
+                "with these input shapes. If the condition depends on tensor values (not shapes), "
+                "keep this module in eager mode."), stacklevel=6)
+        elif issubclass(w.category, torch.jit.TracerWarning) or "Removing mutation" in str(w.message):
+            continue
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    import onnx  # Debian's python3-onnx
+    m = onnx.load(path, load_external_data=False)
+    graph_inputs = {i.name: i for i in m.graph.input}
+    e = Exported(path=path, input_names=[], input_index=[])
+    for i, n in enumerate(input_names):
+        if n in graph_inputs:  # the exporter drops unused inputs
+            e.input_names.append(n)
+            e.input_index.append(i)
+    state_names = {PREFIX + n for n, _ in params} | {PREFIX + n for n, _ in buffers}
+    for i in m.graph.input:
+        if i.name in state_names:
+            e.params.append((i.name, i.name[len(PREFIX):]))
+    for init in m.graph.initializer:  # exported anyway (a constant the exporter made): graft keeps it
+        pass
+    e.output_names = [o.name for o in m.graph.output]
+    e.output_template = out_holder.get("template")
+    e.has_dropout = any(n.op_type == "Dropout" for n in m.graph.node)
+
+    # Every trainable parameter of a submodule that ran must be in the graph with its own shape.
+    in_graph = {pname: graph_inputs[gname] for gname, pname in e.params}
+    for mod_name, mod in module.named_modules():
+        if id(mod) not in called:
+            continue
+        for pn, p in mod.named_parameters(recurse=False):
+            if p is None or not p.requires_grad:
+                continue
+            full = f"{mod_name}.{pn}" if mod_name else pn
+            gi = in_graph.get(full)
+            if gi is None:
+                if any(full == n for n, _ in params):  # a parameter of a module that ran, not in the graph
+                    raise GraftExportError(
+                        f"{name}: the exported graph does not use parameter '{full}' of submodule "
+                        f"'{mod_name or type(module).__name__}', which ran in forward (the exporter folded or "
+                        "dropped it); graft refuses to train a graph that lost a parameter. Keep this module in "
+                        "eager mode.", "export")
+                continue
+            dims = [d.dim_value for d in gi.type.tensor_type.shape.dim]
+            if dims != list(p.shape):
+                raise GraftExportError(
+                    f"{name}: parameter '{full}' has shape {list(p.shape)} but the exported graph has {dims}",
+                    "export")
+    return e

@@ -1,0 +1,237 @@
+"""The autograd Function that runs a GraftModule call in graft, and how gradients leave it.
+
+One Function per call; its context holds that call's graft step (the activations its backward
+needs), so several forwards may be in flight and a backward always pairs with its own forward.
+
+Parameters are inputs of the Function (so ``torch.autograd.grad(loss, params)`` sees them), except
+in "hook" mode under DistributedDataParallel. In backward, graft asks the autograd engine what it
+will do with each parameter (``torch._C._will_engine_execute_node`` on the parameter's
+AccumulateGrad node):
+
+* it will accumulate it (``loss.backward()``): graft delivers the gradient the moment it is
+  complete, per mode ("accumulate": in place into ``.grad``; "hook": through PyTorch's own
+  AccumulateGrad, so tensor hooks and DDP's allreduce hooks fire during graft's backward;
+  "hold": returned when graft's backward ends), and returns None for it;
+* it captures it (``torch.autograd.grad(loss, params)``): graft returns the gradient and touches
+  no ``.grad``;
+* it does not need it (``backward(inputs=[x])``, ``autograd.grad(loss, x)``): nothing is written.
+
+``backward(retain_graph=True)`` twice: graft frees activations as its backward goes (that is its
+memory promise), so a second backward through a retained graph recomputes the forward from the
+saved inputs with the same parameters (checked by version) and the same random stream, giving the
+same gradients as eager. ``create_graph=True`` (double backward) is refused.
+"""
+import time
+
+import torch
+
+from . import _graft
+from .errors import GraftError, GraftUnsupportedError, with_context
+
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.bool: "bool"}
+
+
+def spec(t: torch.Tensor):
+    return (t.data_ptr(), list(t.shape), DTYPES[t.dtype])
+
+
+def _trace(event):
+    from . import frontend
+    if frontend.TRACE is not None:
+        frontend.TRACE.append((event, time.monotonic()))
+
+
+def wrap_outputs(arrays, owners):
+    """torch tensors over graft's output arrays, zero-copy. An output that aliases torch memory
+    graft was given (an input passed through, a view of a parameter) is graft-external: the numpy
+    array does not keep that memory alive, so it becomes a view of the torch tensor owning it."""
+    out = []
+    for a in arrays:
+        if a is None:
+            out.append(None)
+            continue
+        ptr, nbytes = a.__array_interface__["data"][0], a.nbytes
+        t = torch.from_numpy(a)
+        for o in owners:
+            base = o.data_ptr()
+            if nbytes and o.dtype == t.dtype and base <= ptr and ptr + nbytes <= base + o.numel() * o.element_size():
+                off = (ptr - base) // o.element_size()
+                t = o.detach().reshape(-1)[off:off + t.numel()].view(t.shape)
+                break
+        out.append(t)
+    return out
+
+
+class _Deliver(torch.autograd.Function):
+    """A one-node graph whose backward hands `box`'s gradient to the parameter's AccumulateGrad.
+    Unlike torch.autograd.backward(param, grad), no Python reference to the gradient is left when
+    AccumulateGrad runs, so when .grad is None it adopts the buffer as eager PyTorch does."""
+
+    @staticmethod
+    def forward(ctx, param, box):
+        ctx.box = box
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.box.pop(), None
+
+
+def _accumulate_grad_node(p):
+    with torch.enable_grad():  # backward runs with grad mode off
+        return p.expand_as(p).grad_fn.next_functions[0][0]
+
+
+def _targets(entry, params, dummy, in_graph):
+    """Per trainable parameter: 'deliver', 'return' or 'skip' (see the module docstring)."""
+    will = getattr(torch._C, "_will_engine_execute_node", None)
+    if will is None:  # an old torch: plain backward() is the only case graft can tell
+        return ["deliver"] * len(params)
+    if not in_graph:
+        try:
+            return ["deliver" if will(_accumulate_grad_node(dummy)) else "skip"] * len(params)
+        except RuntimeError:
+            return ["skip"] * len(params)
+    out = []
+    for p in params:
+        try:
+            out.append("deliver" if will(entry.acc_node(p)) else "skip")
+        except RuntimeError:  # "a leaf node was passed ... running autograd.grad()": captured
+            out.append("return")
+    return out
+
+
+def run_forward(entry, tensors, seed, keep):
+    """Binds the parameters and runs graft's forward. Returns (step, outputs)."""
+    sess = entry.session
+    with entry.lock:  # binding is per session; the forward itself runs without the GIL
+        for gname, p in zip(entry.param_inputs, entry.current):
+            d = p.detach()
+            if not d.is_contiguous():
+                raise GraftError(f"parameter '{gname[2:]}' is not contiguous; graft shares parameter memory in place",
+                                 "invalid argument")
+            sess.bind_param(gname, d.data_ptr(), list(d.shape), DTYPES[d.dtype])
+    inputs = {name: spec(t) for name, t in zip(entry.input_names, tensors)}
+    return sess.forward(inputs, seed, keep)
+
+
+class GraftFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, entry, call, dummy, *tensors_and_params):
+        n_in, training_run = call.n_in, call.training_run
+        tensors = [t.detach().contiguous() for t in tensors_and_params[:n_in]]
+        params = tensors_and_params[n_in:]
+        seed = entry.draw_seed()
+        try:
+            step, arrays = run_forward(entry, tensors, seed, training_run)
+        except GraftError as ex:
+            raise with_context(ex, entry.module_name) from None
+        outs = wrap_outputs(arrays, tensors + [p for p in entry.current])
+        del arrays
+        ctx.entry, ctx.step, ctx.seed, ctx.n_in, ctx.n_params = entry, step, seed, n_in, len(params)
+        ctx.training_run = training_run
+        ctx.tensors = tensors
+        ctx.versions = [p._version for p in entry.current]
+        ctx.in_graph = bool(params)
+        ctx.save_for_backward(dummy)  # reading it in backward tells a freed graph from a retained one
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        entry = ctx.entry
+        n_out = (None, None, None) + (None,) * (ctx.n_in + ctx.n_params)
+        dummy, = ctx.saved_tensors  # raises, as eager does, on a second backward of a freed graph
+        if torch.is_grad_enabled():
+            raise GraftUnsupportedError(
+                f"{entry.module_name}: backward with create_graph=True (double backward, gradient penalties "
+                "through the module) is not supported by graft. Keep this module in eager mode for that.",
+                "unsupported")
+        if not ctx.training_run:  # nothing here needs a gradient (outputs require grad via the dummy)
+            return n_out
+        sess = entry.session
+        step = ctx.step
+        if not step.pending():  # the graph was retained and its backward already ran: recompute
+            for p, v in zip(entry.current, ctx.versions):
+                if p._version != v:
+                    raise GraftError(
+                        f"{entry.module_name}: one of the variables needed for gradient computation has been "
+                        "modified by an inplace operation (a parameter changed since this forward); backward "
+                        "through the retained graph would not match it.", "invalid argument")
+            try:
+                step, _ = run_forward(entry, ctx.tensors, ctx.seed, True)
+            except GraftError as ex:
+                raise with_context(ex, entry.module_name) from None
+        grads = {}
+        for name, out_grad, (oname, dt, shape) in zip(entry.output_names, grad_outputs, entry.outputs_info):
+            if name not in entry.float_outputs:
+                continue
+            g = out_grad if out_grad is not None else torch.zeros(shape, dtype=getattr(torch, dt))
+            g = g.detach().contiguous()
+            grads[name] = (g.data_ptr(), list(g.shape), DTYPES[g.dtype])
+            ctx.tensors.append(g)  # alive until graft's backward returns
+        trainable = entry.trainable_params()
+        targets = _targets(entry, trainable, dummy, ctx.in_graph) if entry.mode != "hold" else ["return"] * len(trainable)
+        returned = {}
+        _trace("graft_backward_start")
+        try:
+            if entry.mode == "accumulate":
+                for (name, p), t in zip(entry.trainable, targets):
+                    pg = p.grad
+                    if t == "deliver" and pg is not None and pg.is_contiguous() and pg.dtype == p.dtype \
+                            and not pg.requires_grad and pg.shape == p.shape:
+                        sess.bind_grad(name, pg.data_ptr(), list(pg.shape), DTYPES[pg.dtype])
+                    else:
+                        sess.bind_grad(name, None, [], "")
+                try:
+                    sess.backward(step, grads)
+                finally:
+                    for (name, p), t in zip(entry.trainable, targets):
+                        g = sess.take_grad(name)  # a buffer graft adopted as .grad: hand it over
+                        sess.bind_grad(name, None, [], "")  # graft keeps no pointer to torch memory
+                        if g is None:
+                            continue
+                        g = torch.from_numpy(g)
+                        if t == "return":
+                            returned[name] = g
+                        elif t == "deliver":
+                            if p.grad is None:
+                                p.grad = g
+                            else:  # p.grad was not usable in place (dtype / layout): add into it
+                                p.grad.add_(g)
+            elif entry.mode == "hook":
+                by_name = dict(entry.trainable)
+                target = {name: t for (name, _), t in zip(entry.trainable, targets)}
+
+                def deliver(name, array, exclusive):
+                    t = target.get(name, "skip")
+                    if t == "return":
+                        returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
+                    elif t == "deliver":  # PyTorch's own accumulation path: AccumulateGrad, hooks, DDP
+                        if exclusive:  # graft keeps no other reference: AccumulateGrad may adopt it
+                            box = [torch.from_numpy(array)]
+                            with torch.enable_grad():
+                                torch.autograd.backward(_Deliver.apply(by_name[name], box))
+                        else:
+                            torch.autograd.backward(by_name[name], torch.from_numpy(array))
+
+                sess.backward(step, grads, deliver)
+            else:  # hold
+                for name, _ in entry.trainable:
+                    sess.bind_grad(name, None, [], "")
+                sess.backward(step, grads)
+                for name, _ in entry.trainable:
+                    g = sess.take_grad(name)
+                    if g is not None:
+                        returned[name] = torch.from_numpy(g)
+        except GraftError as ex:
+            raise with_context(ex, entry.module_name) from None
+        finally:
+            sess.release(step)
+        _trace("graft_backward_end")
+        arrays = step.input_grads()
+        igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors)))
+        del arrays
+        input_grads = [igrads.get(name) for name in entry.input_names]
+        param_grads = [returned.get(name) for name, _ in entry.trainable] if ctx.in_graph else []
+        return (None, None, None, *input_grads, *param_grads)
