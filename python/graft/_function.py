@@ -162,12 +162,17 @@ class GraftFunction(torch.autograd.Function):
                 step, _ = run_forward(entry, ctx.tensors, ctx.seed, True)
             except GraftError as ex:
                 raise with_context(ex, entry.module_name) from None
-        grads = {}
+        summed = {}  # an output returned twice gets the sum of both gradients
         for name, out_grad, (oname, dt, shape) in zip(entry.output_names, grad_outputs, entry.outputs_info):
-            if name not in entry.float_outputs:
+            if name not in entry.float_outputs or out_grad is None:
                 continue
-            g = out_grad if out_grad is not None else torch.zeros(shape, dtype=getattr(torch, dt))
-            g = g.detach().contiguous()
+            summed[name] = summed[name] + out_grad if name in summed else out_grad
+        grads = {}
+        for name, (oname, dt, shape) in zip(entry.output_names, entry.outputs_info):
+            if name not in entry.float_outputs or name in grads:
+                continue
+            g = summed.get(name)
+            g = (g if g is not None else torch.zeros(shape, dtype=getattr(torch, dt))).detach().contiguous()
             grads[name] = (g.data_ptr(), list(g.shape), DTYPES[g.dtype])
             ctx.tensors.append(g)  # alive until graft's backward returns
         trainable = entry.trainable_params()

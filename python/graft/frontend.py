@@ -259,8 +259,9 @@ class GraftModule(torch.nn.Module):
         e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
         import onnx  # Debian's python3-onnx
         m = onnx.load(path, load_external_data=False)
-        e.float_outputs = [o.name for o in m.graph.output
-                           if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)]
+        # Differentiate every float output, once each (a module may return one tensor twice).
+        e.float_outputs = list(dict.fromkeys(o.name for o in m.graph.output if o.type.tensor_type.elem_type
+                                             in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)))
         from . import _graft
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,

@@ -5,10 +5,6 @@
 #include <new>
 
 #include "commands.h"
-// The checked-options helpers (declared in commands.h). Compiled here because the top-level
-// CMakeLists.txt lists graft_cli's sources explicitly; moving options.cpp into that list is the
-// better home once that file can be edited.
-#include "options.cpp"
 
 int main(int argc, char** argv) {
   using namespace graft::cli;

@@ -1,0 +1,437 @@
+"""graft.GraftModule on everyday PyTorch patterns, each against an eager copy of the same module:
+outputs, .grad, buffers and module state afterwards must be the same, or graft refuses with a
+clear graft.GraftError. One test (or parametrized group) per pattern.
+
+Run with the compiled package on the path:
+    PYTHONPATH=build/python python3 -m pytest tests/python/test_frontend_semantics.py
+"""
+import copy
+import dataclasses
+import io
+import pickle
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graft
+from graft import GraftModule
+
+RTOL, ATOL = 1e-5, 1e-6
+MODES = ("hook", "accumulate", "hold")
+
+
+def close(a, b, what=""):
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def same_state(m, e):
+    """Parameters, buffers, .grad and every submodule's mode equal."""
+    for (n, a), b in zip(m.state_dict().items(), e.state_dict().values()):
+        close(a, b, n)
+    for (n, p), q in zip(m.named_parameters(), e.parameters()):
+        assert (p.grad is None) == (q.grad is None), (n, "grad None in one only")
+        if q.grad is not None:
+            close(p.grad, q.grad, f"{n}.grad")
+    assert [x.training for x in m.modules()] == [x.training for x in e.modules()]
+
+
+class Net(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))) * self.scale
+
+
+def pair(cls=Net, seed=0, mode="hook", **kw):
+    torch.manual_seed(seed)
+    m = cls()
+    e = copy.deepcopy(m)
+    return m, e, GraftModule(m, gradients=mode, **kw)
+
+
+# --- 1. outputs the backward would reuse -----------------------------------------------------------
+class ReturnsHidden(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.reciprocal(h) if self.kind == "reciprocal" else torch.tanh(h)
+
+
+@pytest.mark.parametrize("kind", ["cube", "reciprocal"])
+@pytest.mark.parametrize("mode", MODES)
+def test_returned_tensors_are_not_overwritten_by_backward(mode, kind):
+    torch.manual_seed(0)
+    m = ReturnsHidden(kind)
+    e = copy.deepcopy(m)
+    g = GraftModule(m, gradients=mode)
+    x = torch.randn(4, 5) + 3
+    outs = {}
+    for name, run in (("graft", g), ("eager", e)):
+        h = run(x)
+        before = h.detach().clone()
+        (h ** 3).sum().backward()
+        assert torch.equal(h.detach(), before), f"{name}: the returned tensor changed during backward"
+        outs[name] = h.detach()
+    close(outs["graft"], outs["eager"], "output")
+    same_state(m, e)
+
+
+# --- 2. constants built in forward ------------------------------------------------------------------
+class MakesConstants(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x), torch.arange(3), torch.ones(2, 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_call_returns_tensors_the_caller_owns(mode):
+    m, e, g = pair(MakesConstants, mode=mode)
+    x = torch.randn(2, 3)
+    _, idx, ones = g(x)
+    idx.add_(100)
+    ones.mul_(-5)
+    _, idx2, ones2 = g(x)
+    assert idx2.tolist() == [0, 1, 2] and torch.equal(ones2, torch.ones(2, 2))
+    assert idx.data_ptr() != idx2.data_ptr()
+
+
+# --- 3. a parameter replaced after the first call ---------------------------------------------------
+@pytest.mark.parametrize("same_shape", [True, False], ids=["same_shape", "new_shape"])
+@pytest.mark.parametrize("mode", MODES)
+def test_replaced_parameter_is_used_and_gets_its_gradient(mode, same_shape):
+    m, e, g = pair(mode=mode)
+    x = torch.randn(3, 6)
+    g(x).sum().backward()
+    e(x).sum().backward()
+    torch.manual_seed(5)
+    shape = (6, 6) if same_shape else (6, 6)
+    new_w = torch.randn(*shape)
+    new_b = torch.randn(6) if same_shape else torch.randn(6, dtype=torch.float64).float()
+    for mod in (m, e):
+        mod.fc1.weight = nn.Parameter(new_w.clone())
+        mod.fc2.bias = nn.Parameter(new_b.clone(), requires_grad=same_shape)  # new_shape: a frozen one
+        mod.zero_grad(set_to_none=True)
+    for mod, run in ((m, g), (e, e)):
+        run(x).pow(2).sum().backward()
+    close(g(x), e(x), "output")
+    assert m.fc1.weight.grad is not None
+    same_state(m, e)
+
+
+# --- 4. and 5. module state and Python attributes ---------------------------------------------------
+class WithDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * self.scale
+
+
+def test_export_leaves_submodule_modes_as_they_were():
+    m, e, g = pair(WithDrop)
+    m.drop.eval()
+    e.drop.eval()
+    x = torch.randn(4, 8)
+    out = g(x)
+    assert m.training and not m.drop.training, "the export changed a submodule's mode"
+    close(out, e(x), "output with the Dropout in eval mode")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changes_after_the_first_call_are_seen(mode):
+    m, e, g = pair(WithDrop, mode=mode)
+    x = torch.randn(4, 8)
+    g(x)  # first export: Dropout(0.5) in training mode
+    for mod in (m, e):
+        mod.drop.eval()
+    close(g(x), e(x), "after drop.eval()")
+    for mod in (m, e):
+        mod.drop.train()
+        mod.drop.p = 0.0
+    close(g(x), e(x), "after drop.p = 0")
+    for mod in (m, e):
+        mod.scale = 3.0
+    out, ref = g(x), e(x)
+    close(out, ref, "after m.scale = 3")
+    out.sum().backward()
+    ref.sum().backward()
+    same_state(m, e)
+
+
+# --- 6. tensors inside containers and objects ------------------------------------------------------
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    mask: torch.Tensor
+    note: str = "b"
+
+
+class Config:
+    def __init__(self, shift):
+        self.shift = shift
+        self.bias = torch.full((6,), float(shift))
+
+
+class Takes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, batch, extras, cfg, arr=None):
+        h = self.fc(batch.x) * batch.mask + extras["add"][0] + cfg.bias + cfg.shift
+        if arr is not None:
+            h = h + torch.as_tensor(arr)
+        return h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tensors_anywhere_in_the_arguments_are_inputs(mode):
+    m, e, g = pair(Takes, mode=mode)
+    big = 2000  # rows: tensors this big print the same when they differ in the middle
+    for k in range(3):
+        torch.manual_seed(k)
+        x = torch.randn(big, 6)
+        x[big // 2] += k  # differ only where repr() elides
+        b = Batch(x, (torch.rand(big, 6) > 0.3).float())
+        extras = {"add": [torch.randn(6)]}
+        cfg = Config(shift=1)
+        arr = np.full((6,), float(k), dtype=np.float32)
+        out, ref = g(b, extras, cfg, arr=arr), e(b, extras, cfg, arr=arr)
+        close(out, ref, f"batch {k}")
+        out.sum().backward()
+        ref.sum().backward()
+    same_state(m, e)
+
+
+def test_non_tensor_arguments_are_keyed_by_value_in_a_bounded_cache():
+    m, e, g = pair(Takes, cache_size=2)
+    b = Batch(torch.randn(3, 6), torch.ones(3, 6))
+    extras = {"add": [torch.zeros(6)]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shift in range(7):
+            close(g(b, extras, Config(shift)), e(b, extras, Config(shift)), f"shift {shift}")
+    assert len(g._cache) == 2
+    assert any(issubclass(w.category, graft.GraftWarning) and "exported" in str(w.message) for w in caught)
+
+
+# --- 7. torch.autograd.grad --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_autograd_grad_produces_only_what_is_asked(mode):
+    m, e, g = pair(mode=mode)
+    x = torch.randn(3, 6)
+    res = {}
+    for name, run, mod in (("graft", g, m), ("eager", e, e)):
+        xi = x.clone().requires_grad_(True)
+        loss = run(xi).pow(2).sum()
+        gx, = torch.autograd.grad(loss, xi)  # FGSM, gradient penalties
+        assert all(p.grad is None for p in mod.parameters()), f"{name}: autograd.grad wrote .grad"
+        loss = run(xi).pow(2).sum()
+        gp = torch.autograd.grad(loss, list(mod.parameters()))
+        assert all(p.grad is None for p in mod.parameters())
+        loss = run(xi).pow(2).sum()
+        loss.backward(inputs=[xi])
+        assert all(p.grad is None for p in mod.parameters())
+        res[name] = (gx, gp, xi.grad)
+    close(res["graft"][0], res["eager"][0], "dx")
+    for a, b in zip(res["graft"][1], res["eager"][1]):
+        close(a, b, "dparam")
+    close(res["graft"][2], res["eager"][2], "x.grad")
+
+
+# --- 8. retain_graph, interleaved forwards, create_graph ---------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_retain_graph_twice(mode):
+    m, e, g = pair(WithDrop, mode=mode)
+    for mod in (m, e):
+        mod.drop.p = 0.0
+    x = torch.randn(4, 8)
+    for run in (g, e):
+        loss = run(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    same_state(m, e)
+    with pytest.raises(RuntimeError, match="second time"):  # not retained: refused as in eager
+        loss = g(x).sum()
+        loss.backward()
+        loss.backward()
+
+
+def test_retain_graph_replays_dropout_masks():
+    torch.manual_seed(0)
+    m = WithDrop()
+    g = GraftModule(m)
+    x = torch.randn(16, 8)
+    out = g(x)
+    out.pow(2).sum().backward(retain_graph=True)
+    first = m.fc.weight.grad.clone()
+    out.pow(2).sum().backward()
+    close(m.fc.weight.grad, 2 * first, "second backward through the retained graph")
+
+
+def test_retain_graph_after_a_parameter_changed_is_refused():
+    m, e, g = pair()
+    loss = g(torch.randn(2, 6)).sum()
+    loss.backward(retain_graph=True)
+    with torch.no_grad():
+        m.fc1.weight.add_(1)
+    with pytest.raises(graft.GraftError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_grad_forward_between_forward_and_backward(mode):
+    m, e, g = pair(mode=mode)
+    x = torch.randn(3, 6)
+    for run in (g, e):
+        loss = run(x).pow(2).sum()
+        with torch.no_grad():
+            run(x * 3)
+        loss.backward()
+    same_state(m, e)
+
+
+def test_create_graph_is_refused_clearly():
+    m, e, g = pair()
+    x = torch.randn(3, 6, requires_grad=True)
+    loss = g(x).pow(2).sum()
+    with pytest.raises(graft.GraftUnsupportedError, match="create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+# --- 9. the same tensor returned twice ---------------------------------------------------------------
+class Twice(Net):
+    def forward(self, x):
+        y = super().forward(x)
+        return y, y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_output_twice(mode):
+    m, e, g = pair(Twice, mode=mode)
+    x = torch.randn(3, 6)
+    for run in (g, e):
+        a, b = run(x)
+        (a.sum() + 2 * b.pow(2).sum()).backward()
+    same_state(m, e)
+
+
+# --- 10. threads -------------------------------------------------------------------------------------
+def test_concurrent_inference_from_threads():
+    m, e, g = pair()
+    xs = [torch.randn(64, 6) * (k + 1) for k in range(4)]
+    with torch.no_grad():
+        refs = [e(x) for x in xs]
+        g(xs[0])  # export once
+    errors = []
+
+    def work(k):
+        try:
+            with torch.no_grad():
+                for _ in range(100):
+                    close(g(xs[k]), refs[k], f"thread {k}")
+        except Exception as ex:  # noqa: BLE001
+            errors.append(ex)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+
+
+# --- 11. devices -------------------------------------------------------------------------------------
+def test_a_tensor_on_another_device_is_refused():
+    m, e, g = pair()
+    g(torch.randn(3, 6))
+    with pytest.raises(graft.GraftUnsupportedError, match="device 'meta'"):
+        g(torch.randn(3, 6, device="meta"))
+
+
+# --- 12. copies --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_after_the_first_call(how):
+    m, e, g = pair()
+    x = torch.randn(3, 6)
+    g(x).sum().backward()
+    if how == "deepcopy":
+        g2 = copy.deepcopy(g)
+    elif how == "pickle":
+        g2 = pickle.loads(pickle.dumps(g))
+    else:
+        buf = io.BytesIO()
+        torch.save(g, buf)
+        buf.seek(0)
+        g2 = torch.load(buf)
+    assert g2.module is not m
+    close(g2(x), e(x), "copy's output")
+    g2(x).sum().backward()
+    for p in g2.module.parameters():
+        assert p.grad is not None
+
+
+# --- 13. refused early ---------------------------------------------------------------------------------
+def test_unsupported_dtype_and_bad_options_are_refused_at_construction():
+    with pytest.raises(graft.GraftUnsupportedError, match="float16"):
+        GraftModule(Net().half())
+    with pytest.raises(graft.GraftArgumentError, match="max_memory"):
+        GraftModule(Net(), max_memory=1.5)
+    with pytest.raises(graft.GraftArgumentError, match="already wrapped"):
+        GraftModule(GraftModule(Net()))
+    m, e, g = pair()
+    g(torch.randn(2, 6))
+    m.half()  # after construction: refused at the call, naming the parameter
+    with pytest.raises(graft.GraftError, match="float16|Half"):
+        g(torch.randn(2, 6).half())
+
+
+# --- 15. errors in backward ----------------------------------------------------------------------------
+class SqrtNet(Net):
+    def forward(self, x):
+        return torch.sqrt(self.fc1(x) * 0)  # forward is 0; its gradient is infinite
+
+
+def test_errors_raised_in_backward_are_graft_errors():
+    m, e, g = pair(SqrtNet, check_finite=True)
+    out = g(torch.randn(2, 6))
+    try:
+        out.sum().backward()
+    except graft.GraftError as ex:
+        assert isinstance(ex, graft.GraftNonFiniteError)
+        assert ex.kind == "non-finite value" and ex.node, (ex.kind, ex.node)
+        assert "SqrtNet" in str(ex)
+    else:
+        pytest.fail("no error")
+
+
+# --- autocast --------------------------------------------------------------------------------------------
+def test_autocast_runs_in_float32_with_a_warning():
+    m, e, g = pair()
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(graft.GraftWarning, match="float32"):
+            out = g(x)
+        out2 = g(x)
+    assert out.dtype == torch.float32
+    close(out, e(x), "autocast output")
+    close(out2, out, "second call")
