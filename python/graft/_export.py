@@ -64,7 +64,9 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
     saved_buffers = {n: (b, b.detach().clone(), b._version) for n, b in buffers}
-    saved_params = {n: (p, p.detach().clone(), p._version) for n, p in params}
+    # Parameters are not copied (that would double the first call's memory): a forward that changes
+    # a parameter in place is detected by its version counter and refused.
+    param_versions = {n: (p, p._version) for n, p in params}
     called = set()
     hooks = [m.register_forward_pre_hook(lambda m, _a: called.add(id(m))) for m in module.modules()]
     try:
@@ -96,10 +98,9 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
                 if b._version != version:
                     mutated.append(n)
                     b.copy_(before)
-            for n, (p, before, version) in saved_params.items():
+            for n, (p, version) in param_versions.items():
                 if p._version != version:
                     mutated.append(n)
-                    p.copy_(before)
     if mutated:
         raise GraftUnsupportedError(
             f"{name}: forward updates {', '.join(repr(n) for n in mutated)} in place (a counter, BatchNorm "
