@@ -5,9 +5,11 @@
 // together. The IR knows nothing of kernels (see ops.h).
 #pragma once
 
+#include <deque>
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "graft/core.h"
@@ -65,6 +67,8 @@ struct Value {
   Category category = Category::Activation;  // what its buffer counts as when computed
 };
 
+struct OpDef;  // ops.h: the op table
+
 struct Node {
   std::string op;      // ONNX op type, or graft's own (e.g. "ReluGrad", "GradSink")
   std::string domain;  // "" for ONNX's default domain, "graft" for graft's own ops
@@ -72,14 +76,17 @@ struct Node {
   std::vector<int> inputs;   // -1 = optional input absent
   std::vector<int> outputs;  // -1 = optional output absent
   Attrs attrs;
-  bool dead = false;   // removed by folding / dead-code elimination
+  const OpDef* def = nullptr;  // the op, resolved once (ops: infer_node / infer_shapes)
+  bool dead = false;   // folded away; infer_shapes removes such nodes (remove_dead_nodes)
   std::string label() const;  // "node 'name' (Op)" for messages
 };
 
+// Values and nodes live in deques: adding one never moves the others, so a reference taken before
+// an add stays valid (gradient rules hold references while they emit nodes).
 class Graph {
  public:
-  std::vector<Value> values;
-  std::vector<Node> nodes;
+  std::deque<Value> values;
+  std::deque<Node> nodes;
   std::vector<int> inputs;   // graph inputs (not initializers), in order
   std::vector<int> outputs;  // graph outputs, in order
   int64_t opset = 17;
@@ -95,8 +102,27 @@ class Graph {
   std::vector<int> params() const;  // values of kind Param, in order
   std::string unique_name(const std::string& base);
 
+  // --- building graphs (import, autodiff, tests) ---
+  // A graph input of a fixed shape.
+  int add_input(const std::string& name, DType dt, const Shape& shape);
+  // A constant (kind Constant) or a parameter (kind Param) holding `t`; dtype and shape are t's.
+  int add_constant(const std::string& name, Tensor t, bool uniquify = true);
+  int add_param(const std::string& name, Tensor t);
+  // A node of `op` over `inputs` with `n_outputs` new intermediate values (named after the node);
+  // returns their ids. Shapes are inferred by the ops layer (infer_node / infer_shapes).
+  std::vector<int> add_op(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {},
+                          int n_outputs = 1, const std::string& domain = "", const std::string& name = "");
+  int add_op1(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {}, const std::string& domain = "",
+              const std::string& name = "") {
+    return add_op(op, inputs, std::move(attrs), 1, domain, name)[0];
+  }
+  // Drops nodes marked dead (folded) and renumbers producers.
+  void remove_dead_nodes();
+
  private:
+  std::string unique_node_name(const std::string& base);
   std::unordered_map<std::string, int> by_name_;
+  std::unordered_set<std::string> node_names_;
   int counter_ = 0;
 };
 

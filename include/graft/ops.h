@@ -96,19 +96,23 @@ class GradBuilder {
 using GradFn = void (*)(GradBuilder&);
 
 // --- the table ----------------------------------------------------------------------------------
+// Rows are written with designated initializers; only what differs from these defaults is named:
+//   {.name = "Relu", .min_in = 1, .max_in = 1, .infer = infer_unary_float, .kernel = relu_kernel,
+//    .grad = grad_relu, .inplace_input = 0},
 struct OpDef {
   const char* name;
-  const char* domain;  // "" ONNX default, "graft" for graft's own
-  int min_in, max_in;
-  int min_out, max_out;
-  InferFn infer;
-  KernelFn kernel;      // nullptr for alias ops
-  GradFn grad;          // nullptr: not differentiable (an error if a gradient must pass)
-  int inplace_input;    // output 0 may overwrite this input's buffer (-1: never)
-  bool alias;           // output 0 is input 0's storage reshaped; no kernel runs
-  bool foldable;        // may be evaluated at plan time when all inputs are constant
+  const char* domain = "";  // "" ONNX default, "graft" for graft's own
+  int min_in = 1, max_in = 1;
+  int min_out = 1, max_out = 1;
+  InferFn infer = nullptr;
+  KernelFn kernel = nullptr;  // nullptr for alias ops and sinks
+  GradFn grad = nullptr;      // nullptr: not differentiable (an error if a gradient must pass)
+  int inplace_input = -1;     // output 0 may overwrite this input's buffer (-1: never)
+  bool alias = false;         // output 0 is input 0's storage reshaped; no kernel runs
+  bool foldable = true;       // may be evaluated at plan time when all inputs are constant
   std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
-  bool sink = false;    // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
+  bool sink = false;          // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
+  bool shape_only = false;    // reads only its input's shape (Shape): folded once shapes are known
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");

@@ -83,49 +83,29 @@ class Driver final : public GradBuilder {
   }
   std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs, int n_out,
                         const std::string& domain) override {
-    Node n;
-    n.op = op;
-    n.domain = domain;
-    n.name = g_.unique_name((cur_ >= 0 ? g_.nodes[cur_].name : std::string("grad")) + "/" + op + "_grad");
-    n.inputs = inputs;
-    n.attrs = std::move(attrs);
-    for (int k = 0; k < n_out; ++k)
-      n.outputs.push_back(g_.add_value(n.name + (n_out > 1 ? ":" + std::to_string(k) : std::string()),
-                                       ValueKind::Intermediate));
-    std::vector<int> outs = n.outputs;
-    int id = g_.add_node(std::move(n));
-    infer_node(g_, id);
+    std::string name = (cur_ >= 0 ? g_.nodes[cur_].name : std::string("grad")) + "/" + op + "_grad";
+    std::vector<int> outs = g_.add_op(op, inputs, std::move(attrs), n_out, domain, name);
+    infer_node(g_, static_cast<int>(g_.nodes.size()) - 1);
     return outs;
   }
   int scalar(double v, DType dt) override {
-    int id = g_.add_value("grad_const", ValueKind::Constant);
     Tensor t = Tensor::empty({}, dt, alloc_, Category::Workspace, "grad_const");
     if (dt == DType::F32) t.data<float>()[0] = static_cast<float>(v);
     else if (dt == DType::F64) t.data<double>()[0] = v;
     else if (dt == DType::I64) t.data<int64_t>()[0] = static_cast<int64_t>(v);
     else fail(ErrorKind::Internal, "scalar of bool");
-    set_const(id, t);
-    return id;
+    return g_.add_constant("grad_const", t);
   }
   int ints(const std::vector<int64_t>& v) override {
-    int id = g_.add_value("grad_shape", ValueKind::Constant);
     Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, alloc_, Category::Workspace, "grad_shape");
     std::copy(v.begin(), v.end(), t.data<int64_t>());
-    set_const(id, t);
-    return id;
+    return g_.add_constant("grad_shape", t);
   }
 
   // --- driver ---
   BackwardGraph run(const AutodiffOptions& opt);
 
  private:
-  void set_const(int id, const Tensor& t) {
-    Value& val = g_.values[id];
-    val.data = t;
-    val.dtype = t.dtype();
-    val.shape = t.shape();
-    val.shape_known = true;
-  }
   bool nondiff(int i) const {
     const OpDef& d = op_for(node());
     return std::find(d.nondiff_inputs.begin(), d.nondiff_inputs.end(), i) != d.nondiff_inputs.end();
@@ -203,7 +183,6 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
   for (int v : req_inputs) origin[v] = v;
   for (int i = 0; i < nn0; ++i) {
     const Node& n = g_.nodes[i];
-    if (n.dead) continue;
     const OpDef& d = op_for(n);
     int from = -1;
     for (size_t k = 0; k < n.inputs.size(); ++k) {
@@ -222,7 +201,6 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
   std::vector<bool> node_needed(nn0, false);
   for (int i = nn0 - 1; i >= 0; --i) {
     const Node& n = g_.nodes[i];
-    if (n.dead) continue;
     bool any = false;
     for (int o : n.outputs) any |= o >= 0 && needed_[o];
     if (!any) continue;
@@ -273,15 +251,9 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
       any |= dys_[k] >= 0;
     }
     if (!any) continue;
-    // Note [Stable references in gradient rules]: rules hold references to the node, values and
-    // shapes while they emit new nodes; reserving room first keeps those references valid.
-    size_t room = 64 + 8 * (g_.nodes[i].inputs.size() + g_.nodes[i].outputs.size());
-    g_.nodes.reserve(g_.nodes.size() + room);
-    g_.values.reserve(g_.values.size() + 4 * room);
-    const size_t nodes_cap = g_.nodes.capacity(), values_cap = g_.values.capacity();
+    // Rules hold references to the node, values and shapes while they emit new nodes: the graph's
+    // deques keep them valid.
     op_for(g_.nodes[i]).grad(*this);
-    GRAFT_CHECK(g_.nodes.capacity() == nodes_cap && g_.values.capacity() == values_cap, ErrorKind::Internal,
-                g_.nodes[i].label() + ": gradient rule emitted more nodes than reserved");
   }
   cur_ = -1;
 
@@ -293,14 +265,11 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
     if (gsum < 0) continue;
     g_.values[gsum].category = Category::Gradient;
     if (opt.mode == GradMode::Hold) continue;
-    Node s;
-    s.op = "GradSink";
-    s.domain = "graft";
-    s.name = g_.unique_name("GradSink/" + g_.values[p].name);
-    s.inputs = {gsum};
-    s.attrs.set_string("param", g_.values[p].name);
-    s.attrs.set_int("param_value", p);
-    bg.sinks.back() = g_.add_node(std::move(s));
+    Attrs a;
+    a.set_string("param", g_.values[p].name);  // for printing; BackwardGraph::sinks maps sink -> parameter
+    g_.add_op("GradSink", {gsum}, std::move(a), 0, "graft", "GradSink/" + g_.values[p].name);
+    bg.sinks.back() = static_cast<int>(g_.nodes.size()) - 1;
+    infer_node(g_, bg.sinks.back());
   }
   for (int v : req_inputs) bg.input_grads.push_back(needed_[v] ? summed(v) : -1);
   return bg;

@@ -108,6 +108,7 @@ int Graph::add_value(const std::string& name, ValueKind kind, bool uniquify) {
 int Graph::add_node(Node n) {
   int id = static_cast<int>(nodes.size());
   if (n.name.empty()) n.name = n.op + "_" + std::to_string(id);
+  node_names_.insert(n.name);
   for (int o : n.outputs) {
     if (o < 0) continue;
     GRAFT_CHECK(values[o].producer < 0 && values[o].kind == ValueKind::Intermediate,
@@ -119,10 +120,77 @@ int Graph::add_node(Node n) {
   return id;
 }
 
+int Graph::add_input(const std::string& name, DType dt, const Shape& shape) {
+  int v = add_value(name, ValueKind::Input, false);
+  values[v].dtype = dt;
+  values[v].shape = shape;
+  values[v].shape_known = true;
+  inputs.push_back(v);
+  return v;
+}
+
+int Graph::add_constant(const std::string& name, Tensor t, bool uniquify) {
+  int v = add_value(name, ValueKind::Constant, uniquify);
+  Value& val = values[v];
+  val.dtype = t.dtype();
+  val.shape = t.shape();
+  val.shape_known = true;
+  val.data = std::move(t);
+  return v;
+}
+
+int Graph::add_param(const std::string& name, Tensor t) {
+  int v = add_constant(name, std::move(t), false);
+  values[v].kind = ValueKind::Param;
+  values[v].category = Category::Parameter;
+  return v;
+}
+
+std::vector<int> Graph::add_op(const std::string& op, const std::vector<int>& ins, Attrs attrs, int n_outputs,
+                               const std::string& domain, const std::string& name) {
+  Node n;
+  n.op = op;
+  n.domain = domain;
+  n.name = unique_node_name(name.empty() ? op : name);
+  n.inputs = ins;
+  n.attrs = std::move(attrs);
+  for (int k = 0; k < n_outputs; ++k)
+    n.outputs.push_back(add_value(n.name + (n_outputs > 1 ? ":" + std::to_string(k) : std::string()),
+                                  ValueKind::Intermediate));
+  std::vector<int> outs = n.outputs;
+  add_node(std::move(n));
+  return outs;
+}
+
+std::string Graph::unique_node_name(const std::string& base) {
+  if (!node_names_.count(base)) {
+    node_names_.insert(base);
+    return base;
+  }
+  for (;;) {
+    std::string n = base + "__" + std::to_string(++counter_);
+    if (!node_names_.count(n) && !by_name_.count(n)) {
+      node_names_.insert(n);
+      return n;
+    }
+  }
+}
+
+void Graph::remove_dead_nodes() {
+  std::deque<Node> kept;
+  for (auto& n : nodes)
+    if (!n.dead) kept.push_back(std::move(n));
+  nodes = std::move(kept);
+  for (auto& v : values)
+    if (v.kind == ValueKind::Intermediate) v.producer = -1;
+  for (size_t i = 0; i < nodes.size(); ++i)
+    for (int o : nodes[i].outputs)
+      if (o >= 0) values[o].producer = static_cast<int>(i);
+}
+
 std::vector<std::vector<int>> Graph::consumers() const {
   std::vector<std::vector<int>> c(values.size());
   for (size_t i = 0; i < nodes.size(); ++i) {
-    if (nodes[i].dead) continue;
     for (int v : nodes[i].inputs)
       if (v >= 0) c[v].push_back(static_cast<int>(i));
   }

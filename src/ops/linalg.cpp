@@ -192,11 +192,10 @@ void grad_matmul(GradBuilder& g) {
   }
 }
 
-// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
 const OpDef kOps[] = {
-    {"Gemm", "", 2, 3, 1, 1, infer_gemm, gemm_kernel, grad_gemm, 2, false, true},
-    {"MatMul", "", 2, 2, 1, 1, infer_matmul, matmul_kernel, grad_matmul, -1, false, true},
-    {"FusedMatMul", "graft", 2, 2, 1, 1, infer_matmul, matmul_kernel, grad_matmul, -1, false, true},
+    {.name = "Gemm", .min_in = 2, .max_in = 3, .infer = infer_gemm, .kernel = gemm_kernel, .grad = grad_gemm, .inplace_input = 2},
+    {.name = "MatMul", .min_in = 2, .max_in = 2, .infer = infer_matmul, .kernel = matmul_kernel, .grad = grad_matmul},
+    {.name = "FusedMatMul", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_matmul, .kernel = matmul_kernel, .grad = grad_matmul},
 };
 
 }  // namespace

@@ -403,17 +403,16 @@ void grad_dropout(GradBuilder& g) {
   g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
 }
 
-// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
 const OpDef kOps[] = {
-    {"Softmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<false>, grad_softmax, -1, false, true},
-    {"LogSoftmax", "", 1, 1, 1, 1, infer_softmax, softmax_kernel<true>, grad_log_softmax, -1, false, true},
-    {"LayerNormalization", "", 2, 3, 1, 3, infer_layernorm, layernorm_kernel, grad_layernorm, -1, false, true},
-    {"SoftmaxCrossEntropyLoss", "", 2, 3, 1, 2, infer_sce, sce_kernel, grad_sce, -1, false, true, {1, 2}},
-    {"Dropout", "", 1, 3, 1, 2, infer_dropout, dropout_kernel, grad_dropout, -1, false, false, {1, 2}},
-    {"SoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<false>, nullptr, 0, false, true},
-    {"LogSoftmaxGrad", "graft", 2, 2, 1, 1, infer_softmax_grad, softmax_grad_kernel<true>, nullptr, 0, false, true},
-    {"LayerNormGrad", "graft", 3, 3, 1, 3, infer_layernorm_grad, layernorm_grad_kernel, nullptr, -1, false, true},
-    {"SoftmaxCrossEntropyLossGrad", "graft", 3, 4, 1, 1, infer_sce_grad, sce_grad_kernel, nullptr, -1, false, true, {2}},
+    {.name = "Softmax", .infer = infer_softmax, .kernel = softmax_kernel<false>, .grad = grad_softmax},
+    {.name = "LogSoftmax", .infer = infer_softmax, .kernel = softmax_kernel<true>, .grad = grad_log_softmax},
+    {.name = "LayerNormalization", .min_in = 2, .max_in = 3, .max_out = 3, .infer = infer_layernorm, .kernel = layernorm_kernel, .grad = grad_layernorm},
+    {.name = "SoftmaxCrossEntropyLoss", .min_in = 2, .max_in = 3, .max_out = 2, .infer = infer_sce, .kernel = sce_kernel, .grad = grad_sce, .nondiff_inputs = {1, 2}},
+    {.name = "Dropout", .max_in = 3, .max_out = 2, .infer = infer_dropout, .kernel = dropout_kernel, .grad = grad_dropout, .foldable = false, .nondiff_inputs = {1, 2}},
+    {.name = "SoftmaxGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_softmax_grad, .kernel = softmax_grad_kernel<false>, .inplace_input = 0},
+    {.name = "LogSoftmaxGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_softmax_grad, .kernel = softmax_grad_kernel<true>, .inplace_input = 0},
+    {.name = "LayerNormGrad", .domain = "graft", .min_in = 3, .max_in = 3, .max_out = 3, .infer = infer_layernorm_grad, .kernel = layernorm_grad_kernel},
+    {.name = "SoftmaxCrossEntropyLossGrad", .domain = "graft", .min_in = 3, .max_in = 4, .infer = infer_sce_grad, .kernel = sce_grad_kernel, .nondiff_inputs = {2}},
 };
 
 }  // namespace

@@ -158,11 +158,10 @@ void sum_to_shape_kernel(KernelCtx& c) {
 }
 void grad_sum_to_shape(GradBuilder& g) { g.set_dx(0, g.emit1("Expand", {g.dy(0), g.ints(g.shape(g.x(0)))})); }
 
-// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
 const OpDef kOps[] = {
-    {"ReduceSum", "", 1, 2, 1, 1, infer_reduce, reduce_kernel, grad_reduce, -1, false, true, {1}},
-    {"ReduceMean", "", 1, 1, 1, 1, infer_reduce, reduce_kernel, grad_reduce, -1, false, true},
-    {"SumToShape", "graft", 1, 1, 1, 1, infer_sum_to_shape, sum_to_shape_kernel, grad_sum_to_shape, -1, false, true},
+    {.name = "ReduceSum", .max_in = 2, .infer = infer_reduce, .kernel = reduce_kernel, .grad = grad_reduce, .nondiff_inputs = {1}},
+    {.name = "ReduceMean", .infer = infer_reduce, .kernel = reduce_kernel, .grad = grad_reduce},
+    {.name = "SumToShape", .domain = "graft", .infer = infer_sum_to_shape, .kernel = sum_to_shape_kernel, .grad = grad_sum_to_shape},
 };
 
 }  // namespace

@@ -24,7 +24,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_reduce_ops(t);
     register_shape_ops(t);
     register_nn_ops(t);
-    static const OpDef sink{"GradSink", "graft", 1, 1, 0, 0, infer_sink, nullptr, nullptr, -1, false, false, {}, true};
+    static const OpDef sink{.name = "GradSink", .domain = "graft", .min_out = 0, .max_out = 0, .infer = infer_sink, .foldable = false, .sink = true};
     t.push_back(&sink);
     return t;
   }();
@@ -38,6 +38,7 @@ const OpDef* find_op(const std::string& name, const std::string& domain) {
 }
 
 const OpDef& op_for(const Node& n) {
+  if (n.def) return *n.def;  // resolved once (infer_node)
   const OpDef* d = find_op(n.op, n.domain);
   if (!d)
     fail_at(ErrorKind::Unsupported, n.name,
@@ -113,8 +114,9 @@ void KernelCtx::error(ErrorKind k, const std::string& msg) const { fail_at(k, no
 
 // --- inference and folding ---------------------------------------------------------------------
 void infer_node(Graph& g, int ni) {
-  const Node& n = g.nodes[ni];
+  Node& n = g.nodes[ni];
   const OpDef& d = op_for(n);
+  n.def = &d;
   for (int v : n.inputs)
     if (v >= 0 && !g.values[v].shape_known)
       fail(ErrorKind::InvalidArgument,
@@ -176,7 +178,6 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
   }
   Allocator& alloc = fold_alloc ? *fold_alloc : Allocator::global();
   for (size_t ni = 0; ni < g.nodes.size(); ++ni) {
-    if (g.nodes[ni].dead) continue;
     infer_node(g, static_cast<int>(ni));
     Node& n = g.nodes[ni];
     const OpDef& d = op_for(n);
@@ -184,7 +185,7 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
     bool all_const = d.foldable;
     for (int v : n.inputs)
       if (v >= 0 && g.values[v].kind != ValueKind::Constant) all_const = false;
-    bool is_shape = n.op == "Shape" && n.domain.empty();
+    bool is_shape = d.shape_only;
     if (!all_const && !is_shape) continue;
     // Folding allocates at plan time, from sizes the model declares: fold only small results
     // (shape arithmetic), and leave big ones to the executor, whose allocations are checked.
@@ -218,6 +219,7 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
     }
     n.dead = true;
   }
+  g.remove_dead_nodes();
 }
 
 }  // namespace graft

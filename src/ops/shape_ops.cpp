@@ -515,23 +515,22 @@ void grad_trilu(GradBuilder& g) {
   g.set_dx(0, g.emit1("Trilu", ins, g.node().attrs));
 }
 
-// name, domain, min_in, max_in, min_out, max_out, infer, kernel, grad, inplace_input, alias, foldable
 const OpDef kOps[] = {
-    {"Reshape", "", 2, 2, 1, 1, infer_reshape, nullptr, grad_alias, -1, true, true, {1}},
-    {"Flatten", "", 1, 1, 1, 1, infer_flatten, nullptr, grad_alias, -1, true, true},
-    {"Squeeze", "", 1, 2, 1, 1, infer_squeeze, nullptr, grad_alias, -1, true, true, {1}},
-    {"Unsqueeze", "", 2, 2, 1, 1, infer_unsqueeze, nullptr, grad_alias, -1, true, true, {1}},
-    {"Transpose", "", 1, 1, 1, 1, infer_transpose, transpose_kernel, grad_transpose, -1, false, true},
-    {"Concat", "", 1, 1 << 20, 1, 1, infer_concat, concat_kernel, grad_concat, -1, false, true},
-    {"Split", "", 1, 2, 1, 1 << 20, infer_split, split_kernel, grad_split, -1, false, true, {1}},
-    {"Slice", "", 3, 5, 1, 1, infer_slice, slice_kernel, grad_slice, -1, false, true, {1, 2, 3, 4}},
-    {"Gather", "", 2, 2, 1, 1, infer_gather, gather_kernel, grad_gather, -1, false, true, {1}},
-    {"Shape", "", 1, 1, 1, 1, infer_shape, shape_kernel, nullptr, -1, false, true},
-    {"Expand", "", 2, 2, 1, 1, infer_expand, expand_kernel, grad_expand, -1, false, true, {1}},
-    {"Trilu", "", 1, 2, 1, 1, infer_trilu, trilu_kernel, grad_trilu, 0, false, true, {1}},
-    {"Zeros", "graft", 0, 0, 1, 1, infer_zeros, zeros_kernel, nullptr, -1, false, true},
-    {"SliceGrad", "graft", 1, 1, 1, 1, infer_slice_grad, slice_grad_kernel, nullptr, -1, false, true},
-    {"GatherGrad", "graft", 2, 2, 1, 1, infer_gather_grad, gather_grad_kernel, nullptr, -1, false, true, {1}},
+    {.name = "Reshape", .min_in = 2, .max_in = 2, .infer = infer_reshape, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
+    {.name = "Flatten", .infer = infer_flatten, .grad = grad_alias, .alias = true},
+    {.name = "Squeeze", .max_in = 2, .infer = infer_squeeze, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
+    {.name = "Unsqueeze", .min_in = 2, .max_in = 2, .infer = infer_unsqueeze, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
+    {.name = "Transpose", .infer = infer_transpose, .kernel = transpose_kernel, .grad = grad_transpose},
+    {.name = "Concat", .max_in = 1 << 20, .infer = infer_concat, .kernel = concat_kernel, .grad = grad_concat},
+    {.name = "Split", .max_in = 2, .max_out = 1 << 20, .infer = infer_split, .kernel = split_kernel, .grad = grad_split, .nondiff_inputs = {1}},
+    {.name = "Slice", .min_in = 3, .max_in = 5, .infer = infer_slice, .kernel = slice_kernel, .grad = grad_slice, .nondiff_inputs = {1, 2, 3, 4}},
+    {.name = "Gather", .min_in = 2, .max_in = 2, .infer = infer_gather, .kernel = gather_kernel, .grad = grad_gather, .nondiff_inputs = {1}},
+    {.name = "Shape", .infer = infer_shape, .kernel = shape_kernel, .shape_only = true},
+    {.name = "Expand", .min_in = 2, .max_in = 2, .infer = infer_expand, .kernel = expand_kernel, .grad = grad_expand, .nondiff_inputs = {1}},
+    {.name = "Trilu", .max_in = 2, .infer = infer_trilu, .kernel = trilu_kernel, .grad = grad_trilu, .inplace_input = 0, .nondiff_inputs = {1}},
+    {.name = "Zeros", .domain = "graft", .min_in = 0, .max_in = 0, .infer = infer_zeros, .kernel = zeros_kernel},
+    {.name = "SliceGrad", .domain = "graft", .infer = infer_slice_grad, .kernel = slice_grad_kernel},
+    {.name = "GatherGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_gather_grad, .kernel = gather_grad_kernel, .nondiff_inputs = {1}},
 };
 
 }  // namespace

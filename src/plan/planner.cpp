@@ -36,7 +36,6 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
   std::vector<int> target(nn, -2);
   for (int i = nn - 1; i >= 0; --i) {
     const Node& n = g.nodes[i];
-    if (n.dead) continue;
     if (is_sink(n)) {
       target[i] = i;
       continue;
@@ -55,12 +54,10 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
   std::vector<int> indeg(nn, 0);
   std::vector<int> producer(g.values.size(), -1);
   for (int i = 0; i < nn; ++i)
-    if (!g.nodes[i].dead)
-      for (int o : g.nodes[i].outputs)
+    for (int o : g.nodes[i].outputs)
         if (o >= 0) producer[o] = i;
   std::vector<std::vector<int>> succ(nn);
   for (int i = 0; i < nn; ++i) {
-    if (g.nodes[i].dead) continue;
     for (int v : g.nodes[i].inputs) {
       if (v < 0 || producer[v] < 0) continue;
       succ[producer[v]].push_back(i);
@@ -76,7 +73,7 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
   };
   std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;
   for (int i = 0; i < nn; ++i)
-    if (!g.nodes[i].dead && indeg[i] == 0) ready.push(key(i));
+    if (indeg[i] == 0) ready.push(key(i));
   std::vector<int> order;
   while (!ready.empty()) {
     int i = std::get<2>(ready.top());
@@ -86,7 +83,7 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
       if (--indeg[s] == 0) ready.push(key(s));
   }
   for (int i = 0; i < nn; ++i)
-    if (!g.nodes[i].dead && indeg[i] > 0)
+    if (indeg[i] > 0)
       fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
   return order;
 }
