@@ -228,11 +228,7 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
   } else {
     for (size_t k = 0; k < seeds.size(); ++k) {
       const Value ov = g_.values[seeds[k]];  // a copy: add_value may move the vector
-      int in = g_.add_value(ov.name + "__grad", ValueKind::Input);
-      g_.values[in].dtype = ov.dtype;
-      g_.values[in].shape = ov.shape;
-      g_.values[in].shape_known = true;
-      g_.inputs.push_back(in);
+      int in = g_.add_input(g_.unique_name(ov.name + "__grad"), ov.dtype, ov.shape);
       bg.output_grad_inputs.push_back(in);
       if (needed_[seeds[k]]) contrib_[seeds[k]].push_back(in);
     }

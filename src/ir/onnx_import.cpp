@@ -215,13 +215,10 @@ Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Al
     ValueKind kind = is_float(dt) ? ValueKind::Param : ValueKind::Constant;
     GRAFT_CHECK(g.find(tp.name()) < 0, ErrorKind::InvalidModel,
                 "initializer '" + tp.name() + "' is defined more than once");
-    int v = g.add_value(tp.name(), kind, false);
-    Value& val = g.values[v];
-    val.data = convert_tensor(tp, alloc, kind == ValueKind::Param ? Category::Parameter : Category::Workspace,
+    Tensor t = convert_tensor(tp, alloc, kind == ValueKind::Param ? Category::Parameter : Category::Workspace,
                               model_dir, what);
-    val.dtype = dt;
-    val.shape = val.data.shape();
-    val.shape_known = true;
+    if (kind == ValueKind::Param) g.add_param(tp.name(), std::move(t));
+    else g.add_constant(tp.name(), std::move(t), false);
   }
   // Graph inputs (skipping those that are also initializers, as older exporters list them).
   for (const auto& vi : gp.input()) {
@@ -315,12 +312,7 @@ Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Al
     for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
     if (n.op == "Constant") {
       GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel, n.label() + " must have one output");
-      int v = g.add_value(np.output(0), ValueKind::Constant, false);
-      Value& val = g.values[v];
-      val.data = constant_value(n, alloc);
-      val.dtype = val.data.dtype();
-      val.shape = val.data.shape();
-      val.shape_known = true;
+      g.add_constant(np.output(0), constant_value(n, alloc), false);
       continue;
     }
     for (const auto& o : np.output())

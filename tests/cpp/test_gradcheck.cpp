@@ -61,7 +61,7 @@ void check(const Case& c) {
     }
     bool is_float = in.kind == In::Float || in.kind == In::FloatConst;
     bool trained = in.kind == In::Float;
-    int v = g.add_value("in" + std::to_string(pi++), trained ? ValueKind::Param : ValueKind::Constant, false);
+    std::string name = "in" + std::to_string(pi++);
     DType dt = is_float ? DType::F64 : in.kind == In::Ints ? DType::I64 : DType::Bool;
     Tensor t = Tensor::empty(in.shape, dt, alloc, trained ? Category::Parameter : Category::Workspace);
     std::uniform_real_distribution<double> u(in.lo, in.hi);
@@ -75,11 +75,7 @@ void check(const Case& c) {
         t.data<bool>()[k] = in.ints[k] != 0;
       }
     }
-    g.values[v].data = t;
-    g.values[v].dtype = dt;
-    g.values[v].shape = in.shape;
-    g.values[v].shape_known = true;
-    n.inputs.push_back(v);
+    n.inputs.push_back(trained ? g.add_param(name, t) : g.add_constant(name, t, false));
   }
   for (int k = 0; k < c.n_out; ++k) n.outputs.push_back(g.add_value("y" + std::to_string(k), ValueKind::Intermediate, false));
   std::vector<int> outs = n.outputs;
@@ -90,14 +86,10 @@ void check(const Case& c) {
   for (int k = 0; k < c.n_out; ++k) {
     const Value yv = g.values[outs[k]];  // a copy: add_value below may move the vector
     if (!is_float(yv.dtype)) continue;
-    int r = g.add_value("R" + std::to_string(k), ValueKind::Constant, false);
     Tensor rt = Tensor::empty(yv.shape, DType::F64, alloc, Category::Workspace);
     std::uniform_real_distribution<double> u(-1, 1);
     for (int64_t q = 0; q < rt.numel(); ++q) rt.data<double>()[q] = u(rng);
-    g.values[r].data = rt;
-    g.values[r].dtype = DType::F64;
-    g.values[r].shape = rt.shape();
-    g.values[r].shape_known = true;
+    int r = g.add_constant("R" + std::to_string(k), rt, false);
     Node m;
     m.op = "Mul";
     m.inputs = {outs[k], r};
@@ -229,13 +221,9 @@ INSTANTIATE_TEST_SUITE_P(Ops, GradCheck, ::testing::ValuesIn(cases()),
 TEST(GradCheckTied, SharedParameterGetsOneSummedGradient) {
   Allocator alloc;
   Graph g;
-  int w = g.add_value("w", ValueKind::Param, false);
   Tensor t = Tensor::empty({3}, DType::F64, alloc, Category::Parameter);
   for (int i = 0; i < 3; ++i) t.data<double>()[i] = 0.5 + i;
-  g.values[w].data = t;
-  g.values[w].dtype = DType::F64;
-  g.values[w].shape = {3};
-  g.values[w].shape_known = true;
+  int w = g.add_param("w", t);
   auto add = [&](const std::string& op, std::vector<int> ins, const std::string& out) {
     Node n;
     n.op = op;
@@ -265,11 +253,7 @@ TEST(GradCheckTied, SharedParameterGetsOneSummedGradient) {
 TEST(GradCheckErrors, OpWithoutGradientRuleIsNamed) {
   Allocator alloc;
   Graph g;
-  int w = g.add_value("weight", ValueKind::Param, false);
-  g.values[w].data = Tensor::zeros({3}, DType::F64, alloc, Category::Parameter);
-  g.values[w].dtype = DType::F64;
-  g.values[w].shape = {3};
-  g.values[w].shape_known = true;
+  int w = g.add_param("weight", Tensor::zeros({3}, DType::F64, alloc, Category::Parameter));
   Node n;  // graft's own ReluGrad has a kernel but no gradient rule of its own
   n.op = "ReluGrad";
   n.domain = "graft";

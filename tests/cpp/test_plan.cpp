@@ -11,13 +11,7 @@ using namespace graft;
 namespace {
 struct Builder {
   Graph g;
-  int input(const std::string& n, Shape s) {
-    int v = g.add_value(n, ValueKind::Input, false);
-    g.values[v].shape = s;
-    g.values[v].shape_known = true;
-    g.inputs.push_back(v);
-    return v;
-  }
+  int input(const std::string& n, Shape s) { return g.add_input(n, DType::F32, s); }
   int op(const std::string& op, std::vector<int> ins, const std::string& out, Attrs a = {}) {
     Node n;
     n.op = op;
@@ -29,14 +23,9 @@ struct Builder {
     return n.outputs.empty() ? g.find(out) : g.find(out);
   }
   int shape_const(const std::string& n, std::vector<int64_t> v) {
-    int id = g.add_value(n, ValueKind::Constant, false);
     Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, Allocator::global(), Category::Workspace);
     std::copy(v.begin(), v.end(), t.data<int64_t>());
-    g.values[id].data = t;
-    g.values[id].dtype = DType::I64;
-    g.values[id].shape = t.shape();
-    g.values[id].shape_known = true;
-    return id;
+    return g.add_constant(n, t, false);
   }
 };
 bool frees(const Plan& p, int step, int v) {

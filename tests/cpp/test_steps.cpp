@@ -15,31 +15,13 @@ namespace {
 // Reciprocal's gradient squares its output: planned in place, it would overwrite r.
 Graph reciprocal_model(Allocator& a) {
   Graph g;
-  int x = g.add_value("x", ValueKind::Input, false);
-  g.values[x].shape = {4};
-  g.values[x].shape_known = true;
-  g.inputs.push_back(x);
-  int w = g.add_value("w", ValueKind::Param, false);
+  int x = g.add_input("x", DType::F64, {4});
   Tensor wt = Tensor::empty({4}, DType::F64, a, Category::Parameter);
   for (int i = 0; i < 4; ++i) wt.data<double>()[i] = 0.5 + i;
-  g.values[w].data = wt;
-  g.values[w].dtype = DType::F64;
-  g.values[w].shape = {4};
-  g.values[w].shape_known = true;
-  g.values[x].dtype = DType::F64;
-  auto op = [&](const std::string& type, std::vector<int> ins, const std::string& out) {
-    Node n;
-    n.op = type;
-    n.name = out + "_node";
-    n.inputs = std::move(ins);
-    int o = g.add_value(out, ValueKind::Intermediate, false);
-    n.outputs = {o};
-    g.add_node(std::move(n));
-    return o;
-  };
-  int y = op("Mul", {x, w}, "y");
-  int r = op("Reciprocal", {y}, "r");
-  int loss = op("ReduceSum", {r}, "loss");
+  int w = g.add_param("w", wt);
+  int y = g.add_op1("Mul", {x, w});
+  int r = g.add_op1("Reciprocal", {y}, {}, "", "r");
+  int loss = g.add_op1("ReduceSum", {r}, {}, "", "loss");
   g.outputs = {r, loss};
   return g;
 }
