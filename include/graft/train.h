@@ -31,24 +31,20 @@ struct Parameter {
 // Tensor handle (it shares the block: no bytes are copied); graft drops its own reference when
 // the callback returns, so a kept gradient is then the callee's alone, like PyTorch's
 // AccumulateGrad stealing a fresh gradient for an empty .grad.
-using GradHook = std::function<void(const Parameter& p, const Tensor& grad)>;
+using GradHook = std::function<void(Parameter& p, const Tensor& grad)>;
 
-struct SessionOptions {
-  std::string loss;                       // scalar loss output (or use output_grads)
-  std::vector<std::string> output_grads;  // differentiate these outputs with given gradients
-  std::vector<std::string> freeze;
-  std::vector<std::string> input_grads;
+// What PyTorch's AccumulateGrad does: an empty .grad adopts `grad` (no copy: it shares the
+// block), an existing one gets it added in place. A ready hook: s.set_hook(accumulate_grad).
+void accumulate_grad(Parameter& p, const Tensor& grad);
+
+// What to differentiate and how gradients leave (AutodiffOptions: loss, output_grads, freeze,
+// input_grads, mode, alloc) and how steps run (RunOptions: check_finite, profile, timeline), plus:
+struct SessionOptions : AutodiffOptions, RunOptions {
   // Graph inputs that are really parameters (a model exported without its weights, e.g.
   // torch.onnx.export(export_params=False)): they become parameters with no data until
   // bind_parameter() shares memory for them. Trainable unless also listed in `freeze`.
   std::vector<std::string> param_inputs;
-  GradMode mode = GradMode::Accumulate;
-  bool check_finite = false;  // stop at the first op producing NaN/Inf, naming it
-  bool profile = false;
-  bool timeline = false;      // tag allocator events with the executor step (recording itself is
-                              // switched on with Allocator::set_timeline)
   int64_t max_memory = 0;     // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
-  Allocator* alloc = nullptr; // nullptr: Allocator::global()
 };
 
 // One training step in flight: a forward, and then its backward. Several may be in flight at once

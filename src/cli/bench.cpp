@@ -169,11 +169,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   }
   s.set_input("x", x);
   if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: keep a fresh gradient as an empty .grad, else add
-    s.set_hook([&](const Parameter& p, const Tensor& grad) {
-      Parameter& q = s.parameter(p.name);
-      if (!q.grad.defined()) q.grad = grad.reshaped(q.data.shape());  // adopt: no copy
-      else add_inplace(q.grad, grad);
-    });
+    s.set_hook(accumulate_grad);
   SGDOptions o;
   o.lr = 0.01;
   SGD opt(s.trainable(), o, &alloc);

@@ -84,11 +84,7 @@ int cmd_train(const TrainArgs& a) {
   TrainSession s(std::move(g), so, shapes);
   for (const auto& [n, t] : inputs) s.set_input(n, t);
   if (so.mode == GradMode::Hook)  // the CLI's hook accumulates, as PyTorch's AccumulateGrad would
-    s.set_hook([&](const Parameter& p, const Tensor& grad) {
-      Parameter& q = s.parameter(p.name);
-      if (!q.grad.defined()) q.grad = grad.reshaped(q.data.shape());  // adopt: no copy
-      else add_inplace(q.grad, grad);
-    });
+    s.set_hook(accumulate_grad);
 
   std::unique_ptr<Optimizer> opt;
   if (a.optimizer == "sgd") {

@@ -100,7 +100,7 @@ struct PySession {
     o.alloc = alloc.get();
     std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
     s = TrainSession::open(path, o, sh);
-    s->set_hook([this](const Parameter& p, const Tensor& g) {
+    s->set_hook([this](Parameter& p, const Tensor& g) {
       // exclusive: graft's own block with no other reference, so the callee may keep it (no copy).
       bool exclusive = g.storage().use_count() == 1 && g.storage()->owner == alloc.get();
       if (!hook.is_none()) hook(p.name, to_numpy(g, alloc), exclusive);

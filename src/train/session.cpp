@@ -36,6 +36,11 @@ void add_inplace(Tensor& dst, const Tensor& src) {
   }
 }
 
+void accumulate_grad(Parameter& p, const Tensor& grad) {
+  if (!p.grad.defined()) p.grad = grad.reshaped(p.data.shape());  // adopt: no copy
+  else add_inplace(p.grad, grad);
+}
+
 std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const SessionOptions& opt,
                                                  const std::map<std::string, Shape>& input_shapes) {
   ImportOptions io;
@@ -59,12 +64,7 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<st
   // ---- shapes: bind input shapes, infer every node, fold constants ----
   infer_shapes(g_, input_shapes, alloc_);
   // ---- autodiff ----
-  AutodiffOptions ao;
-  ao.loss = opt.loss;
-  ao.output_grads = opt.output_grads;
-  ao.freeze = opt.freeze;
-  ao.input_grads = opt.input_grads;
-  ao.mode = opt.mode;
+  AutodiffOptions ao = opt;
   ao.alloc = alloc_;
   bg_ = build_backward(g_, ao);
 
@@ -243,10 +243,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
     st->inputs.push_back(*t);
   }
   st->seed = seed ? *seed : next_dropout_seed();
-  RunOptions ro;
-  ro.check_finite = opt_.check_finite;
-  ro.profile = opt_.profile;
-  ro.timeline = opt_.timeline;
+  RunOptions ro = opt_;
   ro.seed = st->seed;
   st->run = exec_->start(bind, ro, [this](int node, Tensor grad, bool exclusive) {
     deliver(params_[param_of_sink_[node]], std::move(grad), exclusive);

@@ -29,7 +29,7 @@ StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
   TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
   std::vector<std::vector<float>> kept(s.parameters().size());
   if (mode == GradMode::Hook)
-    s.set_hook([&](const Parameter& p, const Tensor& g) {
+    s.set_hook([&](Parameter& p, const Tensor& g) {
       for (size_t i = 0; i < s.parameters().size(); ++i)
         if (s.parameters()[i].name == p.name) kept[i].assign(g.data<float>(), g.data<float>() + g.numel());
     });

@@ -36,22 +36,14 @@ TEST_P(MicroBatch, TwoHalvesAccumulateToTheWholeBatch) {
   o.alloc = &alloc;
   // Whole batch.
   TrainSession whole(linear_stack(B, H, L, DType::F64, alloc, 3), o);
-  whole.set_hook([&](const Parameter& p, const Tensor& g) {
-    Parameter& q = whole.parameter(p.name);
-    if (!q.grad.defined()) q.grad = g.clone(alloc, Category::Gradient);
-    else add_inplace(q.grad, g);
-  });
+  whole.set_hook(accumulate_grad);
   whole.set_input("x", batch(alloc, B, 0));
   whole.step();
   auto full = grads_of(whole);
   // Two micro-batches of B/2 into the same .grad buffers (no zero_grad in between). The loss is
   // a mean, so the whole-batch gradient is the average of the two.
   TrainSession half(linear_stack(B / 2, H, L, DType::F64, alloc, 3), o);
-  half.set_hook([&](const Parameter& p, const Tensor& g) {
-    Parameter& q = half.parameter(p.name);
-    if (!q.grad.defined()) q.grad = g.clone(alloc, Category::Gradient);
-    else add_inplace(q.grad, g);
-  });
+  half.set_hook(accumulate_grad);
   half.set_input("x", batch(alloc, B / 2, 0));
   half.step();
   const void* first = half.parameters()[0].grad.raw();
