@@ -140,6 +140,10 @@ class Allocator {
   std::vector<MemoryEvent> timeline_;
 };
 
+// Memory this process may still take, in bytes: the smaller of /proc/meminfo's MemAvailable and
+// what its cgroup (v2 memory.max, v1 limit_in_bytes) leaves; -1 when neither can be read.
+int64_t available_memory_bytes();
+
 // ---------------------------------------------------------------------------------------------
 // A dense, contiguous, row-major tensor. Copies share storage (like torch.Tensor).
 class Tensor {

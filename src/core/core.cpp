@@ -174,6 +174,41 @@ void Allocator::record() {
   if (timeline_on_) timeline_.push_back({step_, current_, by_cat_});
 }
 
+namespace {
+int64_t read_int_file(const char* path) {
+  std::FILE* f = std::fopen(path, "r");
+  if (!f) return -1;
+  char buf[64] = {0};
+  bool ok = std::fgets(buf, sizeof buf, f) != nullptr;
+  std::fclose(f);
+  if (!ok || buf[0] < '0' || buf[0] > '9') return -1;  // "max" or garbage: no limit
+  return std::strtoll(buf, nullptr, 10);
+}
+int64_t meminfo_available() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return -1;
+  char line[256];
+  int64_t kb = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, "MemAvailable:", 13) == 0) kb = std::strtoll(line + 13, nullptr, 10);
+  std::fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+}  // namespace
+
+int64_t available_memory_bytes() {
+  int64_t avail = meminfo_available();
+  auto room = [&](const char* limit_file, const char* usage_file) {
+    int64_t limit = read_int_file(limit_file), used = read_int_file(usage_file);
+    if (limit <= 0 || used < 0 || limit >= (int64_t(1) << 60)) return;
+    int64_t left = std::max<int64_t>(0, limit - used);
+    avail = avail < 0 ? left : std::min(avail, left);
+  };
+  room("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current");                                // cgroup v2
+  room("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes");  // v1
+  return avail;
+}
+
 // ---------------------------------------------------------------------------------------------
 Tensor Tensor::empty(const Shape& shape, DType dt, Allocator& a, Category c,
                      const std::string& what) {

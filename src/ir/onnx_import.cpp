@@ -4,6 +4,8 @@
 // from them, names are checked for duplicates, and the node list is re-sorted topologically (a
 // cycle or a read of an undefined value is an error naming the node).
 #include <fcntl.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl.h>
 #include <onnx/onnx_pb.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <sstream>
 
@@ -192,7 +195,10 @@ Tensor constant_value(const Node& n, Allocator& alloc) {
   fail(ErrorKind::Unsupported, n.label() + ": Constant attribute '" + k + "' is not supported");
 }
 
-Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc) {
+// Note [Import memory]: the parsed protobuf holds every initializer's bytes; each one is released
+// as soon as it is converted into graft's allocator, so importing needs the parameters once plus
+// the largest tensor, not twice (the model file is parsed from the stream, not read into a string).
+Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc) {
   Graph g;
   // Opset of the default domain.
   int64_t opset = -1;
@@ -208,7 +214,7 @@ Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Al
   g.name = gp.name();
 
   // Initializers: float -> parameter, others -> constant.
-  for (const auto& tp : gp.initializer()) {
+  for (auto& tp : *mp.mutable_graph()->mutable_initializer()) {
     GRAFT_CHECK(!tp.name().empty(), ErrorKind::InvalidModel, "an initializer has no name");
     std::string what = "initializer '" + tp.name() + "'";
     DType dt = convert_dtype(tp.data_type(), what);
@@ -219,6 +225,11 @@ Graph convert_model(const onnx::ModelProto& mp, const std::string& model_dir, Al
                               model_dir, what);
     if (kind == ValueKind::Param) g.add_param(tp.name(), std::move(t));
     else g.add_constant(tp.name(), std::move(t), false);
+    std::string().swap(*tp.mutable_raw_data());  // released now, not when the whole model is
+    tp.clear_float_data();
+    tp.clear_double_data();
+    tp.clear_int64_data();
+    tp.clear_int32_data();
   }
   // Graph inputs (skipping those that are also initializers, as older exporters list them).
   for (const auto& vi : gp.input()) {
@@ -345,13 +356,22 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
   GRAFT_CHECK(!ec && size <= opt.max_file_bytes, ErrorKind::InvalidModel,
               "model file '" + path + "' is " + std::to_string(size) + " bytes, over the limit of " +
                   std::to_string(opt.max_file_bytes));
-  std::ifstream f(path, std::ios::binary);
-  GRAFT_CHECK(f.good(), ErrorKind::Io, "cannot open model file '" + path + "'");
-  std::string bytes(static_cast<size_t>(size), '\0');
-  f.read(bytes.data(), size);
-  GRAFT_CHECK(f.gcount() == size, ErrorKind::Io, "could not read all of '" + path + "'");
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  GRAFT_CHECK(fd >= 0, ErrorKind::Io, "cannot open model file '" + path + "': " + std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
   try {
-    return load_onnx_bytes(bytes, fs::path(path).parent_path().string(), opt);
+    onnx::ModelProto mp;
+    {
+      google::protobuf::io::FileInputStream in(fd);
+      google::protobuf::io::CodedInputStream coded(&in);
+      coded.SetTotalBytesLimit(std::numeric_limits<int>::max());
+      GRAFT_CHECK(mp.ParseFromCodedStream(&coded) && coded.ConsumedEntireMessage(), ErrorKind::InvalidModel,
+                  "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
+    }
+    return convert_model(mp, fs::path(path).parent_path().string(), opt.alloc ? *opt.alloc : Allocator::global());
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::InvalidModel || e.kind() == ErrorKind::Unsupported)
       throw Error(e.kind(), path + ": " + std::string(e.what()).substr(std::strlen(error_kind_name(e.kind())) + 2));

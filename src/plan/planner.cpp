@@ -139,9 +139,20 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
     if (fwd_out[v]) r = std::max(r, p.barrier_step);
     return r;
   };
-  // Members per buffer, to know when a buffer's memory is returned.
-  std::vector<std::vector<int>> members(nv);
-  for (int v = 0; v < nv; ++v) members[v].push_back(v);
+  // Per buffer, over the values living in it: the latest release step, and whether one of them
+  // may never be overwritten (kept, or a forward output the caller holds). Kept as running
+  // aggregates, so a chain of in-place ops is planned in linear time.
+  std::vector<int> buf_release(nv);
+  std::vector<char> buf_blocked(nv);
+  for (int v = 0; v < nv; ++v) {
+    buf_release[v] = release_step(v);
+    buf_blocked[v] = kept[v] || fwd_out[v];
+  }
+  auto join = [&](int b, int v) {
+    p.buffer[v] = b;
+    buf_release[b] = std::max(buf_release[b], buf_release[v]);
+    buf_blocked[b] = buf_blocked[b] || buf_blocked[v];
+  };
 
   p.steps.resize(order.size());
   for (size_t s = 0; s < order.size(); ++s) {
@@ -150,9 +161,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
     st.node = order[s];
     const OpDef& d = op_for(n);
     if (d.alias && n.outputs[0] >= 0 && n.inputs[0] >= 0) {
-      int b = p.buffer[n.inputs[0]];
-      p.buffer[n.outputs[0]] = b;
-      members[b].push_back(n.outputs[0]);
+      join(p.buffer[n.inputs[0]], n.outputs[0]);
     } else if (opt.inplace && d.inplace_input >= 0 && d.inplace_input < static_cast<int>(n.inputs.size()) &&
                n.outputs[0] >= 0 && n.inputs[d.inplace_input] >= 0) {
       int v = n.inputs[d.inplace_input], o = n.outputs[0];
@@ -163,14 +172,13 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       // Every value living in that buffer must be dead after this step, and not kept. A forward
       // output is never overwritten either: the caller holds it (a PyTorch tensor the user may
       // keep, or TrainSession::outputs()) long after the plan's last read of it.
-      for (int m : members[b]) ok = ok && !kept[m] && !fwd_out[m] && release_step(m) <= static_cast<int>(s);
+      ok = ok && !buf_blocked[b] && buf_release[b] <= static_cast<int>(s);
       // The output buffer must not be read by this node through another input slot (other
       // than the in-place one) from a different offset: only elementwise ops allow in-place,
       // and they read index i before writing index i, so reading the same buffer is safe.
       if (ok) {
         st.inplace_in = v;
-        p.buffer[o] = b;
-        members[b].push_back(o);
+        join(b, o);
       }
     }
   }
@@ -217,6 +225,9 @@ void check_plan(const Graph& g, const Plan& p) {
   std::vector<int> freed_at(nv, -1), defined_at(nv, -1);
   std::vector<bool> kept(nv, false);
   for (int v : p.keep) kept[v] = true;
+  // Per buffer, over its values computed so far: the latest read, and whether one is kept.
+  std::vector<int> buf_last_read(nv, -1);
+  std::vector<char> buf_kept(nv, 0);
   for (size_t s = 0; s < p.steps.size(); ++s) {
     const Node& n = g.nodes[p.steps[s].node];
     for (int v : n.inputs) {
@@ -226,16 +237,18 @@ void check_plan(const Graph& g, const Plan& p) {
       GRAFT_CHECK(g.values[v].kind != ValueKind::Intermediate || defined_at[v] >= 0, ErrorKind::Internal,
                   "plan: " + n.label() + " reads '" + g.values[v].name + "' before it is computed");
     }
-    for (int o : n.outputs)
-      if (o >= 0) defined_at[o] = static_cast<int>(s);
     if (p.steps[s].inplace_in >= 0) {
       int b = p.buffer[p.steps[s].inplace_in];
       // No value of that buffer may be read later or kept.
-      for (int v = 0; v < nv; ++v)
-        if (p.buffer[v] == b && v != n.outputs[0] && defined_at[v] >= 0) {
-          GRAFT_CHECK(!kept[v] && p.last_use[v] <= static_cast<int>(s), ErrorKind::Internal,
-                      "plan: in-place write by " + n.label() + " clobbers live value '" + g.values[v].name + "'");
-        }
+      GRAFT_CHECK(!buf_kept[b] && buf_last_read[b] <= static_cast<int>(s), ErrorKind::Internal,
+                  "plan: in-place write by " + n.label() + " clobbers a live value of buffer '" + g.values[b].name + "'");
+    }
+    for (int o : n.outputs) {
+      if (o < 0) continue;
+      defined_at[o] = static_cast<int>(s);
+      int b = p.buffer[o];
+      buf_last_read[b] = std::max(buf_last_read[b], p.last_use[o]);
+      buf_kept[b] = buf_kept[b] || kept[o];
     }
     for (int v : p.steps[s].frees) {
       GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal, "plan: '" + g.values[v].name + "' freed twice");
