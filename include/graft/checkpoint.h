@@ -2,10 +2,11 @@
 //
 // A checkpoint holds every parameter of a TrainSession (by name), the gradients it holds (so a
 // checkpoint taken between micro-batches keeps the accumulation), the optimizer's kind,
-// hyperparameters and state (SGD momentum buffers; AdamW moments and per-parameter steps), the
-// training step and the dropout RNG state. Files are written atomically (a temporary file in the
-// same folder, fsync, rename, fsync of the folder) and carry a CRC-32 over everything, so a reader
-// sees either a complete checkpoint or refuses the file with a typed error naming it.
+// hyperparameters and state as it reports them (Optimizer::kind() and state(), graft/train.h: SGD
+// momentum buffers; AdamW moments and per-parameter steps), the training step and the dropout RNG
+// state. Files are written atomically (a temporary file in the same folder, fsync, rename, fsync
+// of the folder) and carry a CRC-32 over everything, so a reader sees either a complete checkpoint
+// or refuses the file with a typed error naming it.
 //
 //   graft::save_checkpoint_in_dir("ckpt", *session, &opt, step);   // ckpt/ckpt-00000012.graft
 //   auto r = graft::resume_from_dir("ckpt", *session, &opt);         // newest one that verifies

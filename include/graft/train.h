@@ -142,19 +142,64 @@ class TrainSession {
 void add_inplace(Tensor& dst, const Tensor& src);
 
 // --- optimizers ----------------------------------------------------------------------------------
+// An optimizer's hyperparameters and state as plain data: what a checkpoint holds of it
+// (graft/checkpoint.h), and what two optimizers' settings compare by.
+struct OptimizerState {
+  std::map<std::string, double> hyper;  // hyperparameters by name; a flag (SGD's nesterov) is 0 or 1
+  int64_t steps = 0;                    // Optimizer::steps()
+  // Per parameter, in the optimizer's order: its state tensors by name (SGD: momentum_buffer;
+  // AdamW: exp_avg, exp_avg_sq). A name that is absent or holds an undefined tensor: none yet.
+  // The tensors share the optimizer's blocks (no bytes are copied either way).
+  std::vector<std::map<std::string, Tensor>> tensors;
+  std::vector<int64_t> counters;        // per parameter: AdamW's steps taken; 0 for SGD
+};
+
+// What one kind of optimizer saves, known without an instance of it, so that a checkpoint can be
+// verified before any optimizer is at hand (verify_checkpoint).
+struct OptimizerKind {
+  std::string name;                                 // "sgd", "adamw"
+  std::vector<std::pair<std::string, bool>> hyper;  // hyperparameters, in reading order; true: a flag
+                                                    // (saved as a boolean)
+  std::vector<std::string> tensors;                 // per-parameter state tensors, in file order
+  // Whether the hyperparameters (all of `hyper` present) are in range and finite.
+  bool (*hyper_valid)(const std::map<std::string, double>& hyper);
+  // "" when one parameter's state tensors (their names, as stored, in order) fit its counter;
+  // otherwise what is wrong.
+  std::string (*check_tensors)(const std::vector<std::string>& names, int64_t counter);
+};
+// The built-in kind named `name` ("sgd", "adamw"), or null.
+const OptimizerKind* find_optimizer_kind(const std::string& name);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   void zero_grad(bool set_to_none = true);
   int64_t steps() const { return t_; }
-  // For checkpoints (graft/checkpoint.h): the parameters updated, in order, and the step count.
+  // The parameters updated, in order (OptimizerState's per-parameter order).
   const std::vector<Parameter*>& params() const { return params_; }
   void set_steps(int64_t t) { t_ = t; }
+  // Where state tensors are allocated.
+  Allocator& allocator() const { return *alloc_; }
+
+  // --- serialization (graft/checkpoint.h) ---
+  // The kind's name ("sgd", "adamw"; find_optimizer_kind describes it).
+  virtual const char* kind() const = 0;
+  // Hyperparameters and state, sharing the state tensors' blocks.
+  virtual OptimizerState state() const = 0;
+  // Throws InvalidArgument, naming what is wrong, unless load_state(st) would succeed: every
+  // hyperparameter of the kind present and valid, one entry per parameter, only the kind's tensor
+  // names, each of its parameter's dtype and shape, consistent with its counter. Modifies nothing.
+  virtual void check_state(const OptimizerState& st) const;
+  // Replaces hyperparameters, step count and state with `st` (checked first: on error nothing
+  // changes). The optimizer shares st's tensors from then on.
+  virtual void load_state(const OptimizerState& st) = 0;
 
  protected:
+  explicit Optimizer(std::vector<Parameter*> params, Allocator* alloc = nullptr);
   std::vector<Parameter*> params_;
   int64_t t_ = 0;
+  Allocator* alloc_;
 };
 
 struct SGDOptions {
@@ -168,14 +213,15 @@ class SGD final : public Optimizer {
  public:
   SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc = nullptr);
   void step() override;
+  const char* kind() const override { return "sgd"; }
+  OptimizerState state() const override;
+  void load_state(const OptimizerState& st) override;
   SGDOptions options;
   // Momentum buffers, one per parameter (undefined until the parameter's first step).
   std::vector<Tensor>& momentum_buffer() { return buf_; }
   const std::vector<Tensor>& momentum_buffer() const { return buf_; }
-  Allocator& allocator() const { return *alloc_; }
 
  private:
-  Allocator* alloc_;
   std::vector<Tensor> buf_;  // momentum buffers (OptimizerState)
 };
 
@@ -190,6 +236,9 @@ class AdamW final : public Optimizer {
  public:
   AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc = nullptr);
   void step() override;
+  const char* kind() const override { return "adamw"; }
+  OptimizerState state() const override;
+  void load_state(const OptimizerState& st) override;
   AdamWOptions options;
   std::vector<Tensor>& exp_avg() { return m_; }
   std::vector<Tensor>& exp_avg_sq() { return v_; }
@@ -198,10 +247,8 @@ class AdamW final : public Optimizer {
   // Steps taken per parameter (PyTorch's state['step']); 0 = no state yet.
   std::vector<int64_t>& param_steps() { return steps_; }
   const std::vector<int64_t>& param_steps() const { return steps_; }
-  Allocator& allocator() const { return *alloc_; }
 
  private:
-  Allocator* alloc_;
   std::vector<Tensor> m_, v_;  // OptimizerState
   std::vector<int64_t> steps_;  // per parameter, like PyTorch's state['step']
 };

@@ -113,10 +113,7 @@ int cmd_train(const TrainArgs& a) {
   std::printf("\n");
   int start = 0;
   if (a.resume) {
-    SGDOptions sgd_flags;
-    AdamWOptions adamw_flags;
-    if (auto* o = dynamic_cast<SGD*>(opt.get())) sgd_flags = o->options;
-    if (auto* o = dynamic_cast<AdamW*>(opt.get())) adamw_flags = o->options;
+    const std::map<std::string, double> flags = opt->state().hyper;  // the hyperparameters the flags gave
     ResumeResult r = resume_from_dir(a.checkpoint, s, opt.get());
     for (const std::string& m : r.skipped) std::fprintf(stderr, "graft: warning: skipped %s\n", m.c_str());
     if (r.found) {
@@ -124,14 +121,7 @@ int cmd_train(const TrainArgs& a) {
                   "checkpoint '" + r.path + "' is at step " + std::to_string(r.step) + ", past --steps " + std::to_string(a.steps));
       start = static_cast<int>(r.step);
       std::printf("resumed from %s at step %d\n", r.path.c_str(), start);
-      bool differ = false;
-      if (auto* o = dynamic_cast<SGD*>(opt.get()))
-        differ = o->options.lr != sgd_flags.lr || o->options.momentum != sgd_flags.momentum ||
-                 o->options.weight_decay != sgd_flags.weight_decay || o->options.nesterov != sgd_flags.nesterov;
-      if (auto* o = dynamic_cast<AdamW*>(opt.get()))
-        differ = o->options.lr != adamw_flags.lr || o->options.beta1 != adamw_flags.beta1 || o->options.beta2 != adamw_flags.beta2 ||
-                 o->options.eps != adamw_flags.eps || o->options.weight_decay != adamw_flags.weight_decay;
-      if (differ)
+      if (opt->state().hyper != flags)
         std::fprintf(stderr, "graft: warning: the optimizer hyperparameters in the flags differ from the checkpoint's; using the checkpoint's\n");
     } else {
       std::printf("no checkpoint in %s yet: starting at step 0\n", a.checkpoint.c_str());

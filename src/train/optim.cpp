@@ -1,11 +1,16 @@
 // Optimizers, updating parameters in place with PyTorch 1.13's formulas (torch.optim.SGD and
-// torch.optim.AdamW, single-tensor path), so graft and eager PyTorch stay in step.
+// torch.optim.AdamW, single-tensor path), so graft and eager PyTorch stay in step; and their
+// state as plain data (OptimizerState), which checkpoints save and load.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "graft/train.h"
 
 namespace graft {
+
+Optimizer::Optimizer(std::vector<Parameter*> params, Allocator* alloc)
+    : params_(std::move(params)), alloc_(alloc ? alloc : &Allocator::global()) {}
 
 void Optimizer::zero_grad(bool set_to_none) {
   for (Parameter* p : params_) {
@@ -24,12 +29,11 @@ void by_dtype(const Tensor& t, F&& f) {
 }  // namespace
 
 SGD::SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc)
-    : options(o), alloc_(alloc ? alloc : &Allocator::global()) {
+    : Optimizer(std::move(params), alloc), options(o) {
   GRAFT_CHECK(o.lr >= 0 && o.momentum >= 0 && o.weight_decay >= 0, ErrorKind::InvalidArgument,
               "SGD: lr, momentum and weight_decay must be >= 0");
   GRAFT_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), ErrorKind::InvalidArgument,
               "SGD: nesterov needs momentum > 0 and dampening = 0");
-  params_ = std::move(params);
   buf_.resize(params_.size());
 }
 
@@ -62,10 +66,9 @@ void SGD::step() {
 }
 
 AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc)
-    : options(o), alloc_(alloc ? alloc : &Allocator::global()) {
+    : Optimizer(std::move(params), alloc), options(o) {
   GRAFT_CHECK(o.lr >= 0 && o.eps >= 0 && o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1,
               ErrorKind::InvalidArgument, "AdamW: need lr >= 0, eps >= 0, 0 <= betas < 1");
-  params_ = std::move(params);
   m_.resize(params_.size());
   v_.resize(params_.size());
   steps_.assign(params_.size(), 0);
@@ -104,6 +107,146 @@ void AdamW::step() {
       }
     });
   }
+}
+
+// --- state as plain data -------------------------------------------------------------------------
+namespace {
+bool sgd_hyper_valid(const std::map<std::string, double>& h) {
+  const double lr = h.at("lr"), momentum = h.at("momentum"), dampening = h.at("dampening"),
+               weight_decay = h.at("weight_decay");
+  const bool nesterov = h.at("nesterov") != 0;
+  return lr >= 0 && momentum >= 0 && weight_decay >= 0 && std::isfinite(lr) && std::isfinite(momentum) &&
+         std::isfinite(dampening) && std::isfinite(weight_decay) && (!nesterov || (momentum > 0 && dampening == 0));
+}
+std::string sgd_check_tensors(const std::vector<std::string>& names, int64_t) {
+  return names.size() > 1 ? "more than one momentum_buffer" : "";
+}
+bool adamw_hyper_valid(const std::map<std::string, double>& h) {
+  const double lr = h.at("lr"), beta1 = h.at("beta1"), beta2 = h.at("beta2"), eps = h.at("eps"),
+               weight_decay = h.at("weight_decay");
+  return lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && std::isfinite(lr) &&
+         std::isfinite(eps) && std::isfinite(weight_decay);
+}
+std::string adamw_check_tensors(const std::vector<std::string>& names, int64_t step) {
+  const bool full = names.size() == 2 && names[0] == "exp_avg" && names[1] == "exp_avg_sq";
+  return (step > 0 ? full : names.empty()) ? "" : "AdamW state needs exp_avg and exp_avg_sq exactly when its step is > 0";
+}
+const OptimizerKind kSGD{"sgd",
+                         {{"lr", false}, {"momentum", false}, {"dampening", false}, {"weight_decay", false}, {"nesterov", true}},
+                         {"momentum_buffer"},
+                         sgd_hyper_valid,
+                         sgd_check_tensors};
+const OptimizerKind kAdamW{"adamw",
+                           {{"lr", false}, {"beta1", false}, {"beta2", false}, {"eps", false}, {"weight_decay", false}},
+                           {"exp_avg", "exp_avg_sq"},
+                           adamw_hyper_valid,
+                           adamw_check_tensors};
+
+// The defined tensor named `name` of one parameter's state, or an undefined one.
+Tensor slot(const std::map<std::string, Tensor>& m, const std::string& name) {
+  auto it = m.find(name);
+  return it == m.end() ? Tensor() : it->second;
+}
+}  // namespace
+
+const OptimizerKind* find_optimizer_kind(const std::string& name) {
+  if (name == kSGD.name) return &kSGD;
+  if (name == kAdamW.name) return &kAdamW;
+  return nullptr;
+}
+
+void Optimizer::check_state(const OptimizerState& st) const {
+  const std::string k = kind();
+  const OptimizerKind* kd = find_optimizer_kind(k);
+  GRAFT_CHECK(kd, ErrorKind::InvalidArgument, "optimizer state: unsupported optimizer kind '" + k + "'");
+  const std::string pre = k + " state: ";
+  for (const auto& [name, flag] : kd->hyper) {
+    auto it = st.hyper.find(name);
+    GRAFT_CHECK(it != st.hyper.end(), ErrorKind::InvalidArgument, pre + "hyperparameter '" + name + "' is missing");
+    GRAFT_CHECK(!flag || it->second == 0 || it->second == 1, ErrorKind::InvalidArgument,
+                pre + "hyperparameter '" + name + "' is a flag (0 or 1)");
+  }
+  GRAFT_CHECK(kd->hyper_valid(st.hyper), ErrorKind::InvalidArgument, pre + "hyperparameters out of range");
+  GRAFT_CHECK(st.steps >= 0, ErrorKind::InvalidArgument, pre + "negative step count");
+  GRAFT_CHECK(st.tensors.size() == params_.size() && st.counters.size() == params_.size(), ErrorKind::InvalidArgument,
+              pre + "it has " + std::to_string(st.tensors.size()) + " tensor entries and " +
+                  std::to_string(st.counters.size()) + " counters, the optimizer updates " +
+                  std::to_string(params_.size()) + " parameters");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter& p = *params_[i];
+    std::vector<std::string> names;
+    for (const auto& [name, t] : st.tensors[i]) {
+      GRAFT_CHECK(std::find(kd->tensors.begin(), kd->tensors.end(), name) != kd->tensors.end(), ErrorKind::InvalidArgument,
+                  pre + "unknown tensor '" + name + "' for '" + p.name + "'");
+      if (!t.defined()) continue;
+      GRAFT_CHECK(t.dtype() == p.data.dtype() && t.shape() == p.data.shape(), ErrorKind::ShapeMismatch,
+                  pre + name + " of '" + p.name + "' is " + dtype_name(t.dtype()) + " " + shape_str(t.shape()) +
+                      ", the parameter " + dtype_name(p.data.dtype()) + " " + shape_str(p.data.shape()));
+    }
+    for (const std::string& name : kd->tensors)
+      if (slot(st.tensors[i], name).defined()) names.push_back(name);
+    GRAFT_CHECK(st.counters[i] >= 0, ErrorKind::InvalidArgument, pre + "negative counter for '" + p.name + "'");
+    const std::string why = kd->check_tensors(names, st.counters[i]);
+    GRAFT_CHECK(why.empty(), ErrorKind::InvalidArgument, pre + "'" + p.name + "': " + why);
+  }
+}
+
+OptimizerState SGD::state() const {
+  OptimizerState st;
+  st.hyper = {{"lr", options.lr},
+              {"momentum", options.momentum},
+              {"dampening", options.dampening},
+              {"weight_decay", options.weight_decay},
+              {"nesterov", options.nesterov ? 1.0 : 0.0}};
+  st.steps = t_;
+  st.tensors.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (buf_[i].defined()) st.tensors[i]["momentum_buffer"] = buf_[i];
+  st.counters.assign(params_.size(), 0);
+  return st;
+}
+
+void SGD::load_state(const OptimizerState& st) {
+  check_state(st);
+  options.lr = st.hyper.at("lr");
+  options.momentum = st.hyper.at("momentum");
+  options.dampening = st.hyper.at("dampening");
+  options.weight_decay = st.hyper.at("weight_decay");
+  options.nesterov = st.hyper.at("nesterov") != 0;
+  for (size_t i = 0; i < params_.size(); ++i) buf_[i] = slot(st.tensors[i], "momentum_buffer");
+  t_ = st.steps;
+}
+
+OptimizerState AdamW::state() const {
+  OptimizerState st;
+  st.hyper = {{"lr", options.lr},
+              {"beta1", options.beta1},
+              {"beta2", options.beta2},
+              {"eps", options.eps},
+              {"weight_decay", options.weight_decay}};
+  st.steps = t_;
+  st.tensors.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (m_[i].defined()) st.tensors[i]["exp_avg"] = m_[i];
+    if (v_[i].defined()) st.tensors[i]["exp_avg_sq"] = v_[i];
+  }
+  st.counters = steps_;
+  return st;
+}
+
+void AdamW::load_state(const OptimizerState& st) {
+  check_state(st);
+  options.lr = st.hyper.at("lr");
+  options.beta1 = st.hyper.at("beta1");
+  options.beta2 = st.hyper.at("beta2");
+  options.eps = st.hyper.at("eps");
+  options.weight_decay = st.hyper.at("weight_decay");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    m_[i] = slot(st.tensors[i], "exp_avg");
+    v_[i] = slot(st.tensors[i], "exp_avg_sq");
+  }
+  steps_ = st.counters;
+  t_ = st.steps;
 }
 
 }  // namespace graft

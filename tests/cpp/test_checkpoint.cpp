@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <unistd.h>
 
 #include "graft/checkpoint.h"
@@ -350,4 +351,75 @@ TEST(Checkpoint, SaveFailureIsIoAndKeepsTheOldFile) {
   for (const auto& e : fs::directory_iterator(d.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
   EXPECT_EQ(read_all(d / "a.graft"), old);
+}
+
+// Optimizers serialize themselves (graft/train.h): kind(), state(), check_state(), load_state();
+// the checkpoint code knows no optimizer class.
+TEST_P(RoundTrip, OptimizerStateThroughTheInterface) {
+  Trainer a(GetParam());
+  a.train(2);
+  const OptimizerKind* kind = find_optimizer_kind(a.opt->kind());
+  ASSERT_NE(kind, nullptr);
+  EXPECT_EQ(kind->name, GetParam());
+  OptimizerState st = a.opt->state();
+  std::set<std::string> names;
+  for (const auto& [n, flag] : kind->hyper) names.insert(n);
+  std::set<std::string> keys;
+  for (const auto& [n, v] : st.hyper) keys.insert(n);
+  EXPECT_EQ(keys, names);
+  EXPECT_EQ(st.steps, 2);
+  ASSERT_EQ(st.tensors.size(), a.opt->params().size());
+  ASSERT_EQ(st.counters.size(), a.opt->params().size());
+  for (size_t i = 0; i < st.tensors.size(); ++i) {
+    EXPECT_EQ(st.tensors[i].size(), kind->tensors.size());  // every parameter has stepped
+    EXPECT_EQ(st.counters[i], GetParam() == "adamw" ? 2 : 0);
+  }
+
+  Trainer b(GetParam());
+  st.hyper["lr"] = 0.125;
+  b.opt->load_state(st);
+  OptimizerState got = b.opt->state();
+  EXPECT_EQ(got.hyper, st.hyper);
+  EXPECT_EQ(got.steps, 2);
+  EXPECT_EQ(got.counters, st.counters);
+  EXPECT_EQ(b.opt->steps(), 2);
+
+  // Refused states change nothing.
+  Trainer c(GetParam());
+  c.train(1);
+  const OptimizerState before = c.opt->state();
+  auto refused = [&](OptimizerState bad, ErrorKind k, const std::string& needle) {
+    expect_error([&] { c.opt->load_state(bad); }, k, {needle});
+    OptimizerState now = c.opt->state();
+    EXPECT_EQ(now.hyper, before.hyper);
+    EXPECT_EQ(now.steps, before.steps);
+    EXPECT_EQ(now.counters, before.counters);
+  };
+  OptimizerState bad = st;
+  bad.hyper["lr"] = -1;
+  refused(bad, ErrorKind::InvalidArgument, "hyperparameters out of range");
+  bad = st;
+  bad.hyper.erase("weight_decay");
+  refused(bad, ErrorKind::InvalidArgument, "'weight_decay' is missing");
+  bad = st;
+  bad.tensors.pop_back();
+  refused(bad, ErrorKind::InvalidArgument, "parameters");
+  bad = st;
+  bad.tensors[0]["velocity"] = st.tensors[0].begin()->second;
+  refused(bad, ErrorKind::InvalidArgument, "unknown tensor 'velocity'");
+  bad = st;
+  bad.tensors[0].begin()->second = st.tensors[1].begin()->second;  // a bias's state for a weight
+  refused(bad, ErrorKind::ShapeMismatch, "layers.0.weight");
+  if (GetParam() == "adamw") {
+    bad = st;
+    bad.tensors[0].erase("exp_avg_sq");
+    refused(bad, ErrorKind::InvalidArgument, "exp_avg and exp_avg_sq exactly when its step is > 0");
+  }
+}
+
+TEST(Checkpoint, UnknownOptimizerKind) {
+  EXPECT_EQ(find_optimizer_kind("lion"), nullptr);
+  ASSERT_NE(find_optimizer_kind("sgd"), nullptr);
+  EXPECT_EQ(find_optimizer_kind("sgd")->tensors, std::vector<std::string>{"momentum_buffer"});
+  EXPECT_EQ(find_optimizer_kind("adamw")->tensors, (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
 }
