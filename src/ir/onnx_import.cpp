@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -39,14 +40,23 @@ DType convert_dtype(int t, const std::string& what) {
                                    "; graft supports float32, float64, int64 and bool");
 }
 
+// A non-negative decimal integer, the whole string (the file says it: no exceptions, no overflow).
+int64_t parse_count(const std::string& text, const std::string& key, const std::string& what) {
+  int64_t v = -1;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  GRAFT_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty() && v >= 0,
+              ErrorKind::InvalidModel, what + ": external data " + key + " '" + text + "' is not a byte count");
+  return v;
+}
+
 std::string read_external(const onnx::TensorProto& tp, const std::string& model_dir,
                           size_t want, const std::string& what) {
   std::string location;
   int64_t offset = 0, length = -1;
   for (const auto& kv : tp.external_data()) {
     if (kv.key() == "location") location = kv.value();
-    else if (kv.key() == "offset") offset = std::stoll(kv.value());
-    else if (kv.key() == "length") length = std::stoll(kv.value());
+    else if (kv.key() == "offset") offset = parse_count(kv.value(), "offset", what);
+    else if (kv.key() == "length") length = parse_count(kv.value(), "length", what);
   }
   GRAFT_CHECK(!location.empty(), ErrorKind::InvalidModel, what + ": external data without a location");
   fs::path rel(location);
@@ -69,9 +79,10 @@ std::string read_external(const onnx::TensorProto& tp, const std::string& model_
   GRAFT_CHECK(f.good(), ErrorKind::Io, what + ": cannot open external data file " + full.string());
   f.seekg(0, std::ios::end);
   int64_t size = f.tellg();
+  GRAFT_CHECK(size >= 0 && offset <= size, ErrorKind::InvalidModel,
+              what + ": external data offset " + std::to_string(offset) + " is past the end of " + location);
   if (length < 0) length = size - offset;
-  GRAFT_CHECK(offset >= 0 && length >= 0 && offset + length <= size &&
-                  static_cast<size_t>(length) == want,
+  GRAFT_CHECK(length <= size - offset && static_cast<size_t>(length) == want,
               ErrorKind::InvalidModel,
               what + ": external data in " + location + " has " + std::to_string(length) +
                   " bytes at offset " + std::to_string(offset) + " but the shape needs " +
