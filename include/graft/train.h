@@ -60,6 +60,13 @@ struct StepState {
   bool forward_done = false, backward_done = false;
 };
 
+// What a training step needs, by kind, in bytes (TrainSession::planned_memory).
+struct PlannedMemory {
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0, inputs = 0, constants = 0, activations = 0;
+  int64_t total() const { return parameters + gradients + optimizer_state + inputs + constants + activations; }
+  std::string describe() const;  // "parameters 1.2 MiB, gradients ..., biggest first"
+};
+
 class TrainSession {
  public:
   // Takes a loaded graph (parameters live in opt.alloc) and input shapes for symbolic dims.
@@ -117,6 +124,9 @@ class TrainSession {
   const std::vector<OpTime>& op_times() const { return last_times_; }
   // Bytes of all trainable gradients (one full set), for memory reports.
   int64_t gradient_bytes() const;
+  // The step's planned memory: parameters, one gradient set, the given optimizer state, the graph
+  // inputs and the planned activation peak.
+  PlannedMemory planned_memory(int64_t optimizer_state_bytes = 0) const;
 
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive);

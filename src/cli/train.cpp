@@ -79,8 +79,7 @@ int cmd_train(const TrainArgs& a) {
   so.freeze = a.freeze;
   so.mode = parse_grad_mode(a.mode);
   so.check_finite = a.check_finite;
-  so.max_memory = a.max_memory;
-  so.alloc = &alloc;
+  so.alloc = &alloc;  // the budget is checked below, with the optimizer's state counted too
   TrainSession s(std::move(g), so, shapes);
   for (const auto& [n, t] : inputs) s.set_input(n, t);
   if (so.mode == GradMode::Hook)  // the CLI's hook accumulates, as PyTorch's AccumulateGrad would
@@ -105,6 +104,26 @@ int cmd_train(const TrainArgs& a) {
   } else {
     fail(ErrorKind::InvalidArgument, "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
+  // Note [Memory budget]: before step 1, the whole planned need (parameters, gradients, optimizer
+  // state, inputs, activations) is compared with --max-memory, or without it with the memory the
+  // machine has left (MemAvailable, the cgroup's limit); then the allocator enforces the budget for
+  // the whole run, so a step that would go over it fails with an error naming the node.
+  int64_t opt_state = a.optimizer == "adamw" ? 2 * s.gradient_bytes() : a.momentum != 0 ? s.gradient_bytes() : 0;
+  PlannedMemory need = s.planned_memory(opt_state);
+  if (a.max_memory > 0) {
+    GRAFT_CHECK(need.total() <= a.max_memory, ErrorKind::OutOfMemory,
+                "training needs " + std::to_string(need.total()) + " bytes (" + need.describe() +
+                    "), over --max-memory " + std::to_string(a.max_memory) + "; shrink the batch (--input) or raise the budget");
+  } else {
+    int64_t avail = available_memory_bytes();
+    int64_t more = need.total() - alloc.current();  // parameters and inputs are already allocated
+    GRAFT_CHECK(avail < 0 || more <= avail, ErrorKind::OutOfMemory,
+                "training needs " + std::to_string(need.total()) + " bytes (" + need.describe() + "); " +
+                    std::to_string(more) + " more than already allocated, but only " + std::to_string(avail) +
+                    " bytes are available on this machine; shrink the batch (--input), or pass --max-memory to "
+                    "override");
+  }
+  std::printf("planned memory %lld bytes (%s)\n", static_cast<long long>(need.total()), need.describe().c_str());
   std::printf("training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak %s",
               a.model.c_str(), s.trainable().size(), human_bytes(s.gradient_bytes()).c_str(), a.mode.c_str(),
               a.optimizer.c_str(), human_bytes(s.plan().planned_peak).c_str());
@@ -130,6 +149,8 @@ int cmd_train(const TrainArgs& a) {
   }
   StopSignals stop_signals;
   int saved_step = a.resume ? start : -1;  // the step of the newest checkpoint on disk, if known
+  // Enforced from here on (after a resume, whose staging briefly holds a second copy of the state).
+  if (a.max_memory > 0) alloc.set_limit(a.max_memory);
   for (int step = start + 1; step <= a.steps; ++step) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();

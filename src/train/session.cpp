@@ -10,6 +10,7 @@
 //             the buffer when the callback returns.
 // All three run the same nodes in the same order, so their gradients are bit-identical.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -137,6 +138,44 @@ void TrainSession::check_budget(const Plan& plan) const {
            std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) + ", parameters " +
            std::to_string(param_bytes) + ", gradients " + std::to_string(gradient_bytes()) +
            "), over the budget of " + std::to_string(opt_.max_memory) + " bytes; biggest live values: " + top);
+}
+
+std::string PlannedMemory::describe() const {
+  std::vector<std::pair<int64_t, const char*>> parts{{parameters, "parameters"}, {gradients, "gradients"},
+                                                      {optimizer_state, "optimizer state"}, {inputs, "inputs"},
+                                                      {constants, "constants"}, {activations, "activations"}};
+  std::stable_sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string r;
+  for (const auto& [b, n] : parts) {
+    if (!b) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+    r += (r.empty() ? "" : ", ") + std::string(n) + " " + buf;
+  }
+  return r;
+}
+
+PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const {
+  auto bytes = [&](int v) { return numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype)); };
+  PlannedMemory m;
+  for (const Parameter& p : params_) m.parameters += bytes(p.value);
+  m.gradients = gradient_bytes();
+  m.optimizer_state = optimizer_state_bytes;
+  for (int v : g_.inputs)
+    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) == bg_.output_grad_inputs.end())
+      m.inputs += bytes(v);
+  for (const Value& v : g_.values)  // model constants and folded shapes held by graft's allocator
+    if (v.kind == ValueKind::Constant && v.data.defined() && v.data.storage()->owner) m.constants += v.data.nbytes();
+  // The plan releases forward outputs after their last read; the step's caller holds them (and the
+  // loss) until the next step, so they count in full.
+  m.activations = exec_->plan().planned_peak;
+  std::vector<int> outs(g_.outputs.begin(), g_.outputs.end());
+  if (bg_.loss >= 0) outs.push_back(bg_.loss);
+  std::sort(outs.begin(), outs.end());
+  outs.erase(std::unique(outs.begin(), outs.end()), outs.end());
+  for (int o : outs)
+    if (g_.values[o].kind == ValueKind::Intermediate) m.activations += bytes(o);
+  return m;
 }
 
 int64_t TrainSession::gradient_bytes() const {
