@@ -50,7 +50,7 @@ struct BenchArgs {
 };
 int cmd_bench(const BenchArgs& a);
 
-// Shared helpers.
+// Shared helpers (src/cli/common.cpp).
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random
@@ -60,7 +60,7 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
 // Writes `t` as an ONNX TensorProto file, creating the folder.
 void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name);
 
-// --- checked options and file-system preconditions (src/cli/options.cpp, docs/faults.md) ---------
+// --- checked options and file-system preconditions (src/cli/common.cpp, docs/faults.md) ---------
 // A byte count: plain bytes, or a number (fractions allowed) with K, M, G or T, optionally followed
 // by B or iB, all 1024-based ("512M", "8GiB", "1.5G"). Refuses empty, negative, malformed and
 // >= 2^63 values with an InvalidArgument naming `flag`.

@@ -1,6 +1,6 @@
-// Checked command-line values and file-system preconditions shared by the subcommands: sizes with
-// binary suffixes, thread counts, input files that are read with a bound, output folders proven
-// writable before any work starts (docs/faults.md).
+// What the subcommands share: checked command-line values and file-system preconditions (sizes
+// with binary suffixes, thread counts, input files read with a bound, output folders proven
+// writable before any work starts; docs/faults.md), input shapes and tensors, printing sizes.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <set>
 
 #include "commands.h"
@@ -82,18 +83,6 @@ std::string file_kind(mode_t m) {
   return "not a plain file";
 }
 
-// Memory the kernel says is available without swapping (MemAvailable), or -1 if unknown.
-int64_t available_memory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kb;
-  std::string unit;
-  while (f >> key >> kb) {
-    std::getline(f, unit);
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return -1;
-}
 }  // namespace
 
 int64_t input_file_limit() {
@@ -101,7 +90,7 @@ int64_t input_file_limit() {
   // be a valid input file. Reading it takes its size in memory (twice, briefly: the bytes and the
   // tensor), so it must also fit in what the machine has available.
   int64_t limit = (int64_t{2} << 30) - 1;
-  int64_t avail = available_memory();
+  int64_t avail = available_memory_bytes();
   if (avail > 0) limit = std::min(limit, avail);
   return limit;
 }
@@ -144,6 +133,100 @@ void prepare_output_dir(const std::string& flag, const std::string& dir) {
   if (fd < 0) fail(ErrorKind::Io, flag + " '" + dir + "': the folder is not writable: " + std::strerror(errno));
   ::close(fd);
   ::unlink(probe.c_str());
+}
+
+std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs) {
+  std::map<std::string, Shape> out;
+  for (const auto& s : specs) {
+    auto eq = s.rfind('=');
+    GRAFT_CHECK(eq != std::string::npos && eq > 0, ErrorKind::InvalidArgument,
+                "--input '" + s + "' should look like name=2x3x4");
+    Shape shape;
+    std::string dims = s.substr(eq + 1);
+    size_t pos = 0;
+    while (pos <= dims.size() && !dims.empty()) {
+      size_t x = dims.find('x', pos);
+      std::string d = dims.substr(pos, x == std::string::npos ? std::string::npos : x - pos);
+      GRAFT_CHECK(!d.empty() && d.find_first_not_of("0123456789") == std::string::npos && d.size() < 18,
+                  ErrorKind::InvalidArgument, "--input '" + s + "': '" + d + "' is not a dimension");
+      shape.push_back(std::stoll(d));
+      if (x == std::string::npos) break;
+      pos = x + 1;
+    }
+    out[s.substr(0, eq)] = shape;
+  }
+  return out;
+}
+
+std::string human_bytes(int64_t b) {
+  char buf[64];
+  double v = static_cast<double>(b);
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (std::abs(v) >= 1024 && i < 4) {
+    v /= 1024;
+    ++i;
+  }
+  std::snprintf(buf, sizeof buf, i ? "%.2f %s" : "%.0f %s", v, u[i]);
+  return buf;
+}
+
+std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
+                                          const std::vector<std::string>& files, Allocator& alloc) {
+  std::map<std::string, Tensor> inputs;
+  std::map<std::string, std::string> from_file;  // input name -> the file that gave it
+  check_input_files(files);
+  size_t next_slot = 0;
+  for (const auto& f : files) {
+    std::string name;
+    Tensor t = load_tensor_pb(f, &name);
+    if (name.empty() || g.find(name) < 0 || g.values[g.find(name)].kind != ValueKind::Input) {
+      while (next_slot < g.inputs.size() && inputs.count(g.values[g.inputs[next_slot]].name)) ++next_slot;
+      GRAFT_CHECK(next_slot < g.inputs.size(), ErrorKind::InvalidArgument,
+                  "more --inputs files than the model has inputs");
+      name = g.values[g.inputs[next_slot]].name;
+    }
+    GRAFT_CHECK(!from_file.count(name), ErrorKind::InvalidArgument,
+                "input '" + name + "' is given twice: by --inputs '" + from_file[name] + "' and '" + f + "'");
+    auto sh = shapes.find(name);
+    GRAFT_CHECK(sh == shapes.end(), ErrorKind::InvalidArgument,
+                "input '" + name + "' is given both by --inputs '" + f + "' and by --input " + name + " (shape " +
+                    (sh == shapes.end() ? std::string() : shape_str(sh->second)) + "): a conflict; give one or the other");
+    from_file[name] = f;
+    inputs[name] = t.clone(alloc, Category::Workspace);
+  }
+  for (const auto& [name, s] : shapes) {
+    int v = g.find(name);
+    GRAFT_CHECK(v >= 0 && g.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
+                "--input " + name + ": the model has no input of that name");
+  }
+  std::mt19937_64 rng(0);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int v : g.inputs) {
+    const Value& val = g.values[v];
+    if (inputs.count(val.name)) continue;
+    Shape s = val.shape;
+    auto it = shapes.find(val.name);
+    if (it != shapes.end()) s = it->second;
+    for (int64_t d : s)
+      GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument,
+                  "input '" + val.name + "' has a symbolic shape; give it with --input " + val.name + "=...");
+    numel(s, "input '" + val.name + "'");
+    Tensor t = Tensor::zeros(s, val.dtype, alloc, Category::Workspace, val.name);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (val.dtype == DType::F32) t.data<float>()[i] = static_cast<float>(nd(rng));
+      else if (val.dtype == DType::F64) t.data<double>()[i] = nd(rng);
+    }
+    inputs[val.name] = t;
+  }
+  return inputs;
+}
+
+void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  GRAFT_CHECK(!ec, ErrorKind::Io, "cannot create folder '" + dir + "': " + ec.message());
+  save_tensor_pb(dir + "/" + file, t, name);
 }
 
 }  // namespace graft::cli
