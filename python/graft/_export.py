@@ -95,7 +95,7 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
         mutated = []
         with torch.no_grad():
             for n, (b, before, version) in saved_buffers.items():
-                if b._version != version:
+                if b._version != version or not torch.equal(b, before):
                     mutated.append(n)
                     b.copy_(before)
             for n, (p, version) in param_versions.items():
@@ -115,6 +115,9 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
                 "keep this module in eager mode."), stacklevel=6)
         elif issubclass(w.category, torch.jit.TracerWarning) or "Removing mutation" in str(w.message):
             continue
+        elif issubclass(w.category, DeprecationWarning) and ("legacy TorchScript-based ONNX export" in str(w.message)
+                                                             or "/torch/onnx/" in w.filename.replace("\\", "/")):
+            continue  # torch >= 2.9 deprecates the exporter graft chooses (dynamo=False, see above): not the user's
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 

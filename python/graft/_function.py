@@ -82,6 +82,26 @@ def _accumulate_grad_node(p):
         return p.expand_as(p).grad_fn.next_functions[0][0]
 
 
+def _hide_hooks_from_none(p, acc):
+    """torch >= 2.0 runs a leaf's tensor hooks even when the gradient reaching its AccumulateGrad
+    is None (torch 1.x skipped them; pytorch#60796). graft returns None for a parameter whose
+    gradient it delivered itself, so the engine would call the user's hooks again, with None.
+    Hide them until the engine has visited the AccumulateGrad (its post hook puts them back)."""
+    hooks = p._backward_hooks  # the live dict the engine's hook for p reads
+    if not hooks:
+        return
+    saved = dict(hooks)
+    hooks.clear()
+
+    def restore(*_):
+        handle.remove()
+        added = dict(hooks)  # registered meanwhile: after the older ones, as register_hook orders them
+        hooks.clear()
+        hooks.update(saved)
+        hooks.update(added)
+    handle = acc.register_hook(restore)
+
+
 def _targets(entry, params, dummy, in_graph):
     """Per trainable parameter: 'deliver', 'return' or 'skip' (see the module docstring)."""
     will = getattr(torch._C, "_will_engine_execute_node", None)
@@ -217,8 +237,14 @@ class GraftFunction(torch.autograd.Function):
                             box = [torch.from_numpy(array)]
                             with torch.enable_grad():
                                 torch.autograd.backward(_Deliver.apply(by_name[name], box))
-                        else:
-                            torch.autograd.backward(by_name[name], torch.from_numpy(array))
+                        else:  # graft keeps the buffer: AccumulateGrad must not adopt it (copy if .grad is None)
+                            # (not torch.autograd.backward(param, grad): torch 2.x imports sympy, ~35 MB, for
+                            # its shape check)
+                            g = torch.from_numpy(array)
+                            box = [g.clone() if by_name[name].grad is None else g]
+                            del g
+                            with torch.enable_grad():
+                                torch.autograd.backward(_Deliver.apply(by_name[name], box))
 
                 sess.backward(step, grads, deliver)
             else:  # hold
@@ -234,6 +260,10 @@ class GraftFunction(torch.autograd.Function):
         finally:
             sess.release(step)
         _trace("graft_backward_end")
+        if ctx.in_graph and entry.mode != "hold":
+            for (name, p), t in zip(entry.trainable, targets):
+                if t == "deliver":  # graft returns None for it (see _hide_hooks_from_none)
+                    _hide_hooks_from_none(p, entry.acc_node(p))
         arrays = step.input_grads()
         igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors)))
         del arrays

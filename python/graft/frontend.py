@@ -51,6 +51,13 @@ def _device_ok(t: torch.Tensor, what: str, module_name: str):
             "this module in eager mode.", "unsupported")
 
 
+def _autocast_cpu() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")  # torch >= 2.4; is_autocast_cpu_enabled() is deprecated
+    except TypeError:
+        return torch.is_autocast_cpu_enabled()
+
+
 class _Entry:
     """One export + graft session, for one cache key."""
 
@@ -303,7 +310,7 @@ class GraftModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         name = self._name()
-        if torch.is_autocast_cpu_enabled():
+        if _autocast_cpu():
             self._warn_once("autocast", "torch.autocast is on, but graft has no bfloat16 kernels yet: this module "
                                         "runs in float32 (outputs are float32).")
         try:
