@@ -13,7 +13,8 @@ int main(int argc, char** argv) try {
   opt.mode = graft::GradMode::Accumulate;  // deliver each gradient the moment it is complete
   opt.alloc = &alloc;
   graft::Graph g = argc > 1 ? graft::load_onnx(argv[1], {.alloc = &alloc})
-                            : graft::linear_stack(/*batch=*/32, /*hidden=*/64, /*layers=*/3, graft::DType::F32, alloc);
+                            : graft::linear_stack(/*batch=*/32, /*hidden=*/64, /*layers=*/3,
+                                                  graft::DType::F32, alloc);
   graft::TrainSession session(std::move(g), opt);
   for (int v : session.graph().inputs) {  // bind random inputs
     const graft::Value& in = session.graph().values[v];
@@ -28,8 +29,8 @@ int main(int argc, char** argv) try {
     alloc.reset_peak();
     double loss = session.step();  // forward + backward; gradients land in Parameter::grad
     adam.step();
-    std::printf("step %d loss %.6f MA %lld MAX_MA %lld\n", step, loss, static_cast<long long>(alloc.current()),
-                static_cast<long long>(alloc.peak()));
+    std::printf("step %d loss %.6f MA %lld MAX_MA %lld\n", step, loss,
+                static_cast<long long>(alloc.current()), static_cast<long long>(alloc.peak()));
   }
   return 0;
 } catch (const graft::Error& e) {

@@ -27,7 +27,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   // $TMPDIR if set, else /dev/shm when usable (every input is written to a file: on a disk-backed
   // /tmp this target runs ~10x slower), else /tmp.
   const char* tmp = std::getenv("TMPDIR");
-  std::string base = tmp && *tmp ? tmp : ::access("/dev/shm", W_OK | X_OK) == 0 ? "/dev/shm" : "/tmp";
+  std::string base = tmp && *tmp                              ? tmp
+                     : ::access("/dev/shm", W_OK | X_OK) == 0 ? "/dev/shm"
+                                                              : "/tmp";
   std::string tmpl = base + "/graft-fuzz-files-XXXXXX";
   if (!::mkdtemp(tmpl.data())) {
     std::perror("fuzz_files: mkdtemp");

@@ -13,7 +13,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     graft::ImportOptions io;
     io.alloc = &alloc;
     alloc.set_limit(int64_t(256) << 20);  // a fuzzed model never gets more than 256 MiB
-    graft::Graph g = graft::load_onnx_bytes(std::string(reinterpret_cast<const char*>(data), size), "", io);
+    graft::Graph g =
+        graft::load_onnx_bytes(std::string(reinterpret_cast<const char*>(data), size), "", io);
     std::map<std::string, graft::Shape> shapes;
     for (int v : g.inputs) {  // bind symbolic dims to 2
       graft::Shape s = g.values[v].shape;

@@ -19,23 +19,23 @@ const char* grad_mode_name(GradMode m);
 GradMode parse_grad_mode(const std::string& s);  // InvalidArgument on an unknown name
 
 struct AutodiffOptions {
-  std::string loss;                      // scalar output to differentiate (if no output_grads)
+  std::string loss;  // scalar output to differentiate (if no output_grads)
   // Differentiate these outputs instead, with their gradients bound as new graph inputs named
   // "<output>__grad" (the PyTorch front end feeds autograd's grad_outputs through them).
   std::vector<std::string> output_grads;
   std::vector<std::string> freeze;       // parameters not trained
   std::vector<std::string> input_grads;  // graph inputs whose gradients are wanted
   GradMode mode = GradMode::Accumulate;
-  Allocator* alloc = nullptr;            // for constants it creates (nullptr: global)
+  Allocator* alloc = nullptr;  // for constants it creates (nullptr: global)
 };
 
 struct BackwardGraph {
   int loss = -1;
-  int n_forward_nodes = 0;          // nodes [0, n) are forward; the rest backward
-  std::vector<int> params;          // trainable parameters (value ids), in graph order
-  std::vector<int> param_grads;     // per trainable parameter: its summed gradient, -1 if unused
-  std::vector<int> sinks;           // per trainable parameter: its GradSink node, -1 if none
-  std::vector<int> input_grads;     // per requested input: its gradient value, -1 if none flows
+  int n_forward_nodes = 0;       // nodes [0, n) are forward; the rest backward
+  std::vector<int> params;       // trainable parameters (value ids), in graph order
+  std::vector<int> param_grads;  // per trainable parameter: its summed gradient, -1 if unused
+  std::vector<int> sinks;        // per trainable parameter: its GradSink node, -1 if none
+  std::vector<int> input_grads;  // per requested input: its gradient value, -1 if none flows
   std::vector<int> output_grad_inputs;  // per output_grads entry: the graph input carrying it
 };
 

@@ -36,7 +36,8 @@ struct CheckpointInfo {
 // only) and the dropout RNG state, labelled with `step`, to `path`, atomically: a reader sees the
 // old file or the new one, never a mix. Throws Io (naming the file) if writing fails; the
 // temporary file is then removed and `path` is untouched.
-void save_checkpoint(const std::string& path, const TrainSession& s, const Optimizer* opt, int64_t step);
+void save_checkpoint(const std::string& path, const TrainSession& s, const Optimizer* opt,
+                     int64_t step);
 
 // Reads and verifies the whole file (size, magic, version, CRC-32, header consistency) without
 // touching any session. Throws InvalidModel for a corrupt, truncated or malformed file and Io if it
@@ -64,12 +65,12 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 // Saves DIR/ckpt-<step>.graft (creating DIR), updates DIR/latest, then deletes older checkpoints
 // so that the newest `keep` (at least 2, so the previous good one survives) remain. Returns the
 // file written.
-std::string save_checkpoint_in_dir(const std::string& dir, const TrainSession& s, const Optimizer* opt,
-                                   int64_t step, int keep = 2);
+std::string save_checkpoint_in_dir(const std::string& dir, const TrainSession& s,
+                                   const Optimizer* opt, int64_t step, int keep = 2);
 
 struct ResumeResult {
-  bool found = false;                // false: DIR holds no checkpoint (start from scratch)
-  std::string path;                  // the file loaded
+  bool found = false;  // false: DIR holds no checkpoint (start from scratch)
+  std::string path;    // the file loaded
   int64_t step = 0;
   std::vector<std::string> skipped;  // "FILE: reason" for each newer file refused as corrupt, and
                                      // each entry ignored as not a regular file
@@ -77,10 +78,11 @@ struct ResumeResult {
 // Loads the newest checkpoint in `dir` that verifies. A file that fails verification as corrupt
 // (InvalidModel) is renamed to FILE.corrupt (kept for inspection, never tried again) and the next
 // older one is tried. Entries named like checkpoints that are not regular files (a FIFO, a folder,
-// a device) are never opened, so resume cannot block on them; each is reported in `skipped`. Throws InvalidModel naming every refused file if DIR holds checkpoints but
-// none verifies; a checkpoint that verifies but does not fit the session or optimizer stops the
-// search with load_checkpoint's error (it belongs to another run; falling back would mix runs).
-// Stale temporaries from an interrupted save are removed.
+// a device) are never opened, so resume cannot block on them; each is reported in `skipped`. Throws
+// InvalidModel naming every refused file if DIR holds checkpoints but none verifies; a checkpoint
+// that verifies but does not fit the session or optimizer stops the search with load_checkpoint's
+// error (it belongs to another run; falling back would mix runs). Stale temporaries from an
+// interrupted save are removed.
 ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer* opt);
 
 // One run per folder: holds DIR/.lock (created with DIR if missing) locked with

@@ -49,8 +49,8 @@ class Error : public std::runtime_error {
 // The same, naming the node at fault (its name goes in Error::node; `msg` already names it).
 [[noreturn]] void fail_at(ErrorKind kind, const std::string& node, const std::string& msg);
 
-#define GRAFT_CHECK(cond, kind, msg)         \
-  do {                                       \
+#define GRAFT_CHECK(cond, kind, msg)           \
+  do {                                         \
     if (!(cond)) ::graft::fail((kind), (msg)); \
   } while (0)
 
@@ -90,8 +90,8 @@ struct Storage {
 };
 
 struct MemoryEvent {
-  int64_t step;          // executor step (or -1 outside a run)
-  int64_t bytes;         // current bytes after the event
+  int64_t step;   // executor step (or -1 outside a run)
+  int64_t bytes;  // current bytes after the event
   std::array<int64_t, kNumCategories> by_category;
 };
 

@@ -60,8 +60,8 @@ class Executor {
 
   // Starts a run over `bindings` (graph inputs and parameters, by value id; constants come from the
   // graph). Checks each binding's dtype and shape against the plan. Nothing is computed yet.
-  std::unique_ptr<Run> start(const std::vector<std::pair<int, Tensor>>& bindings, const RunOptions& opt = {},
-                             SinkFn sink = nullptr) const;
+  std::unique_ptr<Run> start(const std::vector<std::pair<int, Tensor>>& bindings,
+                             const RunOptions& opt = {}, SinkFn sink = nullptr) const;
   // Runs steps [r.next_step(), end_step). On an error the run is aborted (its values released).
   void run_to(Run& r, int end_step) const;
   // Sets a graph input during a run (e.g. output gradients that arrive after forward).

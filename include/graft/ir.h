@@ -59,26 +59,26 @@ struct Value {
   std::string name;
   ValueKind kind = ValueKind::Intermediate;
   DType dtype = DType::F32;
-  Shape shape;                         // valid once `shape_known`
+  Shape shape;  // valid once `shape_known`
   bool shape_known = false;
-  std::vector<std::string> dim_params; // graph inputs: symbolic dim names ("" where fixed)
-  Tensor data;                         // Param / Constant
-  int producer = -1;                   // node index, -1 if none
+  std::vector<std::string> dim_params;       // graph inputs: symbolic dim names ("" where fixed)
+  Tensor data;                               // Param / Constant
+  int producer = -1;                         // node index, -1 if none
   Category category = Category::Activation;  // what its buffer counts as when computed
 };
 
 struct OpDef;  // ops.h: the op table
 
 struct Node {
-  std::string op;      // ONNX op type, or graft's own (e.g. "ReluGrad", "GradSink")
-  std::string domain;  // "" for ONNX's default domain, "graft" for graft's own ops
-  std::string name;    // unique within the graph (made up on import when missing)
+  std::string op;            // ONNX op type, or graft's own (e.g. "ReluGrad", "GradSink")
+  std::string domain;        // "" for ONNX's default domain, "graft" for graft's own ops
+  std::string name;          // unique within the graph (made up on import when missing)
   std::vector<int> inputs;   // -1 = optional input absent
   std::vector<int> outputs;  // -1 = optional output absent
   Attrs attrs;
   const OpDef* def = nullptr;  // the op, resolved once (ops: infer_node / infer_shapes)
-  bool dead = false;   // folded away; infer_shapes removes such nodes (remove_dead_nodes)
-  std::string label() const;  // "node 'name' (Op)" for messages
+  bool dead = false;           // folded away; infer_shapes removes such nodes (remove_dead_nodes)
+  std::string label() const;   // "node 'name' (Op)" for messages
 };
 
 // Values and nodes live in deques: adding one never moves the others, so a reference taken before
@@ -92,7 +92,7 @@ class Graph {
   int64_t opset = 17;
   std::string name;
 
-  int find(const std::string& value_name) const;  // -1 if absent
+  int find(const std::string& value_name) const;   // -1 if absent
   int value(const std::string& value_name) const;  // throws InvalidArgument if absent
   // Adds a value; the name must be new (a suffix is added to make it unique if `uniquify`).
   int add_value(const std::string& name, ValueKind kind, bool uniquify = true);
@@ -111,9 +111,10 @@ class Graph {
   // A node of `op` over `inputs` with `n_outputs` new intermediate values (named after the node);
   // returns their ids. Shapes are inferred by the ops layer (infer_node / infer_shapes).
   std::vector<int> add_op(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {},
-                          int n_outputs = 1, const std::string& domain = "", const std::string& name = "");
-  int add_op1(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {}, const std::string& domain = "",
-              const std::string& name = "") {
+                          int n_outputs = 1, const std::string& domain = "",
+                          const std::string& name = "");
+  int add_op1(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {},
+              const std::string& domain = "", const std::string& name = "") {
     return add_op(op, inputs, std::move(attrs), 1, domain, name)[0];
   }
   // Drops nodes marked dead (folded) and renumbers producers.

@@ -38,7 +38,9 @@ class InferCtx {
     if (!cond) error(ErrorKind::ShapeMismatch, msg);
   }
   const Attrs& attrs() const { return node().attrs; }
-  int64_t attr_int(const std::string& k, int64_t d) const { return attrs().get_int(k, d, node().label()); }
+  int64_t attr_int(const std::string& k, int64_t d) const {
+    return attrs().get_int(k, d, node().label());
+  }
   // Normalizes a possibly negative axis against `rank`, with a clear error when out of range.
   int axis(int64_t a, int rank, const char* what = "axis") const;
 
@@ -62,9 +64,15 @@ struct KernelCtx {
   Tensor& out(int i) const { return *outs[i]; }
   bool has_out(int i) const { return i < static_cast<int>(outs.size()) && outs[i]; }
   const Attrs& attrs() const { return node.attrs; }
-  int64_t attr_int(const std::string& k, int64_t d) const { return node.attrs.get_int(k, d, node.label()); }
-  double attr_float(const std::string& k, double d) const { return node.attrs.get_float(k, d, node.label()); }
-  std::vector<int64_t> attr_ints(const std::string& k) const { return node.attrs.get_ints(k, {}, node.label()); }
+  int64_t attr_int(const std::string& k, int64_t d) const {
+    return node.attrs.get_int(k, d, node.label());
+  }
+  double attr_float(const std::string& k, double d) const {
+    return node.attrs.get_float(k, d, node.label());
+  }
+  std::vector<int64_t> attr_ints(const std::string& k) const {
+    return node.attrs.get_ints(k, {}, node.label());
+  }
   [[noreturn]] void error(ErrorKind k, const std::string& msg) const;
 };
 using KernelFn = void (*)(KernelCtx&);
@@ -80,8 +88,8 @@ class GradBuilder {
   // Forward output i; an optional output the node did not produce (e.g. LayerNormalization's
   // Mean) is added to the forward node so the backward can read it.
   virtual int y(int i) = 0;
-  virtual int dy(int i) const = 0;          // gradient of output i, -1 if none flows
-  virtual bool needs(int i) const = 0;      // does input i need a gradient?
+  virtual int dy(int i) const = 0;      // gradient of output i, -1 if none flows
+  virtual bool needs(int i) const = 0;  // does input i need a gradient?
   // Gives input i's gradient; it may have a broadcast shape, which the driver reduces.
   virtual void set_dx(int i, int v) = 0;
   virtual std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs,
@@ -90,7 +98,7 @@ class GradBuilder {
             const std::string& domain = "") {
     return emit(op, inputs, std::move(attrs), 1, domain)[0];
   }
-  virtual int scalar(double v, DType dt) = 0;  // a constant scalar
+  virtual int scalar(double v, DType dt) = 0;           // a constant scalar
   virtual int ints(const std::vector<int64_t>& v) = 0;  // a constant int64 vector
 };
 using GradFn = void (*)(GradBuilder&);
@@ -111,8 +119,8 @@ struct OpDef {
   bool alias = false;         // output 0 is input 0's storage reshaped; no kernel runs
   bool foldable = true;       // may be evaluated at plan time when all inputs are constant
   std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
-  bool sink = false;          // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
-  bool shape_only = false;    // reads only its input's shape (Shape): folded once shapes are known
+  bool sink = false;  // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
+  bool shape_only = false;  // reads only its input's shape (Shape): folded once shapes are known
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");
@@ -124,7 +132,8 @@ const OpDef& op_for(const Node& n);
 // subgraphs (Shape -> Gather -> Concat -> Reshape ...). `shapes` gives concrete shapes for inputs
 // with symbolic dims; missing ones are an InvalidArgument error naming the input and its dims.
 // Folded constants are allocated from `alloc` (nullptr: Allocator::global()).
-void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {}, Allocator* alloc = nullptr);
+void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {},
+                  Allocator* alloc = nullptr);
 // Infers one node (used by the autodiff driver for nodes it emits).
 void infer_node(Graph& g, int node);
 // Runs one node's kernel on concrete tensors (tests, folding).

@@ -14,9 +14,9 @@
 namespace graft {
 
 struct PlanOptions {
-  std::vector<int> keep;  // values that must survive the run (graph outputs, held gradients)
-  bool inplace = true;    // allow in-place reuse where safe
-  bool sink_first = true; // run grad sinks (and what feeds only them) as early as possible
+  std::vector<int> keep;   // values that must survive the run (graph outputs, held gradients)
+  bool inplace = true;     // allow in-place reuse where safe
+  bool sink_first = true;  // run grad sinks (and what feeds only them) as early as possible
   // Nodes with index >= this run after every node below it (forward before backward, so a
   // run can stop between them). -1: no barrier.
   int phase_barrier = -1;
@@ -27,9 +27,10 @@ struct PlanOptions {
 
 struct PlanStep {
   int node = -1;
-  std::vector<int> frees;         // values released after this step
-  std::vector<int> buffer_frees;  // buffers (by root value) whose memory is returned after this step
-  int inplace_in = -1;            // value whose buffer output 0 reuses (-1: none)
+  std::vector<int> frees;  // values released after this step
+  std::vector<int>
+      buffer_frees;     // buffers (by root value) whose memory is returned after this step
+  int inplace_in = -1;  // value whose buffer output 0 reuses (-1: none)
 };
 
 struct Plan {

@@ -4,7 +4,8 @@
 //   graft::SessionOptions o;  o.loss = "loss";  o.mode = graft::GradMode::Accumulate;
 //   auto s = graft::TrainSession::open("model.onnx", o, {{"x", {32, 784}}});
 //   graft::AdamW opt(s->trainable(), {.lr = 1e-3});
-//   for (...) { s->set_input("x", x); s->set_input("y", y); double loss = s->step(); opt.step(); s->zero_grad(); }
+//   for (...) { s->set_input("x", x); s->set_input("y", y); double loss = s->step(); opt.step();
+//   s->zero_grad(); }
 #pragma once
 
 #include <functional>
@@ -21,9 +22,9 @@ namespace graft {
 
 struct Parameter {
   std::string name;
-  int value = -1;       // graph value id
-  Tensor data;          // the weights (read in place by every run)
-  Tensor grad;          // persistent gradient buffer; undefined = None (PyTorch's set_to_none)
+  int value = -1;  // graph value id
+  Tensor data;     // the weights (read in place by every run)
+  Tensor grad;     // persistent gradient buffer; undefined = None (PyTorch's set_to_none)
   bool trainable = true;
 };
 
@@ -44,7 +45,7 @@ struct SessionOptions : AutodiffOptions, RunOptions {
   // torch.onnx.export(export_params=False)): they become parameters with no data until
   // bind_parameter() shares memory for them. Trainable unless also listed in `freeze`.
   std::vector<std::string> param_inputs;
-  int64_t max_memory = 0;     // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
+  int64_t max_memory = 0;  // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
 };
 
 // One training step in flight: a forward, and then its backward. Several may be in flight at once
@@ -52,8 +53,8 @@ struct SessionOptions : AutodiffOptions, RunOptions {
 // what it holds. Create with TrainSession::begin().
 struct StepState {
   std::unique_ptr<Run> run;
-  std::vector<Tensor> inputs;       // bound for this step only (kept alive until it ends)
-  std::vector<Tensor> outputs;      // graph outputs of the forward (owned by the caller too)
+  std::vector<Tensor> inputs;   // bound for this step only (kept alive until it ends)
+  std::vector<Tensor> outputs;  // graph outputs of the forward (owned by the caller too)
   Tensor loss;
   std::vector<Tensor> input_grads;  // after backward: per requested input (SessionOptions order)
   uint64_t seed = 0;                // the random stream it used (replayable)
@@ -62,8 +63,11 @@ struct StepState {
 
 // What a training step needs, by kind, in bytes (TrainSession::planned_memory).
 struct PlannedMemory {
-  int64_t parameters = 0, gradients = 0, optimizer_state = 0, inputs = 0, constants = 0, activations = 0;
-  int64_t total() const { return parameters + gradients + optimizer_state + inputs + constants + activations; }
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0, inputs = 0, constants = 0,
+          activations = 0;
+  int64_t total() const {
+    return parameters + gradients + optimizer_state + inputs + constants + activations;
+  }
   std::string describe() const;  // "parameters 1.2 MiB, gradients ..., biggest first"
 };
 
@@ -71,7 +75,8 @@ class TrainSession {
  public:
   // Takes a loaded graph (parameters live in opt.alloc) and input shapes for symbolic dims.
   // Phases: shapes (infer + fold) -> autodiff -> plan -> parameters -> executor.
-  TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes = {});
+  TrainSession(Graph g, const SessionOptions& opt,
+               const std::map<std::string, Shape>& input_shapes = {});
   // Not movable: the executor refers to the graph. Hold sessions by unique_ptr.
   TrainSession(TrainSession&&) = delete;
   static std::unique_ptr<TrainSession> open(const std::string& path, const SessionOptions& opt,
@@ -81,7 +86,8 @@ class TrainSession {
   // Runs the forward of a new step over `inputs` (by name; every graph input not given falls back
   // to set_input's). `seed`: the random stream (Dropout); default: the process-wide counter.
   std::shared_ptr<StepState> forward(const std::map<std::string, Tensor>& inputs,
-                                     std::optional<uint64_t> seed = std::nullopt, bool keep_for_backward = true);
+                                     std::optional<uint64_t> seed = std::nullopt,
+                                     bool keep_for_backward = true);
   // Runs that step's backward: gradients are delivered per mode; requested input gradients land in
   // step.input_grads. A step runs backward once.
   void backward(StepState& step, const std::map<std::string, Tensor>& output_grads = {});
@@ -137,13 +143,13 @@ class TrainSession {
   Allocator* alloc_;
   BackwardGraph bg_;
   std::unique_ptr<Executor> exec_;
-  std::vector<Parameter> params_;      // the one home of parameter memory and .grad
-  std::vector<int> param_of_value_;    // value id -> index in params_, -1
-  std::vector<int> param_of_sink_;     // node id -> index in params_ (gradient sinks), -1
-  std::vector<int> held_keep_;         // per params_ entry: index in plan.keep of its held gradient, -1
-  std::vector<int> igrad_keep_;        // per requested input: index in plan.keep, -1
+  std::vector<Parameter> params_;    // the one home of parameter memory and .grad
+  std::vector<int> param_of_value_;  // value id -> index in params_, -1
+  std::vector<int> param_of_sink_;   // node id -> index in params_ (gradient sinks), -1
+  std::vector<int> held_keep_;   // per params_ entry: index in plan.keep of its held gradient, -1
+  std::vector<int> igrad_keep_;  // per requested input: index in plan.keep, -1
   std::map<std::string, Tensor> default_inputs_;  // set_input
-  std::shared_ptr<StepState> cur_;     // the simple loop's step
+  std::shared_ptr<StepState> cur_;                // the simple loop's step
   std::vector<OpTime> last_times_;
   GradHook hook_;
 };
@@ -155,21 +161,22 @@ void add_inplace(Tensor& dst, const Tensor& src);
 // An optimizer's hyperparameters and state as plain data: what a checkpoint holds of it
 // (graft/checkpoint.h), and what two optimizers' settings compare by.
 struct OptimizerState {
-  std::map<std::string, double> hyper;  // hyperparameters by name; a flag (SGD's nesterov) is 0 or 1
-  int64_t steps = 0;                    // Optimizer::steps()
+  std::map<std::string, double>
+      hyper;          // hyperparameters by name; a flag (SGD's nesterov) is 0 or 1
+  int64_t steps = 0;  // Optimizer::steps()
   // Per parameter, in the optimizer's order: its state tensors by name (SGD: momentum_buffer;
   // AdamW: exp_avg, exp_avg_sq). A name that is absent or holds an undefined tensor: none yet.
   // The tensors share the optimizer's blocks (no bytes are copied either way).
   std::vector<std::map<std::string, Tensor>> tensors;
-  std::vector<int64_t> counters;        // per parameter: AdamW's steps taken; 0 for SGD
+  std::vector<int64_t> counters;  // per parameter: AdamW's steps taken; 0 for SGD
 };
 
 // What one kind of optimizer saves, known without an instance of it, so that a checkpoint can be
 // verified before any optimizer is at hand (verify_checkpoint).
 struct OptimizerKind {
   std::string name;                                 // "sgd", "adamw"
-  std::vector<std::pair<std::string, bool>> hyper;  // hyperparameters, in reading order; true: a flag
-                                                    // (saved as a boolean)
+  std::vector<std::pair<std::string, bool>> hyper;  // hyperparameters, in reading order; true: a
+                                                    // flag (saved as a boolean)
   std::vector<std::string> tensors;                 // per-parameter state tensors, in file order
   // Whether the hyperparameters (all of `hyper` present) are in range and finite.
   bool (*hyper_valid)(const std::map<std::string, double>& hyper);
@@ -259,7 +266,7 @@ class AdamW final : public Optimizer {
   const std::vector<int64_t>& param_steps() const { return steps_; }
 
  private:
-  std::vector<Tensor> m_, v_;  // OptimizerState
+  std::vector<Tensor> m_, v_;   // OptimizerState
   std::vector<int64_t> steps_;  // per parameter, like PyTorch's state['step']
 };
 

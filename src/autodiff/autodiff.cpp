@@ -11,9 +11,12 @@ namespace graft {
 
 const char* grad_mode_name(GradMode m) {
   switch (m) {
-    case GradMode::Hold: return "hold";
-    case GradMode::Accumulate: return "accumulate";
-    case GradMode::Hook: return "hook";
+    case GradMode::Hold:
+      return "hold";
+    case GradMode::Accumulate:
+      return "accumulate";
+    case GradMode::Hook:
+      return "hook";
   }
   return "?";
 }
@@ -22,7 +25,8 @@ GradMode parse_grad_mode(const std::string& s) {
   if (s == "hold") return GradMode::Hold;
   if (s == "accumulate") return GradMode::Accumulate;
   if (s == "hook") return GradMode::Hook;
-  fail(ErrorKind::InvalidArgument, "unknown gradient mode '" + s + "' (use hold, accumulate or hook)");
+  fail(ErrorKind::InvalidArgument,
+       "unknown gradient mode '" + s + "' (use hold, accumulate or hook)");
 }
 
 namespace {
@@ -81,8 +85,8 @@ class Driver final : public GradBuilder {
     if (g_.values[v].shape != xv.shape) v = emit1("Reshape", {v, ints(xv.shape)});
     contrib_[x].push_back(v);
   }
-  std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs, int n_out,
-                        const std::string& domain) override {
+  std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs,
+                        int n_out, const std::string& domain) override {
     std::string name = (cur_ >= 0 ? g_.nodes[cur_].name : std::string("grad")) + "/" + op + "_grad";
     std::vector<int> outs = g_.add_op(op, inputs, std::move(attrs), n_out, domain, name);
     infer_node(g_, static_cast<int>(g_.nodes.size()) - 1);
@@ -90,14 +94,19 @@ class Driver final : public GradBuilder {
   }
   int scalar(double v, DType dt) override {
     Tensor t = Tensor::empty({}, dt, alloc_, Category::Workspace, "grad_const");
-    if (dt == DType::F32) t.data<float>()[0] = static_cast<float>(v);
-    else if (dt == DType::F64) t.data<double>()[0] = v;
-    else if (dt == DType::I64) t.data<int64_t>()[0] = static_cast<int64_t>(v);
-    else fail(ErrorKind::Internal, "scalar of bool");
+    if (dt == DType::F32)
+      t.data<float>()[0] = static_cast<float>(v);
+    else if (dt == DType::F64)
+      t.data<double>()[0] = v;
+    else if (dt == DType::I64)
+      t.data<int64_t>()[0] = static_cast<int64_t>(v);
+    else
+      fail(ErrorKind::Internal, "scalar of bool");
     return g_.add_constant("grad_const", t);
   }
   int ints(const std::vector<int64_t>& v) override {
-    Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, alloc_, Category::Workspace, "grad_shape");
+    Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, alloc_,
+                             Category::Workspace, "grad_shape");
     std::copy(v.begin(), v.end(), t.data<int64_t>());
     return g_.add_constant("grad_shape", t);
   }
@@ -147,20 +156,25 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
     if (loss < 0 || opt.loss.empty()) {
       std::string outs;
       for (int o : g_.outputs) outs += (outs.empty() ? "" : ", ") + g_.values[o].name;
-      fail(ErrorKind::InvalidArgument, "the loss '" + opt.loss + "' is not a value of the model (its outputs are: " + outs + ")");
+      fail(ErrorKind::InvalidArgument,
+           "the loss '" + opt.loss + "' is not a value of the model (its outputs are: " + outs +
+               ")");
     }
     const Value& lv = g_.values[loss];
-    GRAFT_CHECK(is_float(lv.dtype), ErrorKind::InvalidArgument, "the loss '" + opt.loss + "' is not a float value");
-    GRAFT_CHECK(lv.shape_known && numel(lv.shape) == 1, ErrorKind::InvalidArgument,
-                "the loss '" + opt.loss + "' has shape " + shape_str(lv.shape) +
-                    "; it must be a scalar (reduce it, e.g. with ReduceMean, or pass output gradients)");
+    GRAFT_CHECK(is_float(lv.dtype), ErrorKind::InvalidArgument,
+                "the loss '" + opt.loss + "' is not a float value");
+    GRAFT_CHECK(
+        lv.shape_known && numel(lv.shape) == 1, ErrorKind::InvalidArgument,
+        "the loss '" + opt.loss + "' has shape " + shape_str(lv.shape) +
+            "; it must be a scalar (reduce it, e.g. with ReduceMean, or pass output gradients)");
     bg.loss = loss;
     seeds.push_back(loss);
   } else {
     for (const auto& o : opt.output_grads) {
       int v = g_.find(o);
       GRAFT_CHECK(v >= 0, ErrorKind::InvalidArgument, "no output named '" + o + "'");
-      GRAFT_CHECK(is_float(g_.values[v].dtype), ErrorKind::InvalidArgument, "output '" + o + "' is not float");
+      GRAFT_CHECK(is_float(g_.values[v].dtype), ErrorKind::InvalidArgument,
+                  "output '" + o + "' is not float");
       seeds.push_back(v);
     }
   }
@@ -188,7 +202,9 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
     for (size_t k = 0; k < n.inputs.size(); ++k) {
       int v = n.inputs[k];
       if (v < 0 || origin[v] < 0) continue;
-      if (std::find(d.nondiff_inputs.begin(), d.nondiff_inputs.end(), static_cast<int>(k)) != d.nondiff_inputs.end()) continue;
+      if (std::find(d.nondiff_inputs.begin(), d.nondiff_inputs.end(), static_cast<int>(k)) !=
+          d.nondiff_inputs.end())
+        continue;
       from = origin[v];
       break;
     }
@@ -209,14 +225,17 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
     for (size_t k = 0; k < n.inputs.size(); ++k) {
       int v = n.inputs[k];
       if (v < 0 || origin[v] < 0) continue;
-      if (std::find(d.nondiff_inputs.begin(), d.nondiff_inputs.end(), static_cast<int>(k)) != d.nondiff_inputs.end()) continue;
+      if (std::find(d.nondiff_inputs.begin(), d.nondiff_inputs.end(), static_cast<int>(k)) !=
+          d.nondiff_inputs.end())
+        continue;
       needed_[v] = true;
     }
     if (!d.grad)
-      fail(ErrorKind::Unsupported, n.label() + " has no gradient rule, but parameter '" +
-                                       g_.values[origin[n.outputs[0] >= 0 ? n.outputs[0] : n.inputs[0]]].name +
-                                       "' needs a gradient through it (freeze that parameter, or keep this "
-                                       "part of the model outside graft)");
+      fail(ErrorKind::Unsupported,
+           n.label() + " has no gradient rule, but parameter '" +
+               g_.values[origin[n.outputs[0] >= 0 ? n.outputs[0] : n.inputs[0]]].name +
+               "' needs a gradient through it (freeze that parameter, or keep this "
+               "part of the model outside graft)");
   }
 
   // ---- seeds ----
@@ -262,7 +281,8 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
     g_.values[gsum].category = Category::Gradient;
     if (opt.mode == GradMode::Hold) continue;
     Attrs a;
-    a.set_string("param", g_.values[p].name);  // for printing; BackwardGraph::sinks maps sink -> parameter
+    a.set_string("param",
+                 g_.values[p].name);  // for printing; BackwardGraph::sinks maps sink -> parameter
     g_.add_op("GradSink", {gsum}, std::move(a), 0, "graft", "GradSink/" + g_.values[p].name);
     bg.sinks.back() = static_cast<int>(g_.nodes.size()) - 1;
     infer_node(g_, bg.sinks.back());

@@ -31,8 +31,9 @@ namespace {
 using json = nlohmann::json;
 using clock_t_ = std::chrono::steady_clock;
 
-// --- /proc readers --------------------------------------------------------------------------------
-// A "Key:   123 kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
+// --- /proc readers
+// -------------------------------------------------------------------------------- A "Key:   123
+// kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
 int64_t proc_kb_field(const char* file, const char* key) {
   std::ifstream f(file);
   std::string line;
@@ -61,31 +62,39 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-const Category kCats[kNumCategories] = {Category::Parameter, Category::Gradient, Category::Activation,
-                                        Category::Workspace, Category::OptimizerState};
+const Category kCats[kNumCategories] = {Category::Parameter, Category::Gradient,
+                                        Category::Activation, Category::Workspace,
+                                        Category::OptimizerState};
 const char* cat_key(Category c) {
   switch (c) {
-    case Category::Parameter: return "parameters";
-    case Category::Gradient: return "gradients";
-    case Category::Activation: return "activations";
-    case Category::Workspace: return "workspace";
-    case Category::OptimizerState: return "optimizer_state";
+    case Category::Parameter:
+      return "parameters";
+    case Category::Gradient:
+      return "gradients";
+    case Category::Activation:
+      return "activations";
+    case Category::Workspace:
+      return "workspace";
+    case Category::OptimizerState:
+      return "optimizer_state";
   }
   return "?";
 }
 
-// --- sizes ----------------------------------------------------------------------------------------
+// --- sizes
+// ----------------------------------------------------------------------------------------
 struct Sizes {
   int64_t B, H, L;
-  int64_t A;      // one activation [B, H] (also the input batch)
-  int64_t W;      // one weight (or weight gradient) [H, H]
-  int64_t P;      // all parameters = all gradients: L * (H*H + H) floats
-  double flops;   // per step: 3 GEMMs of 2*B*H*H per layer, the first without dX
+  int64_t A;     // one activation [B, H] (also the input batch)
+  int64_t W;     // one weight (or weight gradient) [H, H]
+  int64_t P;     // all parameters = all gradients: L * (H*H + H) floats
+  double flops;  // per step: 3 GEMMs of 2*B*H*H per layer, the first without dX
 };
 
 Sizes sizes(int64_t B, int64_t H, int64_t L) {
   auto mul = [](int64_t a, int64_t b) {
-    GRAFT_CHECK(a == 0 || b <= INT64_MAX / a, ErrorKind::InvalidArgument, "the sizes overflow 64-bit byte counts");
+    GRAFT_CHECK(a == 0 || b <= INT64_MAX / a, ErrorKind::InvalidArgument,
+                "the sizes overflow 64-bit byte counts");
     return a * b;
   };
   Sizes s{B, H, L, 0, 0, 0, 0};
@@ -105,7 +114,8 @@ int64_t estimate_peak(const Sizes& s, GradMode m, bool set_to_none) {
   return s.P + s.P + s.A + transient + (s.L + 2) * s.A + (64 << 10);
 }
 
-// --- one mode -------------------------------------------------------------------------------------
+// --- one mode
+// -------------------------------------------------------------------------------------
 struct ModeResult {
   GradMode mode;
   int64_t start = 0, ma = 0, max_ma = 0;
@@ -115,12 +125,14 @@ struct ModeResult {
   std::vector<int64_t> rss_deltas;
   std::vector<double> secs;
   double loss = 0;
-  int64_t planned_peak = 0, param_bytes = 0, grad_bytes = 0, input_bytes = 0, const_bytes = 0, loss_bytes = 0;
+  int64_t planned_peak = 0, param_bytes = 0, grad_bytes = 0, input_bytes = 0, const_bytes = 0,
+          loss_bytes = 0;
   // The last step, for --trace / --timeline-json.
   std::vector<std::pair<std::string, std::string>> ops;  // (op type, node name) per executor step
   std::vector<double> op_secs;
   int barrier_step = -1;
-  double run_secs = 0, after_secs = 0;  // session.step(); optimizer (and hold's delivery) after the ops
+  double run_secs = 0,
+         after_secs = 0;  // session.step(); optimizer (and hold's delivery) after the ops
   std::vector<MemoryEvent> timeline;
 };
 
@@ -152,9 +164,10 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   int64_t avail = mem_available();
   int64_t need = r.planned_peak + r.grad_bytes + sz.A;
   if (avail > 0 && need > avail)
-    fail(ErrorKind::OutOfMemory, "the " + std::string(grad_mode_name(mode)) + " step is planned to need " +
-                                     std::to_string(need) + " more bytes (activations " +
-                                     std::to_string(r.planned_peak) + ", gradients " + std::to_string(r.grad_bytes) +
+    fail(ErrorKind::OutOfMemory, "the " + std::string(grad_mode_name(mode)) +
+                                     " step is planned to need " + std::to_string(need) +
+                                     " more bytes (activations " + std::to_string(r.planned_peak) +
+                                     ", gradients " + std::to_string(r.grad_bytes) +
                                      ") but MemAvailable is " + std::to_string(avail) + " bytes");
 
   Tensor x = Tensor::empty({sz.B, sz.H}, DType::F32, alloc, Category::Activation, "x");
@@ -166,7 +179,8 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     for (int64_t i = 0; i < x.numel(); ++i) px[i] = nd(rng);
   }
   s.set_input("x", x);
-  if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: keep a fresh gradient as an empty .grad, else add
+  if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: keep a fresh gradient as an
+                               // empty .grad, else add
     s.set_hook(accumulate_grad);
   SGDOptions o;
   o.lr = 0.01;
@@ -218,7 +232,8 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
       r.ops.push_back({n.domain.empty() ? n.op : n.domain + "." + n.op, n.name});
     }
     r.op_secs.assign(pl.steps.size(), 0.0);
-    for (size_t i = 0; i < s.op_times().size() && i < r.op_secs.size(); ++i) r.op_secs[i] = s.op_times()[i].seconds;
+    for (size_t i = 0; i < s.op_times().size() && i < r.op_secs.size(); ++i)
+      r.op_secs[i] = s.op_times()[i].seconds;
   }
   return r;
 }
@@ -246,12 +261,14 @@ json timeline_json(const ModeResult& r) {
   }
   json ops = json::array();
   for (const auto& [op, name] : r.ops) ops.push_back(op);
-  return {{"start_bytes", r.start},
-          {"n_steps", r.ops.size()},
-          {"barrier_step", r.barrier_step},
-          {"ops", ops},
-          {"columns", {"step", "bytes", "parameters", "gradients", "activations", "workspace", "optimizer_state"}},
-          {"events", ev}};
+  return {
+      {"start_bytes", r.start},
+      {"n_steps", r.ops.size()},
+      {"barrier_step", r.barrier_step},
+      {"ops", ops},
+      {"columns",
+       {"step", "bytes", "parameters", "gradients", "activations", "workspace", "optimizer_state"}},
+      {"events", ev}};
 }
 
 // Chrome trace-event JSON of each mode's last step: op spans laid out back to back from the
@@ -263,9 +280,17 @@ void write_trace(const std::string& path, const std::vector<ModeResult>& rs, con
   for (const ModeResult& r : rs) {
     ++pid;
     const std::string mname = grad_mode_name(r.mode);
-    ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", 1},
+    ev.push_back({{"name", "process_name"},
+                  {"ph", "M"},
+                  {"ts", 0},
+                  {"pid", pid},
+                  {"tid", 1},
                   {"args", {{"name", "graft " + mname}}}});
-    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", 1},
+    ev.push_back({{"name", "thread_name"},
+                  {"ph", "M"},
+                  {"ts", 0},
+                  {"pid", pid},
+                  {"tid", 1},
                   {"args", {{"name", "executor"}}}});
     const size_t n = r.ops.size();
     std::vector<double> ts(n + 2, 0.0), dur(n + 2, 0.0);  // index 0: before the run; n + 1: after
@@ -273,16 +298,28 @@ void write_trace(const std::string& path, const std::vector<ModeResult>& rs, con
     for (size_t i = 0; i < n; ++i) {
       ts[i + 1] = t;
       dur[i + 1] = std::max(r.op_secs[i] * 1e6, 0.001);
-      ev.push_back({{"name", r.ops[i].first}, {"cat", "op"}, {"ph", "X"}, {"ts", t}, {"dur", dur[i + 1]},
-                    {"pid", pid}, {"tid", 1}, {"args", {{"node", r.ops[i].second}, {"step", i}}}});
+      ev.push_back({{"name", r.ops[i].first},
+                    {"cat", "op"},
+                    {"ph", "X"},
+                    {"ts", t},
+                    {"dur", dur[i + 1]},
+                    {"pid", pid},
+                    {"tid", 1},
+                    {"args", {{"node", r.ops[i].second}, {"step", i}}}});
       t += dur[i + 1];
     }
     double ops_total = t - 1.0;
-    double after = std::max(r.after_secs * 1e6 + std::max(r.run_secs * 1e6 - ops_total, 0.0), 0.001);
+    double after =
+        std::max(r.after_secs * 1e6 + std::max(r.run_secs * 1e6 - ops_total, 0.0), 0.001);
     ts[n + 1] = t;
     dur[n + 1] = after;
     ev.push_back({{"name", r.mode == GradMode::Hold ? "deliver gradients + SGD.step" : "SGD.step"},
-                  {"cat", "optimizer"}, {"ph", "X"}, {"ts", t}, {"dur", after}, {"pid", pid}, {"tid", 1},
+                  {"cat", "optimizer"},
+                  {"ph", "X"},
+                  {"ts", t},
+                  {"dur", after},
+                  {"pid", pid},
+                  {"tid", 1},
                   {"args", {{"node", "optimizer"}}}});
     dur[0] = 1.0;
     // Counters: one at the start with the step's starting breakdown, then one per event.
@@ -296,8 +333,13 @@ void write_trace(const std::string& path, const std::vector<ModeResult>& rs, con
         args[cat_key(c)] = bc[static_cast<int>(c)];
         total += bc[static_cast<int>(c)];
       }
-      ev.push_back({{"name", "memory"}, {"ph", "C"}, {"ts", at}, {"pid", pid}, {"tid", 1}, {"args", args}});
-      ev.push_back({{"name", "bytes above step start"}, {"ph", "C"}, {"ts", at}, {"pid", pid}, {"tid", 1},
+      ev.push_back(
+          {{"name", "memory"}, {"ph", "C"}, {"ts", at}, {"pid", pid}, {"tid", 1}, {"args", args}});
+      ev.push_back({{"name", "bytes above step start"},
+                    {"ph", "C"},
+                    {"ts", at},
+                    {"pid", pid},
+                    {"tid", 1},
                     {"args", {{"bytes", total - r.start}}}});
     };
     counter(0.0, r.start_cats);
@@ -310,7 +352,10 @@ void write_trace(const std::string& path, const std::vector<ModeResult>& rs, con
   json doc = {{"traceEvents", ev},
               {"displayTimeUnit", "ms"},
               {"otherData",
-               {{"tool", "graft bench"}, {"batch", a.batch}, {"hidden", a.hidden}, {"layer", a.layer},
+               {{"tool", "graft bench"},
+                {"batch", a.batch},
+                {"hidden", a.hidden},
+                {"layer", a.layer},
                 {"set_to_none", a.set_to_none}}}};
   std::ofstream f(path);
   f << doc.dump() << "\n";
@@ -377,16 +422,21 @@ json row_json(const ModeResult& r, const Sizes& sz) {
 
 int cmd_bench(const BenchArgs& a) {
   GRAFT_CHECK(a.batch > 0 && a.hidden > 0 && a.layer > 0, ErrorKind::InvalidArgument,
-              "--batch, --hidden and --layer must be positive (got " + std::to_string(a.batch) + ", " +
-                  std::to_string(a.hidden) + ", " + std::to_string(a.layer) + ")");
+              "--batch, --hidden and --layer must be positive (got " + std::to_string(a.batch) +
+                  ", " + std::to_string(a.hidden) + ", " + std::to_string(a.layer) + ")");
   GRAFT_CHECK(a.hidden <= INT32_MAX && a.batch <= INT32_MAX, ErrorKind::InvalidArgument,
               "--batch and --hidden must fit a 32-bit BLAS dimension");
-  GRAFT_CHECK(a.steps > 0, ErrorKind::InvalidArgument, "--steps must be positive (got " + std::to_string(a.steps) + ")");
+  GRAFT_CHECK(a.steps > 0, ErrorKind::InvalidArgument,
+              "--steps must be positive (got " + std::to_string(a.steps) + ")");
   check_threads("--threads", a.threads);
   std::vector<GradMode> modes;
-  if (a.mode == "all") modes = {GradMode::Hold, GradMode::Accumulate, GradMode::Hook};
-  else if (a.mode == "hold" || a.mode == "accumulate" || a.mode == "hook") modes = {parse_grad_mode(a.mode)};
-  else fail(ErrorKind::InvalidArgument, "unknown --mode '" + a.mode + "' (use hold, accumulate, hook or all)");
+  if (a.mode == "all")
+    modes = {GradMode::Hold, GradMode::Accumulate, GradMode::Hook};
+  else if (a.mode == "hold" || a.mode == "accumulate" || a.mode == "hook")
+    modes = {parse_grad_mode(a.mode)};
+  else
+    fail(ErrorKind::InvalidArgument,
+         "unknown --mode '" + a.mode + "' (use hold, accumulate, hook or all)");
   const Sizes sz = sizes(a.batch, a.hidden, a.layer);
 
   // Output files: check before running anything.
@@ -394,7 +444,8 @@ int cmd_bench(const BenchArgs& a) {
     if (path.empty()) return;
     bool existed = std::filesystem::exists(path);
     std::FILE* f = std::fopen(path.c_str(), "a");
-    GRAFT_CHECK(f, ErrorKind::Io, std::string("cannot write ") + flag + " '" + path + "': " + std::strerror(errno));
+    GRAFT_CHECK(f, ErrorKind::Io,
+                std::string("cannot write ") + flag + " '" + path + "': " + std::strerror(errno));
     std::fclose(f);
     if (!existed) std::filesystem::remove(path);
   };
@@ -407,11 +458,12 @@ int cmd_bench(const BenchArgs& a) {
   int64_t avail = mem_available();
   if (avail > 0 && std::max(estimate, sgemm_bytes) > avail)
     fail(ErrorKind::OutOfMemory,
-         "B=" + std::to_string(a.batch) + " H=" + std::to_string(a.hidden) + " L=" + std::to_string(a.layer) +
-             " needs about " + std::to_string(estimate) + " bytes (" + human_bytes(estimate) + ": parameters " +
-             std::to_string(sz.P) + ", gradients " + std::to_string(sz.P) + ", activations and transients " +
-             std::to_string(estimate - 2 * sz.P) + ") but MemAvailable is " + std::to_string(avail) + " bytes (" +
-             human_bytes(avail) + ")");
+         "B=" + std::to_string(a.batch) + " H=" + std::to_string(a.hidden) +
+             " L=" + std::to_string(a.layer) + " needs about " + std::to_string(estimate) +
+             " bytes (" + human_bytes(estimate) + ": parameters " + std::to_string(sz.P) +
+             ", gradients " + std::to_string(sz.P) + ", activations and transients " +
+             std::to_string(estimate - 2 * sz.P) + ") but MemAvailable is " +
+             std::to_string(avail) + " bytes (" + human_bytes(avail) + ")");
 
   set_num_threads(a.threads);
   const double ceiling = sgemm_gflops(sz, std::max(3, a.steps));
@@ -447,24 +499,31 @@ int cmd_bench(const BenchArgs& a) {
     return 0;
   }
 
-  std::printf("graft bench: B=%lld H=%lld L=%lld fp32, SGD lr 0.01, %d timed step%s after 1 warm-up, set_to_none=%s, %d thread%s\n",
-              static_cast<long long>(a.batch), static_cast<long long>(a.hidden), static_cast<long long>(a.layer), a.steps,
-              a.steps == 1 ? "" : "s", a.set_to_none ? "true" : "false", num_threads(), num_threads() == 1 ? "" : "s");
-  std::printf("parameters %s, gradients %s, input %s; %.3f GFLOP per step\n\n", human_bytes(sz.P).c_str(),
-              human_bytes(sz.P).c_str(), human_bytes(sz.A).c_str(), sz.flops / 1e9);
-  std::printf("%-34s | %-59s |\n", "", "---------------- MAX_MA by category at the peak -----------");
-  std::printf("%-10s %11s %11s | %11s %11s %11s %11s %11s | %14s %10s %9s\n", "mode", "MA", "MAX_MA", "params",
-              "grads", "activations", "workspace", "optim", "peak RSS delta", "s/step", "GFLOP/s");
+  std::printf(
+      "graft bench: B=%lld H=%lld L=%lld fp32, SGD lr 0.01, %d timed step%s after 1 warm-up, "
+      "set_to_none=%s, %d thread%s\n",
+      static_cast<long long>(a.batch), static_cast<long long>(a.hidden),
+      static_cast<long long>(a.layer), a.steps, a.steps == 1 ? "" : "s",
+      a.set_to_none ? "true" : "false", num_threads(), num_threads() == 1 ? "" : "s");
+  std::printf("parameters %s, gradients %s, input %s; %.3f GFLOP per step\n\n",
+              human_bytes(sz.P).c_str(), human_bytes(sz.P).c_str(), human_bytes(sz.A).c_str(),
+              sz.flops / 1e9);
+  std::printf("%-34s | %-59s |\n", "",
+              "---------------- MAX_MA by category at the peak -----------");
+  std::printf("%-10s %11s %11s | %11s %11s %11s %11s %11s | %14s %10s %9s\n", "mode", "MA",
+              "MAX_MA", "params", "grads", "activations", "workspace", "optim", "peak RSS delta",
+              "s/step", "GFLOP/s");
   for (const ModeResult& r : rs) {
     double sec = median(r.secs);
-    std::printf("%-10s %11s %11s | %11s %11s %11s %11s %11s | %14s %10.4f %9.1f\n", grad_mode_name(r.mode),
-                human_bytes(r.ma).c_str(), human_bytes(r.max_ma).c_str(),
+    std::printf("%-10s %11s %11s | %11s %11s %11s %11s %11s | %14s %10.4f %9.1f\n",
+                grad_mode_name(r.mode), human_bytes(r.ma).c_str(), human_bytes(r.max_ma).c_str(),
                 human_bytes(r.at_peak[static_cast<int>(Category::Parameter)]).c_str(),
                 human_bytes(r.at_peak[static_cast<int>(Category::Gradient)]).c_str(),
                 human_bytes(r.at_peak[static_cast<int>(Category::Activation)]).c_str(),
                 human_bytes(r.at_peak[static_cast<int>(Category::Workspace)]).c_str(),
                 human_bytes(r.at_peak[static_cast<int>(Category::OptimizerState)]).c_str(),
-                r.rss_delta >= 0 ? human_bytes(r.rss_delta).c_str() : "n/a", sec, sec > 0 ? sz.flops / sec / 1e9 : 0.0);
+                r.rss_delta >= 0 ? human_bytes(r.rss_delta).c_str() : "n/a", sec,
+                sec > 0 ? sz.flops / sec / 1e9 : 0.0);
   }
   std::printf("\nceiling: sgemm %lldx%lldx%lld %.1f GFLOP/s\n", static_cast<long long>(a.batch),
               static_cast<long long>(a.hidden), static_cast<long long>(a.hidden), ceiling);

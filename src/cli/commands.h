@@ -55,10 +55,12 @@ std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs)
 std::string human_bytes(int64_t b);
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random
 // normal floats (zeros for int64/bool) of the given or declared shape.
-std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
+std::map<std::string, Tensor> make_inputs(const Graph& g,
+                                          const std::map<std::string, Shape>& shapes,
                                           const std::vector<std::string>& files, Allocator& alloc);
 // Writes `t` as an ONNX TensorProto file, creating the folder.
-void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name);
+void save_tensor(const std::string& dir, const std::string& file, const Tensor& t,
+                 const std::string& name);
 
 // --- checked options and file-system preconditions (src/cli/common.cpp, docs/faults.md) ---------
 // A byte count: plain bytes, or a number (fractions allowed) with K, M, G or T, optionally followed

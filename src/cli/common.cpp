@@ -21,8 +21,9 @@ namespace fs = std::filesystem;
 
 int64_t parse_size(const std::string& flag, const std::string& text) {
   auto bad = [&](const std::string& why) -> int64_t {
-    fail(ErrorKind::InvalidArgument, flag + " '" + text + "': " + why +
-                                         " (give bytes, or a number with K, M, G or T: 1024-based, e.g. 512M, 8GiB, 1.5G)");
+    fail(ErrorKind::InvalidArgument,
+         flag + " '" + text + "': " + why +
+             " (give bytes, or a number with K, M, G or T: 1024-based, e.g. 512M, 8GiB, 1.5G)");
   };
   if (text.empty()) return bad("empty value");
   size_t i = 0;
@@ -30,7 +31,8 @@ int64_t parse_size(const std::string& flag, const std::string& text) {
   size_t int_digits = 0;
   while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
     whole = whole * 10 + static_cast<unsigned>(text[i] - '0');
-    if (whole > static_cast<unsigned __int128>(INT64_MAX)) return bad("too large (the limit is 2^63-1 bytes)");
+    if (whole > static_cast<unsigned __int128>(INT64_MAX))
+      return bad("too large (the limit is 2^63-1 bytes)");
     ++i;
     ++int_digits;
   }
@@ -61,16 +63,20 @@ int64_t parse_size(const std::string& flag, const std::string& text) {
   if (shift < 0) return bad("unknown unit '" + text.substr(i) + "'");
   const unsigned __int128 mult = static_cast<unsigned __int128>(1) << shift;
   if (frac_digits && shift == 0 && frac != 0) return bad("not a whole number of bytes");
-  const unsigned __int128 bytes = whole * mult + frac * mult / frac_den;  // rounded down to whole bytes
-  if (bytes > static_cast<unsigned __int128>(INT64_MAX)) return bad("too large (the limit is 2^63-1 bytes)");
+  const unsigned __int128 bytes =
+      whole * mult + frac * mult / frac_den;  // rounded down to whole bytes
+  if (bytes > static_cast<unsigned __int128>(INT64_MAX))
+    return bad("too large (the limit is 2^63-1 bytes)");
   return static_cast<int64_t>(bytes);
 }
 
 void check_threads(const std::string& flag, int threads) {
-  GRAFT_CHECK(threads >= 0, ErrorKind::InvalidArgument,
-              flag + " " + std::to_string(threads) + ": must be >= 0 (0: the BLAS library's default)");
-  GRAFT_CHECK(threads <= 4096, ErrorKind::InvalidArgument,
-              flag + " " + std::to_string(threads) + ": more than 4096 threads is not a sane setting");
+  GRAFT_CHECK(
+      threads >= 0, ErrorKind::InvalidArgument,
+      flag + " " + std::to_string(threads) + ": must be >= 0 (0: the BLAS library's default)");
+  GRAFT_CHECK(
+      threads <= 4096, ErrorKind::InvalidArgument,
+      flag + " " + std::to_string(threads) + ": more than 4096 threads is not a sane setting");
 }
 
 namespace {
@@ -104,16 +110,19 @@ void check_input_files(const std::vector<std::string>& files) {
     if (::stat(f.c_str(), &st) != 0)
       fail(ErrorKind::Io, "--inputs '" + f + "': cannot open: " + std::strerror(errno));
     if (!S_ISREG(st.st_mode))
-      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is not a regular file (" + file_kind(st.st_mode) + ")");
+      fail(ErrorKind::InvalidArgument,
+           "--inputs '" + f + "' is not a regular file (" + file_kind(st.st_mode) + ")");
     if (st.st_size > limit)
-      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is " + std::to_string(st.st_size) +
-                                           " bytes, over the limit of " + std::to_string(limit) +
-                                           " bytes (2 GiB, the protobuf message limit, or the available memory)");
+      fail(ErrorKind::InvalidArgument,
+           "--inputs '" + f + "' is " + std::to_string(st.st_size) + " bytes, over the limit of " +
+               std::to_string(limit) +
+               " bytes (2 GiB, the protobuf message limit, or the available memory)");
     auto key = std::make_pair(st.st_dev, st.st_ino);
     auto [it, fresh] = first.emplace(key, f);
     if (!fresh)
-      fail(ErrorKind::InvalidArgument, "--inputs '" + f + "' is given twice" +
-                                           (it->second == f ? std::string() : " (also as '" + it->second + "')"));
+      fail(ErrorKind::InvalidArgument,
+           "--inputs '" + f + "' is given twice" +
+               (it->second == f ? std::string() : " (also as '" + it->second + "')"));
   }
 }
 
@@ -124,13 +133,18 @@ void prepare_output_dir(const std::string& flag, const std::string& dir) {
   if (ec) fail(ErrorKind::Io, flag + " '" + dir + "': cannot create the folder: " + ec.message());
   if (!fs::is_directory(dir, ec)) fail(ErrorKind::Io, flag + " '" + dir + "': not a folder");
   // Prove it writable now, not after hours of training: create and remove a probe file.
-  const std::string probe = (fs::path(dir) / (".graft-probe-" + std::to_string(::getpid()))).string();
-  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, 0644);
+  const std::string probe =
+      (fs::path(dir) / (".graft-probe-" + std::to_string(::getpid()))).string();
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW,
+                  0644);
   if (fd < 0 && errno == EEXIST) {  // a leftover of a killed run with our pid: replace it
     ::unlink(probe.c_str());
-    fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW, 0644);
+    fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW,
+                0644);
   }
-  if (fd < 0) fail(ErrorKind::Io, flag + " '" + dir + "': the folder is not writable: " + std::strerror(errno));
+  if (fd < 0)
+    fail(ErrorKind::Io,
+         flag + " '" + dir + "': the folder is not writable: " + std::strerror(errno));
   ::close(fd);
   ::unlink(probe.c_str());
 }
@@ -147,8 +161,9 @@ std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs)
     while (pos <= dims.size() && !dims.empty()) {
       size_t x = dims.find('x', pos);
       std::string d = dims.substr(pos, x == std::string::npos ? std::string::npos : x - pos);
-      GRAFT_CHECK(!d.empty() && d.find_first_not_of("0123456789") == std::string::npos && d.size() < 18,
-                  ErrorKind::InvalidArgument, "--input '" + s + "': '" + d + "' is not a dimension");
+      GRAFT_CHECK(
+          !d.empty() && d.find_first_not_of("0123456789") == std::string::npos && d.size() < 18,
+          ErrorKind::InvalidArgument, "--input '" + s + "': '" + d + "' is not a dimension");
       shape.push_back(std::stoll(d));
       if (x == std::string::npos) break;
       pos = x + 1;
@@ -171,7 +186,8 @@ std::string human_bytes(int64_t b) {
   return buf;
 }
 
-std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::string, Shape>& shapes,
+std::map<std::string, Tensor> make_inputs(const Graph& g,
+                                          const std::map<std::string, Shape>& shapes,
                                           const std::vector<std::string>& files, Allocator& alloc) {
   std::map<std::string, Tensor> inputs;
   std::map<std::string, std::string> from_file;  // input name -> the file that gave it
@@ -181,17 +197,21 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
     std::string name;
     Tensor t = load_tensor_pb(f, &name);
     if (name.empty() || g.find(name) < 0 || g.values[g.find(name)].kind != ValueKind::Input) {
-      while (next_slot < g.inputs.size() && inputs.count(g.values[g.inputs[next_slot]].name)) ++next_slot;
+      while (next_slot < g.inputs.size() && inputs.count(g.values[g.inputs[next_slot]].name))
+        ++next_slot;
       GRAFT_CHECK(next_slot < g.inputs.size(), ErrorKind::InvalidArgument,
                   "more --inputs files than the model has inputs");
       name = g.values[g.inputs[next_slot]].name;
     }
     GRAFT_CHECK(!from_file.count(name), ErrorKind::InvalidArgument,
-                "input '" + name + "' is given twice: by --inputs '" + from_file[name] + "' and '" + f + "'");
+                "input '" + name + "' is given twice: by --inputs '" + from_file[name] + "' and '" +
+                    f + "'");
     auto sh = shapes.find(name);
     GRAFT_CHECK(sh == shapes.end(), ErrorKind::InvalidArgument,
-                "input '" + name + "' is given both by --inputs '" + f + "' and by --input " + name + " (shape " +
-                    (sh == shapes.end() ? std::string() : shape_str(sh->second)) + "): a conflict; give one or the other");
+                "input '" + name + "' is given both by --inputs '" + f + "' and by --input " +
+                    name + " (shape " +
+                    (sh == shapes.end() ? std::string() : shape_str(sh->second)) +
+                    "): a conflict; give one or the other");
     from_file[name] = f;
     inputs[name] = t.clone(alloc, Category::Workspace);
   }
@@ -210,19 +230,23 @@ std::map<std::string, Tensor> make_inputs(const Graph& g, const std::map<std::st
     if (it != shapes.end()) s = it->second;
     for (int64_t d : s)
       GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument,
-                  "input '" + val.name + "' has a symbolic shape; give it with --input " + val.name + "=...");
+                  "input '" + val.name + "' has a symbolic shape; give it with --input " +
+                      val.name + "=...");
     numel(s, "input '" + val.name + "'");
     Tensor t = Tensor::zeros(s, val.dtype, alloc, Category::Workspace, val.name);
     for (int64_t i = 0; i < t.numel(); ++i) {
-      if (val.dtype == DType::F32) t.data<float>()[i] = static_cast<float>(nd(rng));
-      else if (val.dtype == DType::F64) t.data<double>()[i] = nd(rng);
+      if (val.dtype == DType::F32)
+        t.data<float>()[i] = static_cast<float>(nd(rng));
+      else if (val.dtype == DType::F64)
+        t.data<double>()[i] = nd(rng);
     }
     inputs[val.name] = t;
   }
   return inputs;
 }
 
-void save_tensor(const std::string& dir, const std::string& file, const Tensor& t, const std::string& name) {
+void save_tensor(const std::string& dir, const std::string& file, const Tensor& t,
+                 const std::string& name) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   GRAFT_CHECK(!ec, ErrorKind::Io, "cannot create folder '" + dir + "': " + ec.message());

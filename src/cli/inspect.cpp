@@ -14,7 +14,8 @@ int cmd_inspect(const InspectArgs& a) {
     std::string s = "[";
     for (size_t i = 0; i < v.shape.size(); ++i) {
       s += i ? "," : "";
-      s += i < v.dim_params.size() && !v.dim_params[i].empty() ? v.dim_params[i] : std::to_string(v.shape[i]);
+      s += i < v.dim_params.size() && !v.dim_params[i].empty() ? v.dim_params[i]
+                                                               : std::to_string(v.shape[i]);
     }
     return s + "]";
   };
@@ -31,16 +32,22 @@ int cmd_inspect(const InspectArgs& a) {
   if (a.json) {
     nlohmann::json j;
     j["opset"] = g.opset;
-    for (int v : g.inputs) j["inputs"].push_back({{"name", g.values[v].name}, {"dtype", dtype_name(g.values[v].dtype)}, {"shape", dims(g.values[v])}});
+    for (int v : g.inputs)
+      j["inputs"].push_back({{"name", g.values[v].name},
+                             {"dtype", dtype_name(g.values[v].dtype)},
+                             {"shape", dims(g.values[v])}});
     for (int v : g.outputs) j["outputs"].push_back(g.values[v].name);
     j["parameters"] = {{"tensors", n_tensors}, {"elements", n_params}, {"bytes", param_bytes}};
-    for (const auto& [op, c] : ops) j["ops"][op] = {{"count", c}, {"supported", find_op(op) != nullptr}};
+    for (const auto& [op, c] : ops)
+      j["ops"][op] = {{"count", c}, {"supported", find_op(op) != nullptr}};
     std::printf("%s\n", j.dump(2).c_str());
     return unsupported ? 3 : 0;
   }
   std::printf("model %s (opset %lld)\n", a.model.c_str(), static_cast<long long>(g.opset));
   std::printf("inputs:\n");
-  for (int v : g.inputs) std::printf("  %s %s %s\n", g.values[v].name.c_str(), dtype_name(g.values[v].dtype), dims(g.values[v]).c_str());
+  for (int v : g.inputs)
+    std::printf("  %s %s %s\n", g.values[v].name.c_str(), dtype_name(g.values[v].dtype),
+                dims(g.values[v]).c_str());
   std::printf("outputs:\n");
   for (int v : g.outputs) std::printf("  %s\n", g.values[v].name.c_str());
   std::printf("parameters: %lld tensors, %lld elements, %s\n", static_cast<long long>(n_tensors),

@@ -18,10 +18,12 @@ int main(int argc, char** argv) {
   auto* r = app.add_subcommand("run", "Run a model on given or random inputs");
   r->add_option("model", run.model, "ONNX model file")->required();
   r->add_option("--input", run.input_shapes, "Input shape, name=2x3x4 (repeatable)");
-  r->add_option("--inputs", run.input_files, "Input TensorProto .pb files (by name, else in order)");
+  r->add_option("--inputs", run.input_files,
+                "Input TensorProto .pb files (by name, else in order)");
   r->add_flag("--profile", run.profile, "Print time per op type");
   r->add_flag("--check-finite", run.check_finite, "Stop at the first op producing NaN/Inf");
-  r->add_option("--save-outputs", run.save_outputs_dir, "Write outputs as output_N.pb into this folder");
+  r->add_option("--save-outputs", run.save_outputs_dir,
+                "Write outputs as output_N.pb into this folder");
 
   InspectArgs ins;
   auto* i = app.add_subcommand("inspect", "List inputs, outputs, parameters and ops of a model");
@@ -37,47 +39,64 @@ int main(int argc, char** argv) {
   t->add_option("--lr", tr.lr, "Learning rate")->capture_default_str();
   t->add_option("--momentum", tr.momentum, "SGD momentum")->capture_default_str();
   t->add_flag("--nesterov", tr.nesterov, "SGD Nesterov momentum");
-  t->add_option("--weight-decay", tr.weight_decay, "Weight decay (decoupled for AdamW)")->capture_default_str();
+  t->add_option("--weight-decay", tr.weight_decay, "Weight decay (decoupled for AdamW)")
+      ->capture_default_str();
   t->add_option("--beta1", tr.beta1, "AdamW beta1")->capture_default_str();
   t->add_option("--beta2", tr.beta2, "AdamW beta2")->capture_default_str();
   t->add_option("--eps", tr.eps, "AdamW epsilon")->capture_default_str();
-  t->add_option("--mode", tr.mode, "Gradient delivery: hold, accumulate or hook")->capture_default_str();
+  t->add_option("--mode", tr.mode, "Gradient delivery: hold, accumulate or hook")
+      ->capture_default_str();
   t->add_flag("--set-to-none", tr.set_to_none, "zero_grad(set_to_none=True) before each step");
   t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
   t->add_option("--inputs", tr.input_files, "Input TensorProto .pb files (by name, else in order)");
   t->add_option("--freeze", tr.freeze, "Parameters not to train (repeatable)");
   t->add_flag("--check-finite", tr.check_finite, "Stop at the first op producing NaN/Inf");
   std::string max_memory;
-  auto* max_memory_opt = t->add_option(
-      "--max-memory", max_memory,
-      "Refuse a plan whose peak exceeds this size: bytes, or K, M, G, T (1024-based; also KB/KiB...), e.g. 512M, 8GiB, 1.5G (0: no limit)");
+  auto* max_memory_opt =
+      t->add_option("--max-memory", max_memory,
+                    "Refuse a plan whose peak exceeds this size: bytes, or K, M, G, T (1024-based; "
+                    "also KB/KiB...), e.g. 512M, 8GiB, 1.5G (0: no limit)");
   t->add_option("--threads", tr.threads, "GEMM threads (0: library default)");
   t->add_flag("--json", tr.json, "One JSON object per step");
-  t->add_option("--save-grads", tr.save_grads, "Write the last step's gradients (grad_N.pb) into this folder");
-  t->add_option("--save-params", tr.save_params, "Write the final parameters (param_N.pb) into this folder");
-  t->add_option("--checkpoint", tr.checkpoint, "Folder for crash-safe checkpoints (ckpt-STEP.graft); one is written after the last step");
-  t->add_option("--checkpoint-every", tr.checkpoint_every, "Also checkpoint every K steps (0: only after the last)")->capture_default_str();
-  t->add_option("--checkpoint-keep", tr.checkpoint_keep, "Checkpoints to keep (>= 2)")->capture_default_str();
-  t->add_flag("--resume", tr.resume, "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
+  t->add_option("--save-grads", tr.save_grads,
+                "Write the last step's gradients (grad_N.pb) into this folder");
+  t->add_option("--save-params", tr.save_params,
+                "Write the final parameters (param_N.pb) into this folder");
+  t->add_option(
+      "--checkpoint", tr.checkpoint,
+      "Folder for crash-safe checkpoints (ckpt-STEP.graft); one is written after the last step");
+  t->add_option("--checkpoint-every", tr.checkpoint_every,
+                "Also checkpoint every K steps (0: only after the last)")
+      ->capture_default_str();
+  t->add_option("--checkpoint-keep", tr.checkpoint_keep, "Checkpoints to keep (>= 2)")
+      ->capture_default_str();
+  t->add_flag("--resume", tr.resume,
+              "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
 
   BenchArgs be;
-  auto* b = app.add_subcommand("bench", "The seed's benchmark: L x [Linear(H,H)+ReLU] trained with SGD, memory and time per mode");
+  auto* b = app.add_subcommand(
+      "bench",
+      "The seed's benchmark: L x [Linear(H,H)+ReLU] trained with SGD, memory and time per mode");
   b->add_option("--batch", be.batch, "Batch size B")->capture_default_str();
   b->add_option("--hidden", be.hidden, "Hidden size H")->capture_default_str();
   b->add_option("--layer", be.layer, "Number of layers L")->capture_default_str();
   b->add_option("--steps", be.steps, "Timed steps (after one warm-up step)")->capture_default_str();
-  b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook or all")->capture_default_str();
+  b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook or all")
+      ->capture_default_str();
   b->add_flag("--set-to-none", be.set_to_none, "zero_grad(set_to_none=True) before each step");
-  b->add_option("--threads", be.threads, "GEMM threads (0: library default)")->capture_default_str();
+  b->add_option("--threads", be.threads, "GEMM threads (0: library default)")
+      ->capture_default_str();
   b->add_flag("--json", be.json, "Print one JSON object (config + rows)");
-  b->add_flag("--timeline-json", be.timeline_json, "JSON (as --json) with each mode's allocator timeline of the last step");
-  b->add_option("--trace", be.trace, "Write a Chrome trace-event JSON of the last step (chrome://tracing, Perfetto)");
+  b->add_flag("--timeline-json", be.timeline_json,
+              "JSON (as --json) with each mode's allocator timeline of the last step");
+  b->add_option("--trace", be.trace,
+                "Write a Chrome trace-event JSON of the last step (chrome://tracing, Perfetto)");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::string msg = e.what();                       // one line, as every other error
+    std::string msg = e.what();                      // one line, as every other error
     for (char& c : msg)
       if (c == '\n') c = ' ';
     std::fprintf(stderr, "graft: invalid argument: %s (see --help)\n", msg.c_str());

@@ -34,14 +34,17 @@ int cmd_run(const RunArgs& a) {
       mn = k ? std::min(mn, x) : x;
       mx = k ? std::max(mx, x) : x;
     }
-    std::printf("output %s: %s %s mean=%.6g min=%.6g max=%.6g\n", g.values[g.outputs[i]].name.c_str(),
-                dtype_name(t.dtype()), shape_str(t.shape()).c_str(), t.numel() ? sum / t.numel() : 0.0, mn, mx);
+    std::printf("output %s: %s %s mean=%.6g min=%.6g max=%.6g\n",
+                g.values[g.outputs[i]].name.c_str(), dtype_name(t.dtype()),
+                shape_str(t.shape()).c_str(), t.numel() ? sum / t.numel() : 0.0, mn, mx);
     if (!a.save_outputs_dir.empty())
-      save_tensor(a.save_outputs_dir, "output_" + std::to_string(i) + ".pb", t, g.values[g.outputs[i]].name);
+      save_tensor(a.save_outputs_dir, "output_" + std::to_string(i) + ".pb", t,
+                  g.values[g.outputs[i]].name);
   }
   std::printf("MA %s  MAX_MA %s (%lld bytes; run peak over start %s)  time %.3f ms\n",
               human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str(),
-              static_cast<long long>(alloc.peak()), human_bytes(alloc.peak() - base).c_str(), secs * 1e3);
+              static_cast<long long>(alloc.peak()), human_bytes(alloc.peak() - base).c_str(),
+              secs * 1e3);
   if (a.profile) {
     std::map<std::string, std::pair<int, double>> by_op;
     for (const auto& t : times) {
@@ -50,7 +53,8 @@ int cmd_run(const RunArgs& a) {
       e.second += t.seconds;
     }
     std::printf("%-28s %6s %12s\n", "op", "count", "ms");
-    for (const auto& [op, e] : by_op) std::printf("%-28s %6d %12.3f\n", op.c_str(), e.first, e.second * 1e3);
+    for (const auto& [op, e] : by_op)
+      std::printf("%-28s %6d %12.3f\n", op.c_str(), e.first, e.second * 1e3);
   }
   return 0;
 }

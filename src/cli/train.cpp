@@ -1,4 +1,6 @@
 // `graft train`: trains a model on given or random inputs; one progress line per step.
+#include "graft/train.h"
+
 #include <signal.h>
 
 #include <chrono>
@@ -10,7 +12,6 @@
 #include "commands.h"
 #include "graft/checkpoint.h"
 #include "graft/ops.h"
-#include "graft/train.h"
 
 namespace graft::cli {
 
@@ -22,7 +23,8 @@ volatile sig_atomic_t g_stop_signal = 0;
 void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 struct StopSignals {
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   StopSignals() {
     g_stop_signal = 0;
     struct sigaction sa {};
@@ -45,9 +47,12 @@ struct StopSignals {
 int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(a.steps >= 0, ErrorKind::InvalidArgument, "--steps must be >= 0");
   GRAFT_CHECK(a.lr >= 0, ErrorKind::InvalidArgument, "--lr must be >= 0");
-  GRAFT_CHECK(a.checkpoint_every >= 0, ErrorKind::InvalidArgument, "--checkpoint-every must be >= 0");
-  GRAFT_CHECK(a.checkpoint_keep >= 2, ErrorKind::InvalidArgument, "--checkpoint-keep must be >= 2 (the previous good checkpoint stays)");
-  GRAFT_CHECK(!a.resume || !a.checkpoint.empty(), ErrorKind::InvalidArgument, "--resume needs --checkpoint DIR");
+  GRAFT_CHECK(a.checkpoint_every >= 0, ErrorKind::InvalidArgument,
+              "--checkpoint-every must be >= 0");
+  GRAFT_CHECK(a.checkpoint_keep >= 2, ErrorKind::InvalidArgument,
+              "--checkpoint-keep must be >= 2 (the previous good checkpoint stays)");
+  GRAFT_CHECK(!a.resume || !a.checkpoint.empty(), ErrorKind::InvalidArgument,
+              "--resume needs --checkpoint DIR");
   GRAFT_CHECK(a.checkpoint_every == 0 || !a.checkpoint.empty(), ErrorKind::InvalidArgument,
               "--checkpoint-every needs --checkpoint DIR");
   check_threads("--threads", a.threads);
@@ -61,7 +66,8 @@ int cmd_train(const TrainArgs& a) {
   if (!a.checkpoint.empty() && !a.resume) {
     auto existing = list_checkpoints(a.checkpoint);
     GRAFT_CHECK(existing.empty(), ErrorKind::InvalidArgument,
-                "checkpoint folder '" + a.checkpoint + "' already holds checkpoints (newest: step " +
+                "checkpoint folder '" + a.checkpoint +
+                    "' already holds checkpoints (newest: step " +
                     (existing.empty() ? std::string() : std::to_string(existing[0].first)) +
                     "); pass --resume to continue that run, or use an empty folder");
   }
@@ -102,46 +108,61 @@ int cmd_train(const TrainArgs& a) {
     o.weight_decay = a.weight_decay;
     opt = std::make_unique<AdamW>(s.trainable(), o, &alloc);
   } else {
-    fail(ErrorKind::InvalidArgument, "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
+    fail(ErrorKind::InvalidArgument,
+         "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
   // Note [Memory budget]: before step 1, the whole planned need (parameters, gradients, optimizer
   // state, inputs, activations) is compared with --max-memory, or without it with the memory the
   // machine has left (MemAvailable, the cgroup's limit); then the allocator enforces the budget for
   // the whole run, so a step that would go over it fails with an error naming the node.
-  int64_t opt_state = a.optimizer == "adamw" ? 2 * s.gradient_bytes() : a.momentum != 0 ? s.gradient_bytes() : 0;
+  int64_t opt_state = a.optimizer == "adamw" ? 2 * s.gradient_bytes()
+                      : a.momentum != 0      ? s.gradient_bytes()
+                                             : 0;
   PlannedMemory need = s.planned_memory(opt_state);
   if (a.max_memory > 0) {
     GRAFT_CHECK(need.total() <= a.max_memory, ErrorKind::OutOfMemory,
                 "training needs " + std::to_string(need.total()) + " bytes (" + need.describe() +
-                    "), over --max-memory " + std::to_string(a.max_memory) + "; shrink the batch (--input) or raise the budget");
+                    "), over --max-memory " + std::to_string(a.max_memory) +
+                    "; shrink the batch (--input) or raise the budget");
   } else {
     int64_t avail = available_memory_bytes();
     int64_t more = need.total() - alloc.current();  // parameters and inputs are already allocated
     GRAFT_CHECK(avail < 0 || more <= avail, ErrorKind::OutOfMemory,
-                "training needs " + std::to_string(need.total()) + " bytes (" + need.describe() + "); " +
-                    std::to_string(more) + " more than already allocated, but only " + std::to_string(avail) +
-                    " bytes are available on this machine; shrink the batch (--input), or pass --max-memory to "
+                "training needs " + std::to_string(need.total()) + " bytes (" + need.describe() +
+                    "); " + std::to_string(more) + " more than already allocated, but only " +
+                    std::to_string(avail) +
+                    " bytes are available on this machine; shrink the batch (--input), or pass "
+                    "--max-memory to "
                     "override");
   }
-  std::printf("planned memory %lld bytes (%s)\n", static_cast<long long>(need.total()), need.describe().c_str());
-  std::printf("training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak %s",
-              a.model.c_str(), s.trainable().size(), human_bytes(s.gradient_bytes()).c_str(), a.mode.c_str(),
-              a.optimizer.c_str(), human_bytes(s.plan().planned_peak).c_str());
+  std::printf("planned memory %lld bytes (%s)\n", static_cast<long long>(need.total()),
+              need.describe().c_str());
+  std::printf(
+      "training %s: %zu trainable parameters (%s), mode %s, optimizer %s, planned activation peak "
+      "%s",
+      a.model.c_str(), s.trainable().size(), human_bytes(s.gradient_bytes()).c_str(),
+      a.mode.c_str(), a.optimizer.c_str(), human_bytes(s.plan().planned_peak).c_str());
   if (a.max_memory > 0)
-    std::printf(", memory budget %s (%lld bytes)", human_bytes(a.max_memory).c_str(), static_cast<long long>(a.max_memory));
+    std::printf(", memory budget %s (%lld bytes)", human_bytes(a.max_memory).c_str(),
+                static_cast<long long>(a.max_memory));
   std::printf("\n");
   int start = 0;
   if (a.resume) {
-    const std::map<std::string, double> flags = opt->state().hyper;  // the hyperparameters the flags gave
+    const std::map<std::string, double> flags =
+        opt->state().hyper;  // the hyperparameters the flags gave
     ResumeResult r = resume_from_dir(a.checkpoint, s, opt.get());
-    for (const std::string& m : r.skipped) std::fprintf(stderr, "graft: warning: skipped %s\n", m.c_str());
+    for (const std::string& m : r.skipped)
+      std::fprintf(stderr, "graft: warning: skipped %s\n", m.c_str());
     if (r.found) {
       GRAFT_CHECK(r.step <= a.steps, ErrorKind::InvalidArgument,
-                  "checkpoint '" + r.path + "' is at step " + std::to_string(r.step) + ", past --steps " + std::to_string(a.steps));
+                  "checkpoint '" + r.path + "' is at step " + std::to_string(r.step) +
+                      ", past --steps " + std::to_string(a.steps));
       start = static_cast<int>(r.step);
       std::printf("resumed from %s at step %d\n", r.path.c_str(), start);
       if (opt->state().hyper != flags)
-        std::fprintf(stderr, "graft: warning: the optimizer hyperparameters in the flags differ from the checkpoint's; using the checkpoint's\n");
+        std::fprintf(stderr,
+                     "graft: warning: the optimizer hyperparameters in the flags differ from the "
+                     "checkpoint's; using the checkpoint's\n");
     } else {
       std::printf("no checkpoint in %s yet: starting at step 0\n", a.checkpoint.c_str());
     }
@@ -159,38 +180,51 @@ int cmd_train(const TrainArgs& a) {
     if (step == a.steps && !a.save_grads.empty()) {
       int i = 0;
       for (const Parameter& p : s.parameters())
-        if (p.grad.defined()) save_tensor(a.save_grads, "grad_" + std::to_string(i++) + ".pb", p.grad, p.name);
+        if (p.grad.defined())
+          save_tensor(a.save_grads, "grad_" + std::to_string(i++) + ".pb", p.grad, p.name);
     }
     opt->step();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (a.json)
-      std::printf("{\"step\": %d, \"loss\": %.9g, \"seconds\": %.6f, \"ma_bytes\": %lld, \"max_ma_bytes\": %lld}\n", step,
-                  loss, secs, static_cast<long long>(alloc.current()), static_cast<long long>(alloc.peak()));
+      std::printf(
+          "{\"step\": %d, \"loss\": %.9g, \"seconds\": %.6f, \"ma_bytes\": %lld, \"max_ma_bytes\": "
+          "%lld}\n",
+          step, loss, secs, static_cast<long long>(alloc.current()),
+          static_cast<long long>(alloc.peak()));
     else
       std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s\n", step, loss, secs * 1e3,
                   human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str());
     std::fflush(stdout);
-    if (!a.checkpoint.empty() && ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps)) {
+    if (!a.checkpoint.empty() &&
+        ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps)) {
       save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
       saved_step = step;
     }
     if (const int sig = g_stop_signal; sig != 0 && step < a.steps) {
       const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
       if (!a.checkpoint.empty()) {
-        std::string path = saved_step == step ? (std::filesystem::path(a.checkpoint) / checkpoint_file_name(step)).string()
-                                              : save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
-        std::fprintf(stderr, "graft: interrupted by %s after step %d of %d: checkpoint written to %s (continue with --resume)\n",
+        std::string path =
+            saved_step == step
+                ? (std::filesystem::path(a.checkpoint) / checkpoint_file_name(step)).string()
+                : save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
+        std::fprintf(stderr,
+                     "graft: interrupted by %s after step %d of %d: checkpoint written to %s "
+                     "(continue with --resume)\n",
                      name, step, a.steps, path.c_str());
       } else {
-        std::fprintf(stderr, "graft: interrupted by %s after step %d of %d: no checkpoint was requested (--checkpoint DIR), "
-                     "so the training state is not saved\n", name, step, a.steps);
+        std::fprintf(stderr,
+                     "graft: interrupted by %s after step %d of %d: no checkpoint was requested "
+                     "(--checkpoint DIR), "
+                     "so the training state is not saved\n",
+                     name, step, a.steps);
       }
       return 128 + sig;
     }
   }
   if (!a.save_params.empty()) {
     int i = 0;
-    for (const Parameter& p : s.parameters()) save_tensor(a.save_params, "param_" + std::to_string(i++) + ".pb", p.data, p.name);
+    for (const Parameter& p : s.parameters())
+      save_tensor(a.save_params, "param_" + std::to_string(i++) + ".pb", p.data, p.name);
   }
   return 0;
 }

@@ -10,14 +10,22 @@ namespace graft {
 
 const char* error_kind_name(ErrorKind k) {
   switch (k) {
-    case ErrorKind::InvalidModel: return "invalid model";
-    case ErrorKind::Unsupported: return "unsupported";
-    case ErrorKind::ShapeMismatch: return "shape mismatch";
-    case ErrorKind::InvalidArgument: return "invalid argument";
-    case ErrorKind::OutOfMemory: return "out of memory";
-    case ErrorKind::Io: return "i/o error";
-    case ErrorKind::NonFinite: return "non-finite value";
-    case ErrorKind::Internal: return "internal error";
+    case ErrorKind::InvalidModel:
+      return "invalid model";
+    case ErrorKind::Unsupported:
+      return "unsupported";
+    case ErrorKind::ShapeMismatch:
+      return "shape mismatch";
+    case ErrorKind::InvalidArgument:
+      return "invalid argument";
+    case ErrorKind::OutOfMemory:
+      return "out of memory";
+    case ErrorKind::Io:
+      return "i/o error";
+    case ErrorKind::NonFinite:
+      return "non-finite value";
+    case ErrorKind::Internal:
+      return "internal error";
   }
   return "error";
 }
@@ -49,24 +57,34 @@ Error::Error(ErrorKind kind, const std::string& msg, const std::string& node)
       message_(printable(msg)) {}
 
 void fail(ErrorKind kind, const std::string& msg) { throw Error(kind, msg); }
-void fail_at(ErrorKind kind, const std::string& node, const std::string& msg) { throw Error(kind, msg, node); }
+void fail_at(ErrorKind kind, const std::string& node, const std::string& msg) {
+  throw Error(kind, msg, node);
+}
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::F64: return 8;
-    case DType::I64: return 8;
-    case DType::Bool: return 1;
+    case DType::F32:
+      return 4;
+    case DType::F64:
+      return 8;
+    case DType::I64:
+      return 8;
+    case DType::Bool:
+      return 1;
   }
   return 0;
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "float32";
-    case DType::F64: return "float64";
-    case DType::I64: return "int64";
-    case DType::Bool: return "bool";
+    case DType::F32:
+      return "float32";
+    case DType::F64:
+      return "float64";
+    case DType::I64:
+      return "int64";
+    case DType::Bool:
+      return "bool";
   }
   return "?";
 }
@@ -76,7 +94,8 @@ int64_t numel(const Shape& s) {
   for (int64_t d : s) {
     GRAFT_CHECK(d >= 0, ErrorKind::InvalidModel, "negative dimension in shape " + shape_str(s));
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d)
-      fail(ErrorKind::InvalidModel, "shape " + shape_str(s) + " has more elements than int64 holds");
+      fail(ErrorKind::InvalidModel,
+           "shape " + shape_str(s) + " has more elements than int64 holds");
     n *= d;
   }
   return n;
@@ -86,7 +105,9 @@ int64_t numel(const Shape& s, const std::string& what) {
   try {
     return numel(s);
   } catch (const Error& e) {
-    throw Error(e.kind(), what + ": " + std::string(e.what()).substr(std::string(error_kind_name(e.kind())).size() + 2));
+    throw Error(e.kind(), what + ": " +
+                              std::string(e.what()).substr(
+                                  std::string(error_kind_name(e.kind())).size() + 2));
   }
 }
 
@@ -98,11 +119,16 @@ std::string shape_str(const Shape& s) {
 
 const char* category_name(Category c) {
   switch (c) {
-    case Category::Parameter: return "parameter";
-    case Category::Gradient: return "gradient";
-    case Category::Activation: return "activation";
-    case Category::OptimizerState: return "optimizer_state";
-    case Category::Workspace: return "workspace";
+    case Category::Parameter:
+      return "parameter";
+    case Category::Gradient:
+      return "gradient";
+    case Category::Activation:
+      return "activation";
+    case Category::OptimizerState:
+      return "optimizer_state";
+    case Category::Workspace:
+      return "workspace";
   }
   return "?";
 }
@@ -124,9 +150,8 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
   if (limit_ > 0 && current_ + static_cast<int64_t>(bytes) > limit_)
     fail(ErrorKind::OutOfMemory, "allocating " + std::to_string(bytes) + " bytes" +
                                      (what.empty() ? "" : " for '" + what + "'") +
-                                     " would exceed the memory limit of " +
-                                     std::to_string(limit_) + " bytes (" +
-                                     std::to_string(current_) + " in use)");
+                                     " would exceed the memory limit of " + std::to_string(limit_) +
+                                     " bytes (" + std::to_string(current_) + " in use)");
   auto s = std::make_shared<Storage>();
   // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the end.
   s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
@@ -204,8 +229,9 @@ int64_t available_memory_bytes() {
     int64_t left = std::max<int64_t>(0, limit - used);
     avail = avail < 0 ? left : std::min(avail, left);
   };
-  room("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current");                                // cgroup v2
-  room("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes");  // v1
+  room("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current");  // cgroup v2
+  room("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+       "/sys/fs/cgroup/memory/memory.usage_in_bytes");  // v1
   return avail;
 }
 
@@ -217,8 +243,8 @@ Tensor Tensor::empty(const Shape& shape, DType dt, Allocator& a, Category c,
   t.shape_ = shape;
   t.numel_ = graft::numel(shape);
   if (t.numel_ > std::numeric_limits<int64_t>::max() / 8)
-    fail(ErrorKind::OutOfMemory, "tensor " + what + " of shape " + shape_str(shape) +
-                                     " is too large to allocate");
+    fail(ErrorKind::OutOfMemory,
+         "tensor " + what + " of shape " + shape_str(shape) + " is too large to allocate");
   t.storage_ = a.allocate(t.nbytes(), c, what);
   return t;
 }
@@ -258,10 +284,14 @@ Tensor Tensor::clone(Allocator& a, Category c) const {
 
 double Tensor::at(int64_t i) const {
   switch (dtype_) {
-    case DType::F32: return data<float>()[i];
-    case DType::F64: return data<double>()[i];
-    case DType::I64: return static_cast<double>(data<int64_t>()[i]);
-    case DType::Bool: return data<bool>()[i] ? 1.0 : 0.0;
+    case DType::F32:
+      return data<float>()[i];
+    case DType::F64:
+      return data<double>()[i];
+    case DType::I64:
+      return static_cast<double>(data<int64_t>()[i]);
+    case DType::Bool:
+      return data<bool>()[i] ? 1.0 : 0.0;
   }
   return 0;
 }

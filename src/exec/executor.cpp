@@ -3,32 +3,35 @@
 // An Executor is the immutable part of execution: the graph, the plan and each node's resolved
 // op. Everything a run changes lives in its Run, so runs may overlap (several forwards in flight)
 // and run on several threads; the shared Allocator is thread-safe.
-#include "graft/exec.h"
-
 #include <chrono>
 #include <cmath>
 
+#include "graft/exec.h"
 #include "graft/ops.h"
 
 namespace graft {
 
-Executor::Executor(const Graph& g, Plan plan, Allocator& alloc) : g_(g), plan_(std::move(plan)), alloc_(alloc) {
+Executor::Executor(const Graph& g, Plan plan, Allocator& alloc)
+    : g_(g), plan_(std::move(plan)), alloc_(alloc) {
   defs_.assign(g_.nodes.size(), nullptr);
   for (const PlanStep& st : plan_.steps) defs_[st.node] = &op_for(g_.nodes[st.node]);
 }
 
 void Executor::check_binding(int v, const Tensor& t) const {
   const Value& val = g_.values[v];
-  GRAFT_CHECK(val.kind == ValueKind::Input || val.kind == ValueKind::Param, ErrorKind::InvalidArgument,
-              "'" + val.name + "' is not a graph input or parameter");
-  GRAFT_CHECK(t.defined(), ErrorKind::InvalidArgument, "'" + val.name + "' was given an undefined tensor");
+  GRAFT_CHECK(val.kind == ValueKind::Input || val.kind == ValueKind::Param,
+              ErrorKind::InvalidArgument, "'" + val.name + "' is not a graph input or parameter");
+  GRAFT_CHECK(t.defined(), ErrorKind::InvalidArgument,
+              "'" + val.name + "' was given an undefined tensor");
   GRAFT_CHECK(t.dtype() == val.dtype, ErrorKind::InvalidArgument,
-              "'" + val.name + "' expects dtype " + dtype_name(val.dtype) + " but got " + dtype_name(t.dtype()));
+              "'" + val.name + "' expects dtype " + dtype_name(val.dtype) + " but got " +
+                  dtype_name(t.dtype()));
   GRAFT_CHECK(t.shape() == val.shape, ErrorKind::ShapeMismatch,
               "'" + val.name + "' was planned with shape " + shape_str(val.shape) + " but got " +
                   shape_str(t.shape()) + " (a new shape needs a new plan)");
   GRAFT_CHECK(t.nbytes() == 0 || t.raw() != nullptr, ErrorKind::InvalidArgument,
-              "'" + val.name + "' was given a tensor of " + std::to_string(t.nbytes()) + " bytes with no memory (a null data pointer)");
+              "'" + val.name + "' was given a tensor of " + std::to_string(t.nbytes()) +
+                  " bytes with no memory (a null data pointer)");
 }
 
 void Executor::bind(int v, Tensor t) {
@@ -57,8 +60,8 @@ std::vector<Tensor> Executor::run(const RunOptions& opt, const SinkFn& sink) {
   return finish(*r);
 }
 
-std::unique_ptr<Run> Executor::start(const std::vector<std::pair<int, Tensor>>& bindings, const RunOptions& opt,
-                                     SinkFn sink) const {
+std::unique_ptr<Run> Executor::start(const std::vector<std::pair<int, Tensor>>& bindings,
+                                     const RunOptions& opt, SinkFn sink) const {
   auto r = std::make_unique<Run>();
   r->opt_ = opt;
   r->sink_ = std::move(sink);
@@ -79,8 +82,8 @@ std::unique_ptr<Run> Executor::start(const std::vector<std::pair<int, Tensor>>& 
 void Executor::feed(Run& r, int v, Tensor t) const {
   const Value& val = g_.values[v];
   GRAFT_CHECK(t.dtype() == val.dtype && t.shape() == val.shape, ErrorKind::ShapeMismatch,
-              "'" + val.name + "' expects " + dtype_name(val.dtype) + " " + shape_str(val.shape) + " but got " +
-                  dtype_name(t.dtype()) + " " + shape_str(t.shape()));
+              "'" + val.name + "' expects " + dtype_name(val.dtype) + " " + shape_str(val.shape) +
+                  " but got " + dtype_name(t.dtype()) + " " + shape_str(t.shape()));
   GRAFT_CHECK(t.nbytes() == 0 || t.raw() != nullptr, ErrorKind::InvalidArgument,
               "'" + val.name + "' was given a tensor with no memory (a null data pointer)");
   r.vals_[v] = std::move(t);
@@ -94,7 +97,8 @@ void Executor::abort(Run& r) const {
 }
 
 void Executor::run_to(Run& r, int end_step) const {
-  GRAFT_CHECK(r.active_, ErrorKind::InvalidArgument, "this run has ended (or failed); start a new one");
+  GRAFT_CHECK(r.active_, ErrorKind::InvalidArgument,
+              "this run has ended (or failed); start a new one");
   try {
     using clock = std::chrono::steady_clock;
     std::vector<const Tensor*> ins;
@@ -109,7 +113,8 @@ void Executor::run_to(Run& r, int end_step) const {
       for (int v : n.inputs)
         if (v >= 0 && !vals[v].defined())
           fail_at(ErrorKind::InvalidArgument, n.name,
-                  n.label() + " reads '" + g_.values[v].name + "', which was not given (bind every graph input)");
+                  n.label() + " reads '" + g_.values[v].name +
+                      "', which was not given (bind every graph input)");
       if (d.sink) {
         int v = n.inputs[0];
         Tensor grad = vals[v];
@@ -127,8 +132,10 @@ void Executor::run_to(Run& r, int end_step) const {
           int o = n.outputs[i];
           if (o < 0) continue;
           const Value& ov = g_.values[o];
-          if (d.alias) vals[o] = vals[n.inputs[0]].reshaped(ov.shape);
-          else if (i == 0 && st.inplace_in >= 0) vals[o] = vals[st.inplace_in];
+          if (d.alias)
+            vals[o] = vals[n.inputs[0]].reshaped(ov.shape);
+          else if (i == 0 && st.inplace_in >= 0)
+            vals[o] = vals[st.inplace_in];
           else {
             try {
               vals[o] = Tensor::empty(ov.shape, ov.dtype, alloc_, ov.category, ov.name);
@@ -147,9 +154,11 @@ void Executor::run_to(Run& r, int end_step) const {
           for (int o : n.outputs)
             if (o >= 0 && !all_finite(vals[o]))
               fail_at(ErrorKind::NonFinite, n.name,
-                      n.label() + " produced a non-finite value (NaN or Inf) in '" + g_.values[o].name + "'");
+                      n.label() + " produced a non-finite value (NaN or Inf) in '" +
+                          g_.values[o].name + "'");
       }
-      if (r.opt_.profile) r.times_.push_back({st.node, std::chrono::duration<double>(clock::now() - t0).count()});
+      if (r.opt_.profile)
+        r.times_.push_back({st.node, std::chrono::duration<double>(clock::now() - t0).count()});
       for (int v : st.frees) vals[v] = Tensor();
     }
   } catch (...) {
@@ -173,7 +182,8 @@ std::vector<Tensor> Executor::finish(Run& r) const {
 namespace graft {
 
 std::vector<Tensor> run_inference(Graph& g, const std::map<std::string, Tensor>& inputs,
-                                  Allocator& alloc, const RunOptions& opt, std::vector<OpTime>* times) {
+                                  Allocator& alloc, const RunOptions& opt,
+                                  std::vector<OpTime>* times) {
   std::map<std::string, Shape> shapes;
   for (const auto& [name, t] : inputs) {
     int v = g.find(name);

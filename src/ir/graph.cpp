@@ -6,12 +6,18 @@ namespace graft {
 namespace {
 const char* kind_name(Attr::Kind k) {
   switch (k) {
-    case Attr::Int: return "int";
-    case Attr::Float: return "float";
-    case Attr::String: return "string";
-    case Attr::Ints: return "ints";
-    case Attr::Floats: return "floats";
-    case Attr::TensorV: return "tensor";
+    case Attr::Int:
+      return "int";
+    case Attr::Float:
+      return "float";
+    case Attr::String:
+      return "string";
+    case Attr::Ints:
+      return "ints";
+    case Attr::Floats:
+      return "floats";
+    case Attr::TensorV:
+      return "tensor";
   }
   return "?";
 }
@@ -111,9 +117,10 @@ int Graph::add_node(Node n) {
   node_names_.insert(n.name);
   for (int o : n.outputs) {
     if (o < 0) continue;
-    GRAFT_CHECK(values[o].producer < 0 && values[o].kind == ValueKind::Intermediate,
-                ErrorKind::InvalidModel,
-                n.label() + " writes value '" + values[o].name + "', which already has a definition");
+    GRAFT_CHECK(
+        values[o].producer < 0 && values[o].kind == ValueKind::Intermediate,
+        ErrorKind::InvalidModel,
+        n.label() + " writes value '" + values[o].name + "', which already has a definition");
     values[o].producer = id;
   }
   nodes.push_back(std::move(n));
@@ -146,8 +153,8 @@ int Graph::add_param(const std::string& name, Tensor t) {
   return v;
 }
 
-std::vector<int> Graph::add_op(const std::string& op, const std::vector<int>& ins, Attrs attrs, int n_outputs,
-                               const std::string& domain, const std::string& name) {
+std::vector<int> Graph::add_op(const std::string& op, const std::vector<int>& ins, Attrs attrs,
+                               int n_outputs, const std::string& domain, const std::string& name) {
   Node n;
   n.op = op;
   n.domain = domain;
@@ -155,8 +162,9 @@ std::vector<int> Graph::add_op(const std::string& op, const std::vector<int>& in
   n.inputs = ins;
   n.attrs = std::move(attrs);
   for (int k = 0; k < n_outputs; ++k)
-    n.outputs.push_back(add_value(n.name + (n_outputs > 1 ? ":" + std::to_string(k) : std::string()),
-                                  ValueKind::Intermediate));
+    n.outputs.push_back(
+        add_value(n.name + (n_outputs > 1 ? ":" + std::to_string(k) : std::string()),
+                  ValueKind::Intermediate));
   std::vector<int> outs = n.outputs;
   add_node(std::move(n));
   return outs;

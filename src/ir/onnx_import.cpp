@@ -14,8 +14,8 @@
 #include <charconv>
 #include <cstring>
 #include <filesystem>
-#include <limits>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "graft/ir.h"
@@ -27,17 +27,22 @@ namespace fs = std::filesystem;
 
 DType convert_dtype(int t, const std::string& what) {
   switch (t) {
-    case onnx::TensorProto::FLOAT: return DType::F32;
-    case onnx::TensorProto::DOUBLE: return DType::F64;
-    case onnx::TensorProto::INT64: return DType::I64;
-    case onnx::TensorProto::BOOL: return DType::Bool;
-    default: break;
+    case onnx::TensorProto::FLOAT:
+      return DType::F32;
+    case onnx::TensorProto::DOUBLE:
+      return DType::F64;
+    case onnx::TensorProto::INT64:
+      return DType::I64;
+    case onnx::TensorProto::BOOL:
+      return DType::Bool;
+    default:
+      break;
   }
   std::string n = onnx::TensorProto_DataType_IsValid(t)
                       ? onnx::TensorProto_DataType_Name(static_cast<onnx::TensorProto_DataType>(t))
                       : "code " + std::to_string(t);
-  fail(ErrorKind::Unsupported, what + " has element type " + n +
-                                   "; graft supports float32, float64, int64 and bool");
+  fail(ErrorKind::Unsupported,
+       what + " has element type " + n + "; graft supports float32, float64, int64 and bool");
 }
 
 // A non-negative decimal integer, the whole string (the file says it: no exceptions, no overflow).
@@ -45,20 +50,25 @@ int64_t parse_count(const std::string& text, const std::string& key, const std::
   int64_t v = -1;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   GRAFT_CHECK(ec == std::errc() && end == text.data() + text.size() && !text.empty() && v >= 0,
-              ErrorKind::InvalidModel, what + ": external data " + key + " '" + text + "' is not a byte count");
+              ErrorKind::InvalidModel,
+              what + ": external data " + key + " '" + text + "' is not a byte count");
   return v;
 }
 
-std::string read_external(const onnx::TensorProto& tp, const std::string& model_dir,
-                          size_t want, const std::string& what) {
+std::string read_external(const onnx::TensorProto& tp, const std::string& model_dir, size_t want,
+                          const std::string& what) {
   std::string location;
   int64_t offset = 0, length = -1;
   for (const auto& kv : tp.external_data()) {
-    if (kv.key() == "location") location = kv.value();
-    else if (kv.key() == "offset") offset = parse_count(kv.value(), "offset", what);
-    else if (kv.key() == "length") length = parse_count(kv.value(), "length", what);
+    if (kv.key() == "location")
+      location = kv.value();
+    else if (kv.key() == "offset")
+      offset = parse_count(kv.value(), "offset", what);
+    else if (kv.key() == "length")
+      length = parse_count(kv.value(), "length", what);
   }
-  GRAFT_CHECK(!location.empty(), ErrorKind::InvalidModel, what + ": external data without a location");
+  GRAFT_CHECK(!location.empty(), ErrorKind::InvalidModel,
+              what + ": external data without a location");
   fs::path rel(location);
   GRAFT_CHECK(!rel.is_absolute(), ErrorKind::InvalidModel,
               what + ": external data location '" + location + "' is an absolute path; refused");
@@ -73,14 +83,16 @@ std::string read_external(const onnx::TensorProto& tp, const std::string& model_
   fs::path canon = fs::weakly_canonical(full, ec);
   fs::path base = fs::weakly_canonical(fs::path(model_dir), ec);
   auto [a, b] = std::mismatch(base.begin(), base.end(), canon.begin(), canon.end());
-  GRAFT_CHECK(a == base.end(), ErrorKind::InvalidModel,
-              what + ": external data location '" + location + "' resolves outside the model's folder");
+  GRAFT_CHECK(
+      a == base.end(), ErrorKind::InvalidModel,
+      what + ": external data location '" + location + "' resolves outside the model's folder");
   std::ifstream f(full, std::ios::binary);
   GRAFT_CHECK(f.good(), ErrorKind::Io, what + ": cannot open external data file " + full.string());
   f.seekg(0, std::ios::end);
   int64_t size = f.tellg();
   GRAFT_CHECK(size >= 0 && offset <= size, ErrorKind::InvalidModel,
-              what + ": external data offset " + std::to_string(offset) + " is past the end of " + location);
+              what + ": external data offset " + std::to_string(offset) + " is past the end of " +
+                  location);
   if (length < 0) length = size - offset;
   GRAFT_CHECK(length <= size - offset && static_cast<size_t>(length) == want,
               ErrorKind::InvalidModel,
@@ -98,7 +110,8 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
   DType dt = convert_dtype(tp.data_type(), what);
   Shape shape(tp.dims().begin(), tp.dims().end());
   for (int64_t d : shape)
-    GRAFT_CHECK(d >= 0, ErrorKind::InvalidModel, what + " has a negative dimension " + shape_str(shape));
+    GRAFT_CHECK(d >= 0, ErrorKind::InvalidModel,
+                what + " has a negative dimension " + shape_str(shape));
   int64_t n = numel(shape);  // throws on overflow
   const size_t es = dtype_size(dt);
   GRAFT_CHECK(n <= (int64_t(1) << 40), ErrorKind::InvalidModel,
@@ -119,10 +132,18 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
   } else {
     int64_t have = 0;
     switch (dt) {
-      case DType::F32: have = tp.float_data_size(); break;
-      case DType::F64: have = tp.double_data_size(); break;
-      case DType::I64: have = tp.int64_data_size(); break;
-      case DType::Bool: have = tp.int32_data_size(); break;
+      case DType::F32:
+        have = tp.float_data_size();
+        break;
+      case DType::F64:
+        have = tp.double_data_size();
+        break;
+      case DType::I64:
+        have = tp.int64_data_size();
+        break;
+      case DType::Bool:
+        have = tp.int32_data_size();
+        break;
     }
     GRAFT_CHECK(have == n, ErrorKind::InvalidModel,
                 what + " has " + std::to_string(have) + " elements of data but its shape " +
@@ -138,9 +159,15 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
     return t;
   }
   switch (dt) {
-    case DType::F32: std::copy(tp.float_data().begin(), tp.float_data().end(), t.data<float>()); break;
-    case DType::F64: std::copy(tp.double_data().begin(), tp.double_data().end(), t.data<double>()); break;
-    case DType::I64: std::copy(tp.int64_data().begin(), tp.int64_data().end(), t.data<int64_t>()); break;
+    case DType::F32:
+      std::copy(tp.float_data().begin(), tp.float_data().end(), t.data<float>());
+      break;
+    case DType::F64:
+      std::copy(tp.double_data().begin(), tp.double_data().end(), t.data<double>());
+      break;
+    case DType::I64:
+      std::copy(tp.int64_data().begin(), tp.int64_data().end(), t.data<int64_t>());
+      break;
     case DType::Bool:
       for (int64_t i = 0; i < n; ++i) t.data<bool>()[i] = tp.int32_data(static_cast<int>(i)) != 0;
       break;
@@ -152,9 +179,18 @@ Attr convert_attr(const onnx::AttributeProto& ap, Allocator& alloc, const std::s
                   const std::string& where) {
   Attr a;
   switch (ap.type()) {
-    case onnx::AttributeProto::INT: a.kind = Attr::Int; a.i = ap.i(); break;
-    case onnx::AttributeProto::FLOAT: a.kind = Attr::Float; a.f = ap.f(); break;
-    case onnx::AttributeProto::STRING: a.kind = Attr::String; a.s = ap.s(); break;
+    case onnx::AttributeProto::INT:
+      a.kind = Attr::Int;
+      a.i = ap.i();
+      break;
+    case onnx::AttributeProto::FLOAT:
+      a.kind = Attr::Float;
+      a.f = ap.f();
+      break;
+    case onnx::AttributeProto::STRING:
+      a.kind = Attr::String;
+      a.s = ap.s();
+      break;
     case onnx::AttributeProto::INTS:
       a.kind = Attr::Ints;
       a.ints.assign(ap.ints().begin(), ap.ints().end());
@@ -179,9 +215,12 @@ Attr convert_attr(const onnx::AttributeProto& ap, Allocator& alloc, const std::s
 // Turns a Constant node's attribute into a tensor.
 Tensor constant_value(const Node& n, Allocator& alloc) {
   const auto& all = n.attrs.all();
-  GRAFT_CHECK(all.size() == 1, ErrorKind::InvalidModel, n.label() + " must have exactly one value attribute");
+  GRAFT_CHECK(all.size() == 1, ErrorKind::InvalidModel,
+              n.label() + " must have exactly one value attribute");
   const auto& [k, a] = *all.begin();
-  auto make = [&](DType dt, Shape s) { return Tensor::empty(s, dt, alloc, Category::Workspace, n.name); };
+  auto make = [&](DType dt, Shape s) {
+    return Tensor::empty(s, dt, alloc, Category::Workspace, n.name);
+  };
   if (k == "value" && a.kind == Attr::TensorV) return a.t;
   if (k == "value_float" && a.kind == Attr::Float) {
     Tensor t = make(DType::F32, {});
@@ -190,7 +229,8 @@ Tensor constant_value(const Node& n, Allocator& alloc) {
   }
   if (k == "value_floats" && a.kind == Attr::Floats) {
     Tensor t = make(DType::F32, {static_cast<int64_t>(a.floats.size())});
-    for (size_t i = 0; i < a.floats.size(); ++i) t.data<float>()[i] = static_cast<float>(a.floats[i]);
+    for (size_t i = 0; i < a.floats.size(); ++i)
+      t.data<float>()[i] = static_cast<float>(a.floats[i]);
     return t;
   }
   if (k == "value_int" && a.kind == Attr::Int) {
@@ -215,11 +255,13 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
   int64_t opset = -1;
   for (const auto& os : mp.opset_import())
     if (os.domain().empty() || os.domain() == "ai.onnx") opset = os.version();
-  GRAFT_CHECK(opset >= 0, ErrorKind::InvalidModel, "the model imports no opset of the default ONNX domain");
-  GRAFT_CHECK(opset >= 13 && opset <= 17, ErrorKind::Unsupported,
-              "the model uses opset " + std::to_string(opset) +
-                  " of the default domain; graft supports opsets 13 to 17 (re-export with "
-                  "torch.onnx.export(..., opset_version=17) or convert with onnx.version_converter)");
+  GRAFT_CHECK(opset >= 0, ErrorKind::InvalidModel,
+              "the model imports no opset of the default ONNX domain");
+  GRAFT_CHECK(
+      opset >= 13 && opset <= 17, ErrorKind::Unsupported,
+      "the model uses opset " + std::to_string(opset) +
+          " of the default domain; graft supports opsets 13 to 17 (re-export with "
+          "torch.onnx.export(..., opset_version=17) or convert with onnx.version_converter)");
   g.opset = opset;
   const auto& gp = mp.graph();
   g.name = gp.name();
@@ -232,10 +274,13 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     ValueKind kind = is_float(dt) ? ValueKind::Param : ValueKind::Constant;
     GRAFT_CHECK(g.find(tp.name()) < 0, ErrorKind::InvalidModel,
                 "initializer '" + tp.name() + "' is defined more than once");
-    Tensor t = convert_tensor(tp, alloc, kind == ValueKind::Param ? Category::Parameter : Category::Workspace,
+    Tensor t = convert_tensor(tp, alloc,
+                              kind == ValueKind::Param ? Category::Parameter : Category::Workspace,
                               model_dir, what);
-    if (kind == ValueKind::Param) g.add_param(tp.name(), std::move(t));
-    else g.add_constant(tp.name(), std::move(t), false);
+    if (kind == ValueKind::Param)
+      g.add_param(tp.name(), std::move(t));
+    else
+      g.add_constant(tp.name(), std::move(t), false);
     std::string().swap(*tp.mutable_raw_data());  // released now, not when the whole model is
     tp.clear_float_data();
     tp.clear_double_data();
@@ -257,7 +302,8 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
       bool known = true;
       for (const auto& d : tt.shape().dim()) {
         if (d.has_dim_value()) {
-          GRAFT_CHECK(d.dim_value() >= 0, ErrorKind::InvalidModel, what + " has a negative dimension");
+          GRAFT_CHECK(d.dim_value() >= 0, ErrorKind::InvalidModel,
+                      what + " has a negative dimension");
           val.shape.push_back(d.dim_value());
           val.dim_params.push_back("");
         } else {
@@ -278,8 +324,9 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     const auto& np = gp.node(i);
     std::string label = "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) +
                         "' (" + np.op_type() + ")";
-    GRAFT_CHECK(np.domain().empty() || np.domain() == "ai.onnx", ErrorKind::Unsupported,
-                label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
+    GRAFT_CHECK(
+        np.domain().empty() || np.domain() == "ai.onnx", ErrorKind::Unsupported,
+        label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
     for (const auto& o : np.output()) {
       if (o.empty()) continue;
       GRAFT_CHECK(g.find(o) < 0 && !producer_of.count(o), ErrorKind::InvalidModel,
@@ -333,7 +380,8 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     }
     for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
     if (n.op == "Constant") {
-      GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel, n.label() + " must have one output");
+      GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel,
+                  n.label() + " must have one output");
       g.add_constant(np.output(0), constant_value(n, alloc), false);
       continue;
     }
@@ -362,13 +410,15 @@ Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir,
 
 Graph load_onnx(const std::string& path, const ImportOptions& opt) {
   std::error_code ec;
-  GRAFT_CHECK(fs::is_regular_file(path, ec), ErrorKind::Io, "cannot open model file '" + path + "'");
+  GRAFT_CHECK(fs::is_regular_file(path, ec), ErrorKind::Io,
+              "cannot open model file '" + path + "'");
   auto size = static_cast<int64_t>(fs::file_size(path, ec));
   GRAFT_CHECK(!ec && size <= opt.max_file_bytes, ErrorKind::InvalidModel,
-              "model file '" + path + "' is " + std::to_string(size) + " bytes, over the limit of " +
-                  std::to_string(opt.max_file_bytes));
+              "model file '" + path + "' is " + std::to_string(size) +
+                  " bytes, over the limit of " + std::to_string(opt.max_file_bytes));
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  GRAFT_CHECK(fd >= 0, ErrorKind::Io, "cannot open model file '" + path + "': " + std::strerror(errno));
+  GRAFT_CHECK(fd >= 0, ErrorKind::Io,
+              "cannot open model file '" + path + "': " + std::strerror(errno));
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
@@ -379,13 +429,17 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
       google::protobuf::io::FileInputStream in(fd);
       google::protobuf::io::CodedInputStream coded(&in);
       coded.SetTotalBytesLimit(std::numeric_limits<int>::max());
-      GRAFT_CHECK(mp.ParseFromCodedStream(&coded) && coded.ConsumedEntireMessage(), ErrorKind::InvalidModel,
+      GRAFT_CHECK(mp.ParseFromCodedStream(&coded) && coded.ConsumedEntireMessage(),
+                  ErrorKind::InvalidModel,
                   "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
     }
-    return convert_model(mp, fs::path(path).parent_path().string(), opt.alloc ? *opt.alloc : Allocator::global());
+    return convert_model(mp, fs::path(path).parent_path().string(),
+                         opt.alloc ? *opt.alloc : Allocator::global());
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::InvalidModel || e.kind() == ErrorKind::Unsupported)
-      throw Error(e.kind(), path + ": " + std::string(e.what()).substr(std::strlen(error_kind_name(e.kind())) + 2));
+      throw Error(
+          e.kind(),
+          path + ": " + std::string(e.what()).substr(std::strlen(error_kind_name(e.kind())) + 2));
     throw;
   }
 }
@@ -395,22 +449,27 @@ Tensor load_tensor_pb(const std::string& path, std::string* name) {
   // checked before reading, so /dev/zero cannot be read without end), at most protobuf's 2 GiB
   // message limit, and exactly the size fstat reported.
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  GRAFT_CHECK(fd >= 0, ErrorKind::Io, "cannot open tensor file '" + path + "': " + std::strerror(errno));
+  GRAFT_CHECK(fd >= 0, ErrorKind::Io,
+              "cannot open tensor file '" + path + "': " + std::strerror(errno));
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
   struct stat st {};
-  GRAFT_CHECK(::fstat(fd, &st) == 0, ErrorKind::Io, "cannot stat tensor file '" + path + "': " + std::strerror(errno));
-  GRAFT_CHECK(S_ISREG(st.st_mode), ErrorKind::Io, "tensor file '" + path + "' is not a regular file");
+  GRAFT_CHECK(::fstat(fd, &st) == 0, ErrorKind::Io,
+              "cannot stat tensor file '" + path + "': " + std::strerror(errno));
+  GRAFT_CHECK(S_ISREG(st.st_mode), ErrorKind::Io,
+              "tensor file '" + path + "' is not a regular file");
   constexpr int64_t kMaxTensorFile = (int64_t{2} << 30) - 1;
   GRAFT_CHECK(st.st_size <= kMaxTensorFile, ErrorKind::InvalidModel,
-              "tensor file '" + path + "' is " + std::to_string(st.st_size) + " bytes, over protobuf's 2 GiB message limit");
+              "tensor file '" + path + "' is " + std::to_string(st.st_size) +
+                  " bytes, over protobuf's 2 GiB message limit");
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   for (size_t done = 0; done < bytes.size();) {
     ssize_t r = ::read(fd, bytes.data() + done, bytes.size() - done);
     if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    GRAFT_CHECK(r >= 0, ErrorKind::Io, "cannot read tensor file '" + path + "': " + std::strerror(errno));
+    GRAFT_CHECK(r >= 0, ErrorKind::Io,
+                "cannot read tensor file '" + path + "': " + std::strerror(errno));
     GRAFT_CHECK(r > 0, ErrorKind::Io, "tensor file '" + path + "' shrank while being read");
     done += static_cast<size_t>(r);
   }
@@ -427,10 +486,18 @@ void save_tensor_pb(const std::string& path, const Tensor& t, const std::string&
   tp.set_name(name);
   for (int64_t d : t.shape()) tp.add_dims(d);
   switch (t.dtype()) {
-    case DType::F32: tp.set_data_type(onnx::TensorProto::FLOAT); break;
-    case DType::F64: tp.set_data_type(onnx::TensorProto::DOUBLE); break;
-    case DType::I64: tp.set_data_type(onnx::TensorProto::INT64); break;
-    case DType::Bool: tp.set_data_type(onnx::TensorProto::BOOL); break;
+    case DType::F32:
+      tp.set_data_type(onnx::TensorProto::FLOAT);
+      break;
+    case DType::F64:
+      tp.set_data_type(onnx::TensorProto::DOUBLE);
+      break;
+    case DType::I64:
+      tp.set_data_type(onnx::TensorProto::INT64);
+      break;
+    case DType::Bool:
+      tp.set_data_type(onnx::TensorProto::BOOL);
+      break;
   }
   tp.set_raw_data(std::string(static_cast<const char*>(t.raw()), t.nbytes()));
   std::ofstream f(path, std::ios::binary);

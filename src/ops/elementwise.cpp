@@ -19,19 +19,60 @@ void unary_kernel(KernelCtx& c) {
     for (int64_t i = 0; i < n; ++i) y[i] = Op::f(x[i]);
   });
 }
-struct NegF { template <class T> static T f(T x) { return -x; } };
-struct ReciprocalF { template <class T> static T f(T x) { return T(1) / x; } };
-struct SqrtF { template <class T> static T f(T x) { return std::sqrt(x); } };
-struct ExpF { template <class T> static T f(T x) { return std::exp(x); } };
-struct LogF { template <class T> static T f(T x) { return std::log(x); } };
-struct ErfF { template <class T> static T f(T x) { return std::erf(x); } };
-struct TanhF { template <class T> static T f(T x) { return std::tanh(x); } };
+struct NegF {
+  template <class T>
+  static T f(T x) {
+    return -x;
+  }
+};
+struct ReciprocalF {
+  template <class T>
+  static T f(T x) {
+    return T(1) / x;
+  }
+};
+struct SqrtF {
+  template <class T>
+  static T f(T x) {
+    return std::sqrt(x);
+  }
+};
+struct ExpF {
+  template <class T>
+  static T f(T x) {
+    return std::exp(x);
+  }
+};
+struct LogF {
+  template <class T>
+  static T f(T x) {
+    return std::log(x);
+  }
+};
+struct ErfF {
+  template <class T>
+  static T f(T x) {
+    return std::erf(x);
+  }
+};
+struct TanhF {
+  template <class T>
+  static T f(T x) {
+    return std::tanh(x);
+  }
+};
 struct SigmoidF {
-  template <class T> static T f(T x) {
+  template <class T>
+  static T f(T x) {
     return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
   }
 };
-struct ReluF { template <class T> static T f(T x) { return x > T(0) ? x : T(0); } };
+struct ReluF {
+  template <class T>
+  static T f(T x) {
+    return x > T(0) ? x : T(0);
+  }
+};
 
 void infer_unary_float(InferCtx& c) {
   require_float(c, 0);
@@ -90,8 +131,12 @@ void arith_kernel(KernelCtx& c) {
     });
   };
   switch (c.in(0).dtype()) {
-    case DType::F32: run.template operator()<float>(); break;
-    case DType::F64: run.template operator()<double>(); break;
+    case DType::F32:
+      run.template operator()<float>();
+      break;
+    case DType::F64:
+      run.template operator()<double>();
+      break;
     case DType::I64:
       if (op == Bin::Div) {
         const int64_t* b = c.in(1).data<int64_t>();
@@ -100,15 +145,18 @@ void arith_kernel(KernelCtx& c) {
       }
       run.template operator()<int64_t>();
       break;
-    default: c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
+    default:
+      c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
   }
 }
 
 void infer_arith(InferCtx& c) {
   if (c.dtype(0) != c.dtype(1))
     c.error(ErrorKind::InvalidModel, std::string("inputs have different dtypes (") +
-                                         dtype_name(c.dtype(0)) + " and " + dtype_name(c.dtype(1)) + ")");
-  if (c.dtype(0) == DType::Bool) c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
+                                         dtype_name(c.dtype(0)) + " and " + dtype_name(c.dtype(1)) +
+                                         ")");
+  if (c.dtype(0) == DType::Bool)
+    c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
   c.set_out(0, c.dtype(0), broadcast_all(c));
 }
 
@@ -150,7 +198,8 @@ void pow_int_kernel(KernelCtx& c) {
     }
     const double v = std::trunc(std::pow(static_cast<double>(pa[o[0]]), b.at(o[1])));
     if (!(v >= -9.2233720368547758e18 && v < 9.2233720368547758e18))
-      c.error(ErrorKind::InvalidArgument, "integer Pow: result " + std::to_string(v) + " does not fit in int64");
+      c.error(ErrorKind::InvalidArgument,
+              "integer Pow: result " + std::to_string(v) + " does not fit in int64");
     po[i] = static_cast<int64_t>(v);
   });
 }
@@ -181,7 +230,8 @@ void equal_kernel(KernelCtx& c) {
   });
 }
 
-// ---- Where / Sum / Cast --------------------------------------------------------------------------
+// ---- Where / Sum / Cast
+// --------------------------------------------------------------------------
 void infer_where(InferCtx& c) {
   if (c.dtype(0) != DType::Bool) c.error(ErrorKind::InvalidModel, "condition must be bool");
   if (c.dtype(1) != c.dtype(2)) c.error(ErrorKind::InvalidModel, "X and Y have different dtypes");
@@ -219,8 +269,10 @@ void sum_kernel(KernelCtx& c) {
       const T* pa = a.data<T>();
       if (k == 0 && pa == po) continue;  // in place on input 0
       if (a.shape() == out.shape()) {
-        if (k == 0) std::copy(pa, pa + n, po);
-        else for (int64_t i = 0; i < n; ++i) po[i] += pa[i];
+        if (k == 0)
+          std::copy(pa, pa + n, po);
+        else
+          for (int64_t i = 0; i < n; ++i) po[i] += pa[i];
       } else {
         auto st = bcast_strides(a.shape(), out.shape());
         for_each_bcast<1>(out.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
@@ -233,10 +285,14 @@ void sum_kernel(KernelCtx& c) {
 
 int onnx_dtype_code(DType d) {
   switch (d) {
-    case DType::F32: return 1;
-    case DType::F64: return 11;
-    case DType::I64: return 7;
-    case DType::Bool: return 9;
+    case DType::F32:
+      return 1;
+    case DType::F64:
+      return 11;
+    case DType::I64:
+      return 7;
+    case DType::Bool:
+      return 9;
   }
   return 0;
 }
@@ -244,10 +300,18 @@ void infer_cast(InferCtx& c) {
   int64_t to = c.attr_int("to", -1);
   DType dt;
   switch (to) {
-    case 1: dt = DType::F32; break;
-    case 11: dt = DType::F64; break;
-    case 7: dt = DType::I64; break;
-    case 9: dt = DType::Bool; break;
+    case 1:
+      dt = DType::F32;
+      break;
+    case 11:
+      dt = DType::F64;
+      break;
+    case 7:
+      dt = DType::I64;
+      break;
+    case 9:
+      dt = DType::Bool;
+      break;
     default:
       c.error(ErrorKind::Unsupported, "cast to ONNX type " + std::to_string(to) +
                                           " is not supported (float32, float64, int64, bool only)");
@@ -288,11 +352,27 @@ void grad2_kernel(KernelCtx& c) {
     for (int64_t i = 0; i < c.in(0).numel(); ++i) dx[i] = Op::f(dy[i], t[i]);
   });
 }
-struct ReluGradF { template <class T> static T f(T dy, T y) { return y > T(0) ? dy : T(0); } };
-struct SigmoidGradF { template <class T> static T f(T dy, T y) { return dy * y * (T(1) - y); } };
-struct TanhGradF { template <class T> static T f(T dy, T y) { return dy * (T(1) - y * y); } };
+struct ReluGradF {
+  template <class T>
+  static T f(T dy, T y) {
+    return y > T(0) ? dy : T(0);
+  }
+};
+struct SigmoidGradF {
+  template <class T>
+  static T f(T dy, T y) {
+    return dy * y * (T(1) - y);
+  }
+};
+struct TanhGradF {
+  template <class T>
+  static T f(T dy, T y) {
+    return dy * (T(1) - y * y);
+  }
+};
 struct ErfGradF {
-  template <class T> static T f(T dy, T x) {
+  template <class T>
+  static T f(T dy, T x) {
     return dy * T(1.1283791670955126) * std::exp(-x * x);  // 2/sqrt(pi)
   }
 };
@@ -371,29 +451,126 @@ void grad_cast(GradBuilder& g) {
 
 const OpDef kOps[] = {
     {.name = "Neg", .infer = infer_neg, .kernel = neg_kernel, .grad = grad_neg, .inplace_input = 0},
-    {.name = "Reciprocal", .infer = infer_unary_float, .kernel = unary_kernel<ReciprocalF>, .grad = grad_reciprocal, .inplace_input = 0},
-    {.name = "Sqrt", .infer = infer_unary_float, .kernel = unary_kernel<SqrtF>, .grad = grad_sqrt, .inplace_input = 0},
-    {.name = "Exp", .infer = infer_unary_float, .kernel = unary_kernel<ExpF>, .grad = grad_exp, .inplace_input = 0},
-    {.name = "Log", .infer = infer_unary_float, .kernel = unary_kernel<LogF>, .grad = grad_log, .inplace_input = 0},
-    {.name = "Erf", .infer = infer_unary_float, .kernel = unary_kernel<ErfF>, .grad = grad_erf, .inplace_input = 0},
-    {.name = "Tanh", .infer = infer_unary_float, .kernel = unary_kernel<TanhF>, .grad = grad_tanh, .inplace_input = 0},
-    {.name = "Sigmoid", .infer = infer_unary_float, .kernel = unary_kernel<SigmoidF>, .grad = grad_sigmoid, .inplace_input = 0},
-    {.name = "Relu", .infer = infer_unary_float, .kernel = unary_kernel<ReluF>, .grad = grad_relu, .inplace_input = 0},
+    {.name = "Reciprocal",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<ReciprocalF>,
+     .grad = grad_reciprocal,
+     .inplace_input = 0},
+    {.name = "Sqrt",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<SqrtF>,
+     .grad = grad_sqrt,
+     .inplace_input = 0},
+    {.name = "Exp",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<ExpF>,
+     .grad = grad_exp,
+     .inplace_input = 0},
+    {.name = "Log",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<LogF>,
+     .grad = grad_log,
+     .inplace_input = 0},
+    {.name = "Erf",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<ErfF>,
+     .grad = grad_erf,
+     .inplace_input = 0},
+    {.name = "Tanh",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<TanhF>,
+     .grad = grad_tanh,
+     .inplace_input = 0},
+    {.name = "Sigmoid",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<SigmoidF>,
+     .grad = grad_sigmoid,
+     .inplace_input = 0},
+    {.name = "Relu",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<ReluF>,
+     .grad = grad_relu,
+     .inplace_input = 0},
     {.name = "Identity", .infer = infer_same, .grad = grad_identity, .alias = true},
-    {.name = "Add", .min_in = 2, .max_in = 2, .infer = infer_arith, .kernel = arith_kernel<Bin::Add>, .grad = grad_add, .inplace_input = 0},
-    {.name = "Sub", .min_in = 2, .max_in = 2, .infer = infer_arith, .kernel = arith_kernel<Bin::Sub>, .grad = grad_sub, .inplace_input = 0},
-    {.name = "Mul", .min_in = 2, .max_in = 2, .infer = infer_arith, .kernel = arith_kernel<Bin::Mul>, .grad = grad_mul, .inplace_input = 0},
-    {.name = "Div", .min_in = 2, .max_in = 2, .infer = infer_arith, .kernel = arith_kernel<Bin::Div>, .grad = grad_div, .inplace_input = 0},
-    {.name = "Pow", .min_in = 2, .max_in = 2, .infer = infer_pow, .kernel = pow_kernel, .grad = grad_pow, .inplace_input = 0},
+    {.name = "Add",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_arith,
+     .kernel = arith_kernel<Bin::Add>,
+     .grad = grad_add,
+     .inplace_input = 0},
+    {.name = "Sub",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_arith,
+     .kernel = arith_kernel<Bin::Sub>,
+     .grad = grad_sub,
+     .inplace_input = 0},
+    {.name = "Mul",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_arith,
+     .kernel = arith_kernel<Bin::Mul>,
+     .grad = grad_mul,
+     .inplace_input = 0},
+    {.name = "Div",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_arith,
+     .kernel = arith_kernel<Bin::Div>,
+     .grad = grad_div,
+     .inplace_input = 0},
+    {.name = "Pow",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_pow,
+     .kernel = pow_kernel,
+     .grad = grad_pow,
+     .inplace_input = 0},
     {.name = "Equal", .min_in = 2, .max_in = 2, .infer = infer_equal, .kernel = equal_kernel},
-    {.name = "Where", .min_in = 3, .max_in = 3, .infer = infer_where, .kernel = where_kernel, .grad = grad_where, .nondiff_inputs = {0}},
-    {.name = "Sum", .max_in = 1 << 20, .infer = infer_sum, .kernel = sum_kernel, .grad = grad_sum, .inplace_input = 0},
+    {.name = "Where",
+     .min_in = 3,
+     .max_in = 3,
+     .infer = infer_where,
+     .kernel = where_kernel,
+     .grad = grad_where,
+     .nondiff_inputs = {0}},
+    {.name = "Sum",
+     .max_in = 1 << 20,
+     .infer = infer_sum,
+     .kernel = sum_kernel,
+     .grad = grad_sum,
+     .inplace_input = 0},
     {.name = "Cast", .infer = infer_cast, .kernel = cast_kernel, .grad = grad_cast},
     // graft's fused gradient kernels: (dy, saved) -> dx
-    {.name = "ReluGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_grad2, .kernel = grad2_kernel<ReluGradF>, .inplace_input = 0},
-    {.name = "SigmoidGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_grad2, .kernel = grad2_kernel<SigmoidGradF>, .inplace_input = 0},
-    {.name = "TanhGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_grad2, .kernel = grad2_kernel<TanhGradF>, .inplace_input = 0},
-    {.name = "ErfGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_grad2, .kernel = grad2_kernel<ErfGradF>, .inplace_input = 0},
+    {.name = "ReluGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = grad2_kernel<ReluGradF>,
+     .inplace_input = 0},
+    {.name = "SigmoidGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = grad2_kernel<SigmoidGradF>,
+     .inplace_input = 0},
+    {.name = "TanhGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = grad2_kernel<TanhGradF>,
+     .inplace_input = 0},
+    {.name = "ErfGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = grad2_kernel<ErfGradF>,
+     .inplace_input = 0},
 };
 
 }  // namespace

@@ -50,7 +50,8 @@ void infer_gemm(InferCtx& c) {
 void gemm_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
-    T alpha = static_cast<T>(c.attr_float("alpha", 1.0)), beta = static_cast<T>(c.attr_float("beta", 1.0));
+    T alpha = static_cast<T>(c.attr_float("alpha", 1.0)),
+      beta = static_cast<T>(c.attr_float("beta", 1.0));
     const Tensor &A = c.in(0), &B = c.in(1);
     Tensor& Y = c.out(0);
     int64_t M = Y.dim(0), N = Y.dim(1), K = A.dim(ta ? 0 : 1);
@@ -63,7 +64,8 @@ void gemm_kernel(KernelCtx& c) {
         if (pc != y) std::copy(pc, pc + M * N, y);
       } else {
         auto st = bcast_strides(C.shape(), Y.shape());
-        for_each_bcast<1>(Y.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) { y[i] = pc[o[0]]; });
+        for_each_bcast<1>(Y.shape(), {st},
+                          [&](int64_t i, const std::array<int64_t, 1>& o) { y[i] = pc[o[0]]; });
       }
       b = beta;
     }
@@ -95,7 +97,7 @@ void grad_gemm(GradBuilder& g) {
 // ---- MatMul / FusedMatMul -----------------------------------------------------------------------
 // Shapes after numpy's 1-D promotion: a -> [..., M, K], b -> [..., K, N].
 struct MMShapes {
-  Shape batch;      // broadcast batch dims
+  Shape batch;  // broadcast batch dims
   int64_t M, N, K;
   Shape out;
 };
@@ -115,7 +117,8 @@ MMShapes mm_shapes(const Shape& sa0, const Shape& sb0, bool ta, bool tb,
   if (sb[sb.size() - 2] != r.K)
     err("inner dimensions differ: " + shape_str(sa0) + " x " + shape_str(sb0));
   Shape ba(sa.begin(), sa.end() - 2), bb(sb.begin(), sb.end() - 2);
-  if (!broadcast_shape(ba, bb, r.batch)) err("batch dimensions do not broadcast: " + shape_str(sa0) + " x " + shape_str(sb0));
+  if (!broadcast_shape(ba, bb, r.batch))
+    err("batch dimensions do not broadcast: " + shape_str(sa0) + " x " + shape_str(sb0));
   r.out = r.batch;
   if (!a1) r.out.push_back(r.M);
   if (!b1) r.out.push_back(r.N);
@@ -134,13 +137,15 @@ void matmul_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
     const Tensor &A = c.in(0), &B = c.in(1);
-    auto r = mm_shapes(A.shape(), B.shape(), ta, tb, [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+    auto r = mm_shapes(A.shape(), B.shape(), ta, tb,
+                       [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
     T* y = c.out(0).data<T>();
     const T *pa = A.data<T>(), *pb = B.data<T>();
     const int64_t nb = numel(r.batch), MK = r.M * r.K, KN = r.K * r.N, MN = r.M * r.N;
     const bool a_batched = A.rank() > 2, b_batched = B.rank() > 2;
     // A batch of [M,K] against one [K,N]: a single GEMM with M' = batch*M.
-    if (!b_batched && !ta && (A.rank() <= 2 || numel(Shape(A.shape().begin(), A.shape().end() - 2)) == nb)) {
+    if (!b_batched && !ta &&
+        (A.rank() <= 2 || numel(Shape(A.shape().begin(), A.shape().end() - 2)) == nb)) {
       gemm<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, pb, T(0), y);
       return;
     }
@@ -182,20 +187,53 @@ void grad_matmul(GradBuilder& g) {
   if (g.needs(0)) {
     // op(A) = A^T if ta. d op(A) = dY op(B)^T.
     int d = ta ? fmm(B, dy, tb, true) : fmm(dy, B, false, !tb);
-    if (a1) d = g.emit1("SumToShape", {d}, [&] { Attrs x; x.set_ints("shape", {1, sa[0]}); return x; }(), "graft");
+    if (a1)
+      d = g.emit1(
+          "SumToShape", {d},
+          [&] {
+            Attrs x;
+            x.set_ints("shape", {1, sa[0]});
+            return x;
+          }(),
+          "graft");
     g.set_dx(0, d);
   }
   if (g.needs(1)) {
     int d = tb ? fmm(dy, A, true, ta) : fmm(A, dy, !ta, false);
-    if (b1) d = g.emit1("SumToShape", {d}, [&] { Attrs x; x.set_ints("shape", {sb[0], 1}); return x; }(), "graft");
+    if (b1)
+      d = g.emit1(
+          "SumToShape", {d},
+          [&] {
+            Attrs x;
+            x.set_ints("shape", {sb[0], 1});
+            return x;
+          }(),
+          "graft");
     g.set_dx(1, d);
   }
 }
 
 const OpDef kOps[] = {
-    {.name = "Gemm", .min_in = 2, .max_in = 3, .infer = infer_gemm, .kernel = gemm_kernel, .grad = grad_gemm, .inplace_input = 2},
-    {.name = "MatMul", .min_in = 2, .max_in = 2, .infer = infer_matmul, .kernel = matmul_kernel, .grad = grad_matmul},
-    {.name = "FusedMatMul", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_matmul, .kernel = matmul_kernel, .grad = grad_matmul},
+    {.name = "Gemm",
+     .min_in = 2,
+     .max_in = 3,
+     .infer = infer_gemm,
+     .kernel = gemm_kernel,
+     .grad = grad_gemm,
+     .inplace_input = 2},
+    {.name = "MatMul",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_matmul,
+     .kernel = matmul_kernel,
+     .grad = grad_matmul},
+    {.name = "FusedMatMul",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_matmul,
+     .kernel = matmul_kernel,
+     .grad = grad_matmul},
 };
 
 }  // namespace

@@ -15,7 +15,8 @@ using namespace opsutil;
 int norm_axis(const Node& n, int rank, int64_t dflt = -1) {
   int64_t a = n.attrs.get_int("axis", dflt, n.label());
   GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
-              n.label() + ": axis " + std::to_string(a) + " is out of range for rank " + std::to_string(rank));
+              n.label() + ": axis " + std::to_string(a) + " is out of range for rank " +
+                  std::to_string(rank));
   return static_cast<int>(a < 0 ? a + rank : a);
 }
 void infer_softmax(InferCtx& c) {
@@ -44,7 +45,8 @@ void softmax_kernel(KernelCtx& c) {
           T lse = static_cast<T>(std::log(sum)) + mx;
           for (int64_t k = 0; k < n; ++k) q[k * inner] = p[k * inner] - lse;
         } else {
-          for (int64_t k = 0; k < n; ++k) q[k * inner] = static_cast<T>(std::exp(static_cast<double>(p[k * inner] - mx)) / sum);
+          for (int64_t k = 0; k < n; ++k)
+            q[k * inner] = static_cast<T>(std::exp(static_cast<double>(p[k * inner] - mx)) / sum);
         }
       }
   });
@@ -64,11 +66,14 @@ void softmax_grad_kernel(KernelCtx& c) {
         const int64_t b = o * n * inner + i;
         double s = 0;
         for (int64_t k = 0; k < n; ++k)
-          s += kLog ? static_cast<double>(pd[b + k * inner]) : static_cast<double>(pd[b + k * inner]) * py[b + k * inner];
+          s += kLog ? static_cast<double>(pd[b + k * inner])
+                    : static_cast<double>(pd[b + k * inner]) * py[b + k * inner];
         for (int64_t k = 0; k < n; ++k) {
           const int64_t j = b + k * inner;
-          if constexpr (kLog) px[j] = static_cast<T>(pd[j] - std::exp(static_cast<double>(py[j])) * s);
-          else px[j] = static_cast<T>(py[j] * (pd[j] - s));
+          if constexpr (kLog)
+            px[j] = static_cast<T>(pd[j] - std::exp(static_cast<double>(py[j])) * s);
+          else
+            px[j] = static_cast<T>(py[j] * (pd[j] - s));
         }
       }
   });
@@ -103,7 +108,8 @@ void infer_layernorm(InferCtx& c) {
   for (int i = 1; i < 3; ++i)
     if (c.has_in(i) && c.dtype(i) != c.dtype(0))
       c.error(ErrorKind::InvalidModel, std::string(i == 1 ? "Scale" : "B") + " has dtype " +
-                                           dtype_name(c.dtype(i)) + " but X has " + dtype_name(c.dtype(0)));
+                                           dtype_name(c.dtype(i)) + " but X has " +
+                                           dtype_name(c.dtype(0)));
   c.set_out(0, c.dtype(0), s);
   Shape st = s;
   for (size_t i = ax; i < st.size(); ++i) st[i] = 1;
@@ -141,8 +147,10 @@ void layernorm_kernel(KernelCtx& c) {
       for (int j = 1; j <= 2; ++j)
         if (c.has_out(j)) {
           double v = j == 1 ? m : inv;
-          if (c.out(j).dtype() == DType::F32) c.out(j).data<float>()[o] = static_cast<float>(v);
-          else c.out(j).data<double>()[o] = v;
+          if (c.out(j).dtype() == DType::F32)
+            c.out(j).data<float>()[o] = static_cast<float>(v);
+          else
+            c.out(j).data<double>()[o] = v;
         }
     }
   });
@@ -185,8 +193,10 @@ void layernorm_grad_kernel(KernelCtx& c) {
           dx[o * n + k] = static_cast<T>(inv * (static_cast<double>(dr[k]) * sc[k] - a - xh * b));
         }
     }
-    if (c.has_out(1)) for (int64_t k = 0; k < n; ++k) c.out(1).data<T>()[k] = static_cast<T>(ds[k]);
-    if (c.has_out(2)) for (int64_t k = 0; k < n; ++k) c.out(2).data<T>()[k] = static_cast<T>(db[k]);
+    if (c.has_out(1))
+      for (int64_t k = 0; k < n; ++k) c.out(1).data<T>()[k] = static_cast<T>(ds[k]);
+    if (c.has_out(2))
+      for (int64_t k = 0; k < n; ++k) c.out(2).data<T>()[k] = static_cast<T>(db[k]);
   });
 }
 void grad_layernorm(GradBuilder& g) {
@@ -209,10 +219,12 @@ void infer_sce(InferCtx& c) {
   if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "labels must be int64");
   Shape ls = s;
   ls.erase(ls.begin() + 1);
-  c.check(c.shape(1) == ls, "labels have shape " + shape_str(c.shape(1)) + ", expected " + shape_str(ls));
+  c.check(c.shape(1) == ls,
+          "labels have shape " + shape_str(c.shape(1)) + ", expected " + shape_str(ls));
   if (c.has_in(2)) {
     c.check(c.shape(2) == Shape{s[1]}, "weights must have shape [C]");
-    if (c.dtype(2) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "weights and scores differ in dtype");
+    if (c.dtype(2) != c.dtype(0))
+      c.error(ErrorKind::InvalidModel, "weights and scores differ in dtype");
   }
   std::string red = c.attrs().get_string("reduction", "mean", c.node().label());
   if (red != "mean" && red != "sum" && red != "none")
@@ -231,7 +243,8 @@ SceView sce_view(const Shape& s) {
 // Per-position log-softmax over C into `lp` (may be null), loss terms and weights.
 template <class T>
 void sce_forward(const KernelCtx& c, const T* x, const int64_t* lab, const T* w, SceView v,
-                 int64_t ignore, bool has_ignore, T* lp, std::vector<double>& term, std::vector<double>& wt) {
+                 int64_t ignore, bool has_ignore, T* lp, std::vector<double>& term,
+                 std::vector<double>& wt) {
   term.assign(v.N * v.D, 0.0);
   wt.assign(v.N * v.D, 0.0);
   for (int64_t nn = 0; nn < v.N; ++nn)
@@ -243,12 +256,13 @@ void sce_forward(const KernelCtx& c, const T* x, const int64_t* lab, const T* w,
       for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
       double lse = std::log(s) + mx;
       if (lp)
-        for (int64_t k = 0; k < v.C; ++k) lp[nn * v.C * v.D + k * v.D + d] = static_cast<T>(p[k * v.D] - lse);
+        for (int64_t k = 0; k < v.C; ++k)
+          lp[nn * v.C * v.D + k * v.D + d] = static_cast<T>(p[k * v.D] - lse);
       int64_t y = lab[nn * v.D + d];
       if (has_ignore && y == ignore) continue;
       if (y < 0 || y >= v.C)
-        c.error(ErrorKind::InvalidArgument, "label " + std::to_string(y) + " is out of range [0, " +
-                                                std::to_string(v.C) + ")");
+        c.error(ErrorKind::InvalidArgument,
+                "label " + std::to_string(y) + " is out of range [0, " + std::to_string(v.C) + ")");
       double ww = w ? static_cast<double>(w[y]) : 1.0;
       term[nn * v.D + d] = -ww * (p[y * v.D] - lse);
       wt[nn * v.D + d] = ww;
@@ -262,8 +276,9 @@ void sce_kernel(KernelCtx& c) {
   std::string red = c.node.attrs.get_string("reduction", "mean");
   dispatch_float(x.dtype(), c, [&]<class T>() {
     std::vector<double> term, wt;
-    sce_forward<T>(c, x.data<T>(), c.in(1).data<int64_t>(), c.has_in(2) ? c.in(2).data<T>() : nullptr, v,
-                   ignore, has_ignore, c.has_out(1) ? c.out(1).data<T>() : nullptr, term, wt);
+    sce_forward<T>(c, x.data<T>(), c.in(1).data<int64_t>(),
+                   c.has_in(2) ? c.in(2).data<T>() : nullptr, v, ignore, has_ignore,
+                   c.has_out(1) ? c.out(1).data<T>() : nullptr, term, wt);
     T* loss = c.out(0).data<T>();
     if (red == "none") {
       for (size_t i = 0; i < term.size(); ++i) loss[i] = static_cast<T>(term[i]);
@@ -312,14 +327,16 @@ void sce_grad_kernel(KernelCtx& c) {
         for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
         int64_t y = lab[pos];
         for (int64_t k = 0; k < v.C; ++k)
-          q[k * v.D] = static_cast<T>(coef * (std::exp(p[k * v.D] - mx) / s - (k == y ? 1.0 : 0.0)));
+          q[k * v.D] =
+              static_cast<T>(coef * (std::exp(p[k * v.D] - mx) / s - (k == y ? 1.0 : 0.0)));
       }
   });
 }
 void grad_sce(GradBuilder& g) {
   const Node& n = g.node();
   if (n.outputs.size() > 1 && n.outputs[1] >= 0 && g.dy(1) >= 0)
-    fail(ErrorKind::Unsupported, n.label() + ": a gradient through the log_prob output is not supported");
+    fail(ErrorKind::Unsupported,
+         n.label() + ": a gradient through the log_prob output is not supported");
   std::vector<int> ins{g.dy(0), g.x(0), g.x(1)};
   if (n.inputs.size() > 2 && n.inputs[2] >= 0) ins.push_back(n.inputs[2]);
   g.set_dx(0, g.emit1("SoftmaxCrossEntropyLossGrad", ins, n.attrs, "graft"));
@@ -342,12 +359,14 @@ void infer_dropout(InferCtx& c) {
   }
   if (c.has_in(2)) {
     if (c.dtype(2) != DType::Bool) c.error(ErrorKind::InvalidModel, "training_mode must be bool");
-    c.check(numel(c.shape(2)) == 1, "training_mode must be a scalar, got shape " + shape_str(c.shape(2)));
+    c.check(numel(c.shape(2)) == 1,
+            "training_mode must be a scalar, got shape " + shape_str(c.shape(2)));
   }
   c.set_out(0, c.dtype(0), c.shape(0));
   c.set_out(1, DType::Bool, c.shape(0));
   double p = c.const_in(1) ? c.const_in(1)->at(0) : 0.5;
-  if (p < 0 || p >= 1) c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
+  if (p < 0 || p >= 1)
+    c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
 }
 std::atomic<uint64_t>& dropout_counter() {
   static std::atomic<uint64_t> n{0};
@@ -356,7 +375,8 @@ std::atomic<uint64_t>& dropout_counter() {
 void dropout_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   double p;
-  bool active = dropout_active(c.has_in(1) ? &c.in(1) : nullptr, c.has_in(2) ? &c.in(2) : nullptr, p);
+  bool active =
+      dropout_active(c.has_in(1) ? &c.in(1) : nullptr, c.has_in(2) ? &c.in(2) : nullptr, p);
   if (c.has_in(1) && !(p >= 0 && p < 1))
     c.error(ErrorKind::InvalidArgument, "ratio " + std::to_string(p) + " is not in [0, 1)");
   bool* mask = c.has_out(1) ? c.out(1).data<bool>() : nullptr;
@@ -404,15 +424,65 @@ void grad_dropout(GradBuilder& g) {
 }
 
 const OpDef kOps[] = {
-    {.name = "Softmax", .infer = infer_softmax, .kernel = softmax_kernel<false>, .grad = grad_softmax},
-    {.name = "LogSoftmax", .infer = infer_softmax, .kernel = softmax_kernel<true>, .grad = grad_log_softmax},
-    {.name = "LayerNormalization", .min_in = 2, .max_in = 3, .max_out = 3, .infer = infer_layernorm, .kernel = layernorm_kernel, .grad = grad_layernorm},
-    {.name = "SoftmaxCrossEntropyLoss", .min_in = 2, .max_in = 3, .max_out = 2, .infer = infer_sce, .kernel = sce_kernel, .grad = grad_sce, .nondiff_inputs = {1, 2}},
-    {.name = "Dropout", .max_in = 3, .max_out = 2, .infer = infer_dropout, .kernel = dropout_kernel, .grad = grad_dropout, .foldable = false, .nondiff_inputs = {1, 2}},
-    {.name = "SoftmaxGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_softmax_grad, .kernel = softmax_grad_kernel<false>, .inplace_input = 0},
-    {.name = "LogSoftmaxGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_softmax_grad, .kernel = softmax_grad_kernel<true>, .inplace_input = 0},
-    {.name = "LayerNormGrad", .domain = "graft", .min_in = 3, .max_in = 3, .max_out = 3, .infer = infer_layernorm_grad, .kernel = layernorm_grad_kernel},
-    {.name = "SoftmaxCrossEntropyLossGrad", .domain = "graft", .min_in = 3, .max_in = 4, .infer = infer_sce_grad, .kernel = sce_grad_kernel, .nondiff_inputs = {2}},
+    {.name = "Softmax",
+     .infer = infer_softmax,
+     .kernel = softmax_kernel<false>,
+     .grad = grad_softmax},
+    {.name = "LogSoftmax",
+     .infer = infer_softmax,
+     .kernel = softmax_kernel<true>,
+     .grad = grad_log_softmax},
+    {.name = "LayerNormalization",
+     .min_in = 2,
+     .max_in = 3,
+     .max_out = 3,
+     .infer = infer_layernorm,
+     .kernel = layernorm_kernel,
+     .grad = grad_layernorm},
+    {.name = "SoftmaxCrossEntropyLoss",
+     .min_in = 2,
+     .max_in = 3,
+     .max_out = 2,
+     .infer = infer_sce,
+     .kernel = sce_kernel,
+     .grad = grad_sce,
+     .nondiff_inputs = {1, 2}},
+    {.name = "Dropout",
+     .max_in = 3,
+     .max_out = 2,
+     .infer = infer_dropout,
+     .kernel = dropout_kernel,
+     .grad = grad_dropout,
+     .foldable = false,
+     .nondiff_inputs = {1, 2}},
+    {.name = "SoftmaxGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_softmax_grad,
+     .kernel = softmax_grad_kernel<false>,
+     .inplace_input = 0},
+    {.name = "LogSoftmaxGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_softmax_grad,
+     .kernel = softmax_grad_kernel<true>,
+     .inplace_input = 0},
+    {.name = "LayerNormGrad",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 3,
+     .max_out = 3,
+     .infer = infer_layernorm_grad,
+     .kernel = layernorm_grad_kernel},
+    {.name = "SoftmaxCrossEntropyLossGrad",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 4,
+     .infer = infer_sce_grad,
+     .kernel = sce_grad_kernel,
+     .nondiff_inputs = {2}},
 };
 
 }  // namespace

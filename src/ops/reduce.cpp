@@ -22,7 +22,8 @@ std::vector<int> reduce_axes(const Node& n, const std::vector<int64_t>& axes_in,
   }
   for (int64_t a : axes_in) {
     GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
-                n.label() + ": axis " + std::to_string(a) + " is out of range for rank " + std::to_string(rank));
+                n.label() + ": axis " + std::to_string(a) + " is out of range for rank " +
+                    std::to_string(rank));
     int ax = static_cast<int>(a < 0 ? a + rank : a);
     GRAFT_CHECK(std::find(axes.begin(), axes.end(), ax) == axes.end(), ErrorKind::InvalidModel,
                 n.label() + ": axis " + std::to_string(a) + " is listed twice");
@@ -42,8 +43,10 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keep) {
   Shape out;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
     bool red = std::find(axes.begin(), axes.end(), i) != axes.end();
-    if (!red) out.push_back(s[i]);
-    else if (keep) out.push_back(1);
+    if (!red)
+      out.push_back(s[i]);
+    else if (keep)
+      out.push_back(1);
   }
   return out;
 }
@@ -66,7 +69,8 @@ void reduce_sum(const T* x, const Shape& s, const std::vector<int>& axes, T* y, 
   }();
   const int64_t n_in = numel(s);
   const int64_t count = n_out ? n_in / n_out : 0;
-  bool contiguous = !axes.empty() && axes.back() - axes.front() + 1 == static_cast<int>(axes.size());
+  bool contiguous =
+      !axes.empty() && axes.back() - axes.front() + 1 == static_cast<int>(axes.size());
   if (contiguous) {
     int64_t outer, mid, inner;
     split3(s, axes.front(), axes.back() + 1, outer, mid, inner);
@@ -83,7 +87,8 @@ void reduce_sum(const T* x, const Shape& s, const std::vector<int>& axes, T* y, 
           const T* p = x + (o * mid + m) * inner;
           for (int64_t i = 0; i < inner; ++i) q[i] += p[i];
         }
-        if (mean) for (int64_t i = 0; i < inner; ++i) q[i] /= static_cast<T>(mid ? mid : 1);
+        if (mean)
+          for (int64_t i = 0; i < inner; ++i) q[i] /= static_cast<T>(mid ? mid : 1);
       }
     }
     return;
@@ -99,7 +104,8 @@ void reduce_kernel(KernelCtx& c) {
     const Tensor& x = c.in(0);
     std::vector<int64_t> ax;
     if (c.node.op == "ReduceSum") {
-      if (c.has_in(1)) ax.assign(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
+      if (c.has_in(1))
+        ax.assign(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
     } else {
       ax = c.attr_ints("axes");
     }
@@ -142,7 +148,8 @@ void grad_reduce(GradBuilder& g) {
   g.set_dx(0, d);
 }
 
-// ---- SumToShape: reduce a broadcast gradient back to `shape` (right-aligned numpy rules) ----------
+// ---- SumToShape: reduce a broadcast gradient back to `shape` (right-aligned numpy rules)
+// ----------
 void infer_sum_to_shape(InferCtx& c) {
   require_float(c, 0);
   Shape to = c.attrs().get_ints("shape", {}, c.node().label());
@@ -153,15 +160,27 @@ void infer_sum_to_shape(InferCtx& c) {
 }
 void sum_to_shape_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    sum_to_shape<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), c.out(0).shape(), false);
+    sum_to_shape<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), c.out(0).shape(),
+                    false);
   });
 }
-void grad_sum_to_shape(GradBuilder& g) { g.set_dx(0, g.emit1("Expand", {g.dy(0), g.ints(g.shape(g.x(0)))})); }
+void grad_sum_to_shape(GradBuilder& g) {
+  g.set_dx(0, g.emit1("Expand", {g.dy(0), g.ints(g.shape(g.x(0)))}));
+}
 
 const OpDef kOps[] = {
-    {.name = "ReduceSum", .max_in = 2, .infer = infer_reduce, .kernel = reduce_kernel, .grad = grad_reduce, .nondiff_inputs = {1}},
+    {.name = "ReduceSum",
+     .max_in = 2,
+     .infer = infer_reduce,
+     .kernel = reduce_kernel,
+     .grad = grad_reduce,
+     .nondiff_inputs = {1}},
     {.name = "ReduceMean", .infer = infer_reduce, .kernel = reduce_kernel, .grad = grad_reduce},
-    {.name = "SumToShape", .domain = "graft", .infer = infer_sum_to_shape, .kernel = sum_to_shape_kernel, .grad = grad_sum_to_shape},
+    {.name = "SumToShape",
+     .domain = "graft",
+     .infer = infer_sum_to_shape,
+     .kernel = sum_to_shape_kernel,
+     .grad = grad_sum_to_shape},
 };
 
 }  // namespace

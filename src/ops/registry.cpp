@@ -24,7 +24,13 @@ const std::vector<const OpDef*>& all_ops() {
     register_reduce_ops(t);
     register_shape_ops(t);
     register_nn_ops(t);
-    static const OpDef sink{.name = "GradSink", .domain = "graft", .min_out = 0, .max_out = 0, .infer = infer_sink, .foldable = false, .sink = true};
+    static const OpDef sink{.name = "GradSink",
+                            .domain = "graft",
+                            .min_out = 0,
+                            .max_out = 0,
+                            .infer = infer_sink,
+                            .foldable = false,
+                            .sink = true};
     t.push_back(&sink);
     return t;
   }();
@@ -41,11 +47,12 @@ const OpDef& op_for(const Node& n) {
   if (n.def) return *n.def;  // resolved once (infer_node)
   const OpDef* d = find_op(n.op, n.domain);
   if (!d)
-    fail_at(ErrorKind::Unsupported, n.name,
-         n.label() + ": graft has no kernel for op '" + n.op + "'" +
-             (n.domain.empty() ? "" : " in domain '" + n.domain + "'") +
-             " (run `graft inspect` to list unsupported ops; keep that part of the model outside "
-             "graft or rewrite it with supported ops)");
+    fail_at(
+        ErrorKind::Unsupported, n.name,
+        n.label() + ": graft has no kernel for op '" + n.op + "'" +
+            (n.domain.empty() ? "" : " in domain '" + n.domain + "'") +
+            " (run `graft inspect` to list unsupported ops; keep that part of the model outside "
+            "graft or rewrite it with supported ops)");
   int ni = static_cast<int>(n.inputs.size()), no = static_cast<int>(n.outputs.size());
   // Trailing absent optional inputs/outputs do not count.
   while (ni > 0 && n.inputs[ni - 1] < 0) --ni;
@@ -81,7 +88,8 @@ std::vector<int64_t> InferCtx::ints_in(int i) const {
           "input '" + in(i).name +
               "' must be a constant (graft plans static shapes; a data-dependent shape is not "
               "supported)");
-  if (t->dtype() != DType::I64) error(ErrorKind::InvalidModel, "input '" + in(i).name + "' must be int64");
+  if (t->dtype() != DType::I64)
+    error(ErrorKind::InvalidModel, "input '" + in(i).name + "' must be int64");
   return std::vector<int64_t>(t->data<int64_t>(), t->data<int64_t>() + t->numel());
 }
 
@@ -92,8 +100,9 @@ void InferCtx::set_out(int i, DType dt, const Shape& s) {
   try {
     numel(s);  // overflow check
   } catch (const Error& e) {
-    error(ErrorKind::InvalidModel, "output '" + g_.values[node().outputs[i]].name + "' would have shape " +
-                                       shape_str(s) + ", more elements than int64 holds");
+    error(ErrorKind::InvalidModel, "output '" + g_.values[node().outputs[i]].name +
+                                       "' would have shape " + shape_str(s) +
+                                       ", more elements than int64 holds");
   }
   Value& v = g_.values[node().outputs[i]];
   v.dtype = dt;
@@ -101,7 +110,9 @@ void InferCtx::set_out(int i, DType dt, const Shape& s) {
   v.shape_known = true;
 }
 
-void InferCtx::error(ErrorKind k, const std::string& msg) const { fail_at(k, node().name, node().label() + ": " + msg); }
+void InferCtx::error(ErrorKind k, const std::string& msg) const {
+  fail_at(k, node().name, node().label() + ": " + msg);
+}
 
 int InferCtx::axis(int64_t a, int rank, const char* what) const {
   if (a < -rank || a >= rank)
@@ -110,7 +121,9 @@ int InferCtx::axis(int64_t a, int rank, const char* what) const {
   return static_cast<int>(a < 0 ? a + rank : a);
 }
 
-void KernelCtx::error(ErrorKind k, const std::string& msg) const { fail_at(k, node.name, node.label() + ": " + msg); }
+void KernelCtx::error(ErrorKind k, const std::string& msg) const {
+  fail_at(k, node.name, node.label() + ": " + msg);
+}
 
 // --- inference and folding ---------------------------------------------------------------------
 void infer_node(Graph& g, int ni) {
@@ -125,7 +138,8 @@ void infer_node(Graph& g, int ni) {
   d.infer(ctx);
   for (int o : n.outputs)
     if (o >= 0 && !g.values[o].shape_known)
-      fail(ErrorKind::Internal, n.label() + ": shape function left '" + g.values[o].name + "' unset");
+      fail(ErrorKind::Internal,
+           n.label() + ": shape function left '" + g.values[o].name + "' unset");
 }
 
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
@@ -157,13 +171,14 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
                     "input '" + val.name + "' has rank " + std::to_string(val.dim_params.size()) +
                         " but shape " + shape_str(s) + " was given");
         for (size_t i = 0; i < s.size(); ++i)
-          GRAFT_CHECK(val.dim_params[i].empty() == false || val.shape[i] == s[i],
-                      ErrorKind::ShapeMismatch,
-                      "input '" + val.name + "' has fixed dimension " + std::to_string(i) + " = " +
-                          std::to_string(val.shape[i]) + " but shape " + shape_str(s) + " was given");
+          GRAFT_CHECK(
+              val.dim_params[i].empty() == false || val.shape[i] == s[i], ErrorKind::ShapeMismatch,
+              "input '" + val.name + "' has fixed dimension " + std::to_string(i) + " = " +
+                  std::to_string(val.shape[i]) + " but shape " + shape_str(s) + " was given");
       }
       for (int64_t d : s)
-        GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument, "input '" + val.name + "': negative dimension");
+        GRAFT_CHECK(d >= 0, ErrorKind::InvalidArgument,
+                    "input '" + val.name + "': negative dimension");
       numel(s, "input '" + val.name + "'");
       val.shape = s;
       val.shape_known = true;
@@ -171,7 +186,8 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
     if (!val.shape_known) {
       std::string dims;
       for (size_t i = 0; i < val.dim_params.size(); ++i)
-        dims += (i ? "," : "") + (val.dim_params[i].empty() ? std::to_string(val.shape[i]) : val.dim_params[i]);
+        dims += (i ? "," : "") +
+                (val.dim_params[i].empty() ? std::to_string(val.shape[i]) : val.dim_params[i]);
       fail(ErrorKind::InvalidArgument, "input '" + val.name + "' has symbolic shape [" + dims +
                                            "]; give its shape (e.g. --input " + val.name + "=2x3)");
     }
@@ -191,14 +207,16 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
     // (shape arithmetic), and leave big ones to the executor, whose allocations are checked.
     int64_t out_bytes = 0;
     for (int o : n.outputs)
-      if (o >= 0) out_bytes += numel(g.values[o].shape) * static_cast<int64_t>(dtype_size(g.values[o].dtype));
+      if (o >= 0)
+        out_bytes += numel(g.values[o].shape) * static_cast<int64_t>(dtype_size(g.values[o].dtype));
     if (out_bytes > kMaxFoldBytes) continue;
     std::vector<const Tensor*> ins;
     Tensor placeholder;
     for (int v : n.inputs) ins.push_back(v >= 0 ? &g.values[v].data : nullptr);
     if (is_shape && !all_const) {
       // The kernel reads only the shape: hand it a zero-size stand-in of the right shape.
-      placeholder = Tensor::external(nullptr, g.values[n.inputs[0]].shape, g.values[n.inputs[0]].dtype, nullptr);
+      placeholder = Tensor::external(nullptr, g.values[n.inputs[0]].shape,
+                                     g.values[n.inputs[0]].dtype, nullptr);
       ins[0] = &placeholder;
     }
     std::vector<Tensor> out_t(n.outputs.size());

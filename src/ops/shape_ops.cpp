@@ -20,7 +20,8 @@ void infer_reshape(InferCtx& c) {
   for (size_t i = 0; i < spec.size(); ++i) {
     int64_t d = spec[i];
     if (d == 0 && !allowzero) {
-      c.check(i < in.size(), "shape entry 0 at position " + std::to_string(i) + " has no input dim to copy");
+      c.check(i < in.size(),
+              "shape entry 0 at position " + std::to_string(i) + " has no input dim to copy");
       d = in[i];
     }
     if (d == -1) {
@@ -35,7 +36,8 @@ void infer_reshape(InferCtx& c) {
   }
   int64_t n = numel(in);
   if (infer_at >= 0) {
-    c.check(known != 0 && n % known == 0, "cannot reshape " + shape_str(in) + " to " + shape_str(spec));
+    c.check(known != 0 && n % known == 0,
+            "cannot reshape " + shape_str(in) + " to " + shape_str(spec));
     out[infer_at] = n / known;
   }
   c.check(numel(out) == n, "cannot reshape " + shape_str(in) + " (" + std::to_string(n) +
@@ -46,7 +48,8 @@ void infer_flatten(InferCtx& c) {
   const Shape& s = c.shape(0);
   int r = static_cast<int>(s.size());
   int64_t a = c.attr_int("axis", 1);
-  if (a < -r || a > r) c.error(ErrorKind::InvalidModel, "axis " + std::to_string(a) + " out of range");
+  if (a < -r || a > r)
+    c.error(ErrorKind::InvalidModel, "axis " + std::to_string(a) + " out of range");
   int ax = static_cast<int>(a < 0 ? a + r : a);
   int64_t o = 1, i = 1;
   for (int k = 0; k < r; ++k) (k < ax ? o : i) *= s[k];
@@ -59,7 +62,8 @@ void infer_squeeze(InferCtx& c) {
   if (c.has_in(1)) {
     for (int64_t a : c.ints_in(1)) {
       int ax = c.axis(a, r);
-      c.check(s[ax] == 1, "cannot squeeze axis " + std::to_string(a) + " of size " + std::to_string(s[ax]));
+      c.check(s[ax] == 1,
+              "cannot squeeze axis " + std::to_string(a) + " of size " + std::to_string(s[ax]));
       drop[ax] = true;
     }
   } else {
@@ -94,11 +98,13 @@ std::vector<int64_t> perm_of(const Node& n, int rank) {
   if (p.empty())
     for (int i = rank - 1; i >= 0; --i) p.push_back(i);
   GRAFT_CHECK(static_cast<int>(p.size()) == rank, ErrorKind::InvalidModel,
-              n.label() + ": perm has " + std::to_string(p.size()) + " entries for rank " + std::to_string(rank));
+              n.label() + ": perm has " + std::to_string(p.size()) + " entries for rank " +
+                  std::to_string(rank));
   std::vector<bool> seen(rank, false);
   for (int64_t& a : p) {
     if (a < 0) a += rank;
-    GRAFT_CHECK(a >= 0 && a < rank && !seen[a], ErrorKind::InvalidModel, n.label() + ": perm is not a permutation");
+    GRAFT_CHECK(a >= 0 && a < rank && !seen[a], ErrorKind::InvalidModel,
+                n.label() + ": perm is not a permutation");
     seen[a] = true;
   }
   return p;
@@ -123,7 +129,8 @@ void transpose_kernel(KernelCtx& c) {
   dispatch(x.dtype(), [&]<class T>() {
     const T* px = x.data<T>();
     T* py = c.out(0).data<T>();
-    for_each_bcast<1>(c.out(0).shape(), {pst}, [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+    for_each_bcast<1>(c.out(0).shape(), {pst},
+                      [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
   });
 }
 void grad_transpose(GradBuilder& g) {
@@ -145,8 +152,10 @@ void infer_concat(InferCtx& c) {
     c.check(c.dtype(i) == c.dtype(0), "inputs differ in dtype");
     c.check(static_cast<int>(s.size()) == r, "inputs differ in rank");
     for (int k = 0; k < r; ++k)
-      if (k != ax) c.check(s[k] == out[k], "input '" + c.in(i).name + "' of shape " + shape_str(s) +
-                                               " does not match " + shape_str(c.shape(0)) + " off the concat axis");
+      if (k != ax)
+        c.check(s[k] == out[k], "input '" + c.in(i).name + "' of shape " + shape_str(s) +
+                                    " does not match " + shape_str(c.shape(0)) +
+                                    " off the concat axis");
     c.check(s[ax] <= INT64_MAX - out[ax], "concatenated size overflows int64");
     out[ax] += s[ax];
   }
@@ -191,16 +200,20 @@ std::vector<int64_t> split_sizes(InferCtx& c) {
   if (c.has_in(1)) {
     sz = c.ints_in(1);
     c.check(static_cast<int>(sz.size()) == c.n_out(), "split has " + std::to_string(sz.size()) +
-                                                           " entries for " + std::to_string(c.n_out()) + " outputs");
+                                                          " entries for " +
+                                                          std::to_string(c.n_out()) + " outputs");
     int64_t t = 0;
     for (int64_t v : sz) {
-      c.check(v >= 0 && v <= s[ax] - t, "split sizes " + shape_str(sz) + " do not sum to " + std::to_string(s[ax]));
+      c.check(v >= 0 && v <= s[ax] - t,
+              "split sizes " + shape_str(sz) + " do not sum to " + std::to_string(s[ax]));
       t += v;
     }
-    c.check(t == s[ax], "split sizes sum to " + std::to_string(t) + ", not " + std::to_string(s[ax]));
+    c.check(t == s[ax],
+            "split sizes sum to " + std::to_string(t) + ", not " + std::to_string(s[ax]));
   } else {
     int64_t n = c.n_out(), each = (s[ax] + n - 1) / n;
-    for (int64_t i = 0; i < n; ++i) sz.push_back(std::max<int64_t>(0, std::min(each, s[ax] - i * each)));
+    for (int64_t i = 0; i < n; ++i)
+      sz.push_back(std::max<int64_t>(0, std::min(each, s[ax] - i * each)));
   }
   return sz;
 }
@@ -228,16 +241,19 @@ void split_kernel(KernelCtx& c) {
     sz.assign(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
   } else {
     const int64_t each = (mid + n - 1) / n;
-    for (int64_t i = 0; i < n; ++i) sz.push_back(std::max<int64_t>(0, std::min(each, mid - i * each)));
+    for (int64_t i = 0; i < n; ++i)
+      sz.push_back(std::max<int64_t>(0, std::min(each, mid - i * each)));
   }
-  if (static_cast<int64_t>(sz.size()) != n) c.error(ErrorKind::InvalidModel, "split sizes do not match the outputs");
+  if (static_cast<int64_t>(sz.size()) != n)
+    c.error(ErrorKind::InvalidModel, "split sizes do not match the outputs");
   int64_t off = 0;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t m = sz[k];
     if (c.has_out(static_cast<int>(k))) {
       char* py = static_cast<char*>(c.out(static_cast<int>(k)).raw());
       const int64_t row = m * inner * es;
-      for (int64_t o = 0; o < outer; ++o) std::memcpy(py + o * row, px + (o * mid + off) * inner * es, row);
+      for (int64_t o = 0; o < outer; ++o)
+        std::memcpy(py + o * row, px + (o * mid + off) * inner * es, row);
     }
     off += m;
   }
@@ -264,10 +280,17 @@ void grad_split(GradBuilder& g) {
 void infer_zeros(InferCtx& c) {
   DType dt = DType::F32;
   switch (c.attr_int("to", 1)) {
-    case 1: dt = DType::F32; break;
-    case 11: dt = DType::F64; break;
-    case 7: dt = DType::I64; break;
-    default: c.error(ErrorKind::Unsupported, "Zeros dtype");
+    case 1:
+      dt = DType::F32;
+      break;
+    case 11:
+      dt = DType::F64;
+      break;
+    case 7:
+      dt = DType::I64;
+      break;
+    default:
+      c.error(ErrorKind::Unsupported, "Zeros dtype");
   }
   c.set_out(0, dt, c.attrs().get_ints("shape", {}, c.node().label()));
 }
@@ -287,7 +310,8 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
   if (axes.empty())
     for (size_t i = 0; i < starts.size(); ++i) axes.push_back(static_cast<int64_t>(i));
   if (steps.empty()) steps.assign(starts.size(), 1);
-  if (axes.size() != starts.size() || steps.size() != starts.size()) err("starts, ends, axes and steps differ in length");
+  if (axes.size() != starts.size() || steps.size() != starts.size())
+    err("starts, ends, axes and steps differ in length");
   SliceSpec sp;
   sp.start.assign(r, 0);
   sp.step.assign(r, 1);
@@ -333,8 +357,9 @@ void infer_slice(InferCtx& c) { c.set_out(0, c.dtype(0), slice_spec_infer(c).out
 
 // Copies between a strided window of `big` (shape bs) and dense `small` (shape ss).
 template <class T>
-void window_copy(T* big, const Shape& bs, T* small, const Shape& ss, const std::vector<int64_t>& start,
-                 const std::vector<int64_t>& step, bool to_small) {
+void window_copy(T* big, const Shape& bs, T* small, const Shape& ss,
+                 const std::vector<int64_t>& start, const std::vector<int64_t>& step,
+                 bool to_small) {
   const int r = static_cast<int>(bs.size());
   std::vector<int64_t> st(r), wst(r);
   int64_t s = 1, base = 0;
@@ -347,8 +372,10 @@ void window_copy(T* big, const Shape& bs, T* small, const Shape& ss, const std::
     base += start[i] * st[i];
   }
   for_each_bcast<1>(ss, {wst}, [&](int64_t i, const std::array<int64_t, 1>& o) {
-    if (to_small) small[i] = big[base + o[0]];
-    else big[base + o[0]] = small[i];
+    if (to_small)
+      small[i] = big[base + o[0]];
+    else
+      big[base + o[0]] = small[i];
   });
 }
 std::vector<int64_t> tensor_ints(const Tensor& t) {
@@ -359,30 +386,35 @@ void slice_kernel(KernelCtx& c) {
   auto sp = slice_spec(c.in(0).shape(), tensor_ints(c.in(1)), tensor_ints(c.in(2)), opt(3), opt(4),
                        [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
   dispatch(c.in(0).dtype(), [&]<class T>() {
-    window_copy<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), sp.out, sp.start, sp.step, true);
+    window_copy<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), sp.out, sp.start,
+                   sp.step, true);
   });
 }
 void grad_slice(GradBuilder& g) {
   const Node& n = g.node();
   auto ints_of = [&](int i) {
-    return i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0 ? tensor_ints(g.val(n.inputs[i]).data)
-                                                                     : std::vector<int64_t>{};
+    return i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0
+               ? tensor_ints(g.val(n.inputs[i]).data)
+               : std::vector<int64_t>{};
   };
-  auto sp = slice_spec(g.shape(g.x(0)), ints_of(1), ints_of(2), ints_of(3), ints_of(4),
-                       [&](const std::string& m) { fail(ErrorKind::InvalidModel, n.label() + ": " + m); });
+  auto sp = slice_spec(
+      g.shape(g.x(0)), ints_of(1), ints_of(2), ints_of(3), ints_of(4),
+      [&](const std::string& m) { fail(ErrorKind::InvalidModel, n.label() + ": " + m); });
   Attrs a;
   a.set_ints("shape", g.shape(g.x(0)));
   a.set_ints("starts", sp.start);
   a.set_ints("steps", sp.step);
   g.set_dx(0, g.emit1("SliceGrad", {g.dy(0)}, a, "graft"));
 }
-void infer_slice_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label())); }
+void infer_slice_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
+}
 void slice_grad_kernel(KernelCtx& c) {
   Tensor& dx = c.out(0);
   std::memset(dx.raw(), 0, dx.nbytes());
   dispatch_float(dx.dtype(), c, [&]<class T>() {
-    window_copy<T>(dx.data<T>(), dx.shape(), c.in(0).data<T>(), c.in(0).shape(), c.attr_ints("starts"),
-                   c.attr_ints("steps"), false);
+    window_copy<T>(dx.data<T>(), dx.shape(), c.in(0).data<T>(), c.in(0).shape(),
+                   c.attr_ints("starts"), c.attr_ints("steps"), false);
   });
 }
 
@@ -391,7 +423,8 @@ void infer_gather(InferCtx& c) {
   const Shape& s = c.shape(0);
   int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
   if (c.dtype(1) != DType::I64)
-    c.error(ErrorKind::Unsupported, std::string("indices have dtype ") + dtype_name(c.dtype(1)) + "; graft supports int64");
+    c.error(ErrorKind::Unsupported,
+            std::string("indices have dtype ") + dtype_name(c.dtype(1)) + "; graft supports int64");
   Shape out(s.begin(), s.begin() + ax);
   for (int64_t d : c.shape(1)) out.push_back(d);
   out.insert(out.end(), s.begin() + ax + 1, s.end());
@@ -399,22 +432,26 @@ void infer_gather(InferCtx& c) {
 }
 // (outer, n_idx, inner) view shared by Gather and GatherGrad; checks indices.
 template <class T, bool kScatter>
-void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds, T* small, int ax) {
+void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds, T* small,
+                 int ax) {
   int64_t outer, mid, inner;
   split3(ds, ax, ax + 1, outer, mid, inner);
   const int64_t ni = idx.numel();
   const int64_t* pi = idx.data<int64_t>();
   for (int64_t j = 0; j < ni; ++j)
     if (pi[j] < -mid || pi[j] >= mid)
-      c.error(ErrorKind::InvalidArgument, "index " + std::to_string(pi[j]) + " is out of range for axis " +
-                                              std::to_string(ax) + " of size " + std::to_string(mid));
+      c.error(ErrorKind::InvalidArgument, "index " + std::to_string(pi[j]) +
+                                              " is out of range for axis " + std::to_string(ax) +
+                                              " of size " + std::to_string(mid));
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t j = 0; j < ni; ++j) {
       int64_t k = pi[j] < 0 ? pi[j] + mid : pi[j];
       T* d = data + (o * mid + k) * inner;
       T* s = small + (o * ni + j) * inner;
-      if constexpr (kScatter) for (int64_t i = 0; i < inner; ++i) d[i] += s[i];
-      else std::memcpy(s, d, inner * sizeof(T));
+      if constexpr (kScatter)
+        for (int64_t i = 0; i < inner; ++i) d[i] += s[i];
+      else
+        std::memcpy(s, d, inner * sizeof(T));
     }
 }
 void gather_kernel(KernelCtx& c) {
@@ -433,13 +470,16 @@ void grad_gather(GradBuilder& g) {
   a.set_ints("shape", g.shape(g.x(0)));
   g.set_dx(0, g.emit1("GatherGrad", {g.dy(0), g.x(1)}, a, "graft"));
 }
-void infer_gather_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label())); }
+void infer_gather_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
+}
 // Scatter-add of dy rows into a zeroed dx (embedding gradients).
 void gather_grad_kernel(KernelCtx& c) {
   Tensor& dx = c.out(0);
   std::memset(dx.raw(), 0, dx.nbytes());
   dispatch_float(dx.dtype(), c, [&]<class T>() {
-    gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(), static_cast<int>(c.attr_int("axis", 0)));
+    gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(),
+                         static_cast<int>(c.attr_int("axis", 0)));
   });
 }
 
@@ -460,7 +500,8 @@ void infer_shape(InferCtx& c) {
 void shape_kernel(KernelCtx& c) {
   int64_t b, e;
   shape_range(c.node, c.in(0).rank(), b, e);
-  for (int64_t i = b; i < e; ++i) c.out(0).data<int64_t>()[i - b] = c.in(0).dim(static_cast<int>(i));
+  for (int64_t i = b; i < e; ++i)
+    c.out(0).data<int64_t>()[i - b] = c.in(0).dim(static_cast<int>(i));
 }
 
 void infer_expand(InferCtx& c) {
@@ -477,7 +518,8 @@ void expand_kernel(KernelCtx& c) {
   dispatch(x.dtype(), [&]<class T>() {
     const T* px = x.data<T>();
     T* py = y.data<T>();
-    for_each_bcast<1>(y.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+    for_each_bcast<1>(y.shape(), {st},
+                      [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
   });
 }
 void grad_expand(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
@@ -516,21 +558,89 @@ void grad_trilu(GradBuilder& g) {
 }
 
 const OpDef kOps[] = {
-    {.name = "Reshape", .min_in = 2, .max_in = 2, .infer = infer_reshape, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
+    {.name = "Reshape",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_reshape,
+     .grad = grad_alias,
+     .alias = true,
+     .nondiff_inputs = {1}},
     {.name = "Flatten", .infer = infer_flatten, .grad = grad_alias, .alias = true},
-    {.name = "Squeeze", .max_in = 2, .infer = infer_squeeze, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
-    {.name = "Unsqueeze", .min_in = 2, .max_in = 2, .infer = infer_unsqueeze, .grad = grad_alias, .alias = true, .nondiff_inputs = {1}},
-    {.name = "Transpose", .infer = infer_transpose, .kernel = transpose_kernel, .grad = grad_transpose},
-    {.name = "Concat", .max_in = 1 << 20, .infer = infer_concat, .kernel = concat_kernel, .grad = grad_concat},
-    {.name = "Split", .max_in = 2, .max_out = 1 << 20, .infer = infer_split, .kernel = split_kernel, .grad = grad_split, .nondiff_inputs = {1}},
-    {.name = "Slice", .min_in = 3, .max_in = 5, .infer = infer_slice, .kernel = slice_kernel, .grad = grad_slice, .nondiff_inputs = {1, 2, 3, 4}},
-    {.name = "Gather", .min_in = 2, .max_in = 2, .infer = infer_gather, .kernel = gather_kernel, .grad = grad_gather, .nondiff_inputs = {1}},
+    {.name = "Squeeze",
+     .max_in = 2,
+     .infer = infer_squeeze,
+     .grad = grad_alias,
+     .alias = true,
+     .nondiff_inputs = {1}},
+    {.name = "Unsqueeze",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_unsqueeze,
+     .grad = grad_alias,
+     .alias = true,
+     .nondiff_inputs = {1}},
+    {.name = "Transpose",
+     .infer = infer_transpose,
+     .kernel = transpose_kernel,
+     .grad = grad_transpose},
+    {.name = "Concat",
+     .max_in = 1 << 20,
+     .infer = infer_concat,
+     .kernel = concat_kernel,
+     .grad = grad_concat},
+    {.name = "Split",
+     .max_in = 2,
+     .max_out = 1 << 20,
+     .infer = infer_split,
+     .kernel = split_kernel,
+     .grad = grad_split,
+     .nondiff_inputs = {1}},
+    {.name = "Slice",
+     .min_in = 3,
+     .max_in = 5,
+     .infer = infer_slice,
+     .kernel = slice_kernel,
+     .grad = grad_slice,
+     .nondiff_inputs = {1, 2, 3, 4}},
+    {.name = "Gather",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_gather,
+     .kernel = gather_kernel,
+     .grad = grad_gather,
+     .nondiff_inputs = {1}},
     {.name = "Shape", .infer = infer_shape, .kernel = shape_kernel, .shape_only = true},
-    {.name = "Expand", .min_in = 2, .max_in = 2, .infer = infer_expand, .kernel = expand_kernel, .grad = grad_expand, .nondiff_inputs = {1}},
-    {.name = "Trilu", .max_in = 2, .infer = infer_trilu, .kernel = trilu_kernel, .grad = grad_trilu, .inplace_input = 0, .nondiff_inputs = {1}},
-    {.name = "Zeros", .domain = "graft", .min_in = 0, .max_in = 0, .infer = infer_zeros, .kernel = zeros_kernel},
-    {.name = "SliceGrad", .domain = "graft", .infer = infer_slice_grad, .kernel = slice_grad_kernel},
-    {.name = "GatherGrad", .domain = "graft", .min_in = 2, .max_in = 2, .infer = infer_gather_grad, .kernel = gather_grad_kernel, .nondiff_inputs = {1}},
+    {.name = "Expand",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_expand,
+     .kernel = expand_kernel,
+     .grad = grad_expand,
+     .nondiff_inputs = {1}},
+    {.name = "Trilu",
+     .max_in = 2,
+     .infer = infer_trilu,
+     .kernel = trilu_kernel,
+     .grad = grad_trilu,
+     .inplace_input = 0,
+     .nondiff_inputs = {1}},
+    {.name = "Zeros",
+     .domain = "graft",
+     .min_in = 0,
+     .max_in = 0,
+     .infer = infer_zeros,
+     .kernel = zeros_kernel},
+    {.name = "SliceGrad",
+     .domain = "graft",
+     .infer = infer_slice_grad,
+     .kernel = slice_grad_kernel},
+    {.name = "GatherGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_gather_grad,
+     .kernel = gather_grad_kernel,
+     .nondiff_inputs = {1}},
 };
 
 }  // namespace

@@ -9,9 +9,12 @@ bool broadcast_shape(const Shape& a, const Shape& b, Shape& out) {
   for (size_t i = 0; i < r; ++i) {
     int64_t da = i < r - a.size() ? 1 : a[i - (r - a.size())];
     int64_t db = i < r - b.size() ? 1 : b[i - (r - b.size())];
-    if (da == db || db == 1) out[i] = da;
-    else if (da == 1) out[i] = db;
-    else return false;
+    if (da == db || db == 1)
+      out[i] = da;
+    else if (da == 1)
+      out[i] = db;
+    else
+      return false;
   }
   return true;
 }
@@ -64,7 +67,8 @@ void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool 
     return;
   }
   auto st = bcast_strides(to, from);
-  for_each_bcast<1>(from, {st}, [&](int64_t i, const std::array<int64_t, 1>& o) { out[o[0]] += in[i]; });
+  for_each_bcast<1>(from, {st},
+                    [&](int64_t i, const std::array<int64_t, 1>& o) { out[o[0]] += in[i]; });
 }
 template void sum_to_shape<float>(const float*, const Shape&, float*, const Shape&, bool);
 template void sum_to_shape<double>(const double*, const Shape&, double*, const Shape&, bool);

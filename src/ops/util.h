@@ -55,25 +55,40 @@ void for_each_bcast(const Shape& out, const std::array<std::vector<int64_t>, N>&
 // Splits `shape` around [axis_begin, axis_end) into (outer, mid, inner) element counts.
 inline void split3(const Shape& s, int a0, int a1, int64_t& outer, int64_t& mid, int64_t& inner) {
   outer = mid = inner = 1;
-  for (int i = 0; i < static_cast<int>(s.size()); ++i) (i < a0 ? outer : i < a1 ? mid : inner) *= s[i];
+  for (int i = 0; i < static_cast<int>(s.size()); ++i)
+    (i < a0 ? outer : i < a1 ? mid : inner) *= s[i];
 }
 
 // Calls f.template operator()<T>() with T the C++ type of dt.
 template <class F>
 void dispatch(DType dt, F&& f) {
   switch (dt) {
-    case DType::F32: f.template operator()<float>(); break;
-    case DType::F64: f.template operator()<double>(); break;
-    case DType::I64: f.template operator()<int64_t>(); break;
-    case DType::Bool: f.template operator()<bool>(); break;
+    case DType::F32:
+      f.template operator()<float>();
+      break;
+    case DType::F64:
+      f.template operator()<double>();
+      break;
+    case DType::I64:
+      f.template operator()<int64_t>();
+      break;
+    case DType::Bool:
+      f.template operator()<bool>();
+      break;
   }
 }
 template <class F>
 void dispatch_float(DType dt, const KernelCtx& c, F&& f) {
   switch (dt) {
-    case DType::F32: f.template operator()<float>(); break;
-    case DType::F64: f.template operator()<double>(); break;
-    default: c.error(ErrorKind::Unsupported, std::string("dtype ") + dtype_name(dt) + " is not supported by this op");
+    case DType::F32:
+      f.template operator()<float>();
+      break;
+    case DType::F64:
+      f.template operator()<double>();
+      break;
+    default:
+      c.error(ErrorKind::Unsupported,
+              std::string("dtype ") + dtype_name(dt) + " is not supported by this op");
   }
 }
 
@@ -86,7 +101,8 @@ void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool 
 inline void require_float(InferCtx& c, int i) {
   if (!is_float(c.dtype(i)))
     c.error(ErrorKind::Unsupported, std::string("input '") + c.in(i).name + "' has dtype " +
-                                        dtype_name(c.dtype(i)) + "; this op needs float32 or float64");
+                                        dtype_name(c.dtype(i)) +
+                                        "; this op needs float32 or float64");
 }
 
 // ONNX TensorProto element-type code of a dtype (Cast's `to`).

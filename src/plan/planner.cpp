@@ -5,27 +5,29 @@
 // added into .grad and freed as soon as it is complete. graft does the same by list scheduling:
 // among the nodes whose inputs are ready, a GradSink runs first, then a node whose work ends in
 // one single sink (the weight-gradient GEMM); otherwise nodes run in the order they were emitted
-// (forward in file order, backward in reverse). A weight gradient therefore lives from its GEMM to its sink
-// and no longer, which is what bounds the backward peak to one gradient temporary.
-#include "graft/plan.h"
-
+// (forward in file order, backward in reverse). A weight gradient therefore lives from its GEMM to
+// its sink and no longer, which is what bounds the backward peak to one gradient temporary.
 #include <algorithm>
 #include <queue>
 #include <sstream>
 #include <tuple>
 
 #include "graft/ops.h"
+#include "graft/plan.h"
 
 namespace graft {
 namespace {
 
 bool owned(const Value& v) { return v.kind == ValueKind::Intermediate; }
 
-int64_t bytes_of(const Value& v) { return numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype)); }
+int64_t bytes_of(const Value& v) {
+  return numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype));
+}
 
 bool is_sink(const Node& n) { return op_for(n).sink; }
 
-std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vector<std::vector<int>>& cons) {
+std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
+                          const std::vector<std::vector<int>>& cons) {
   const int nn = static_cast<int>(g.nodes.size());
   std::vector<bool> kept(g.values.size(), false);
   for (int v : opt.keep) kept[v] = true;
@@ -55,7 +57,7 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
   std::vector<int> producer(g.values.size(), -1);
   for (int i = 0; i < nn; ++i)
     for (int o : g.nodes[i].outputs)
-        if (o >= 0) producer[o] = i;
+      if (o >= 0) producer[o] = i;
   std::vector<std::vector<int>> succ(nn);
   for (int i = 0; i < nn; ++i) {
     for (int v : g.nodes[i].inputs) {
@@ -83,8 +85,7 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt, const std::vec
       if (--indeg[s] == 0) ready.push(key(s));
   }
   for (int i = 0; i < nn; ++i)
-    if (indeg[i] > 0)
-      fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
+    if (indeg[i] > 0) fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
   return order;
 }
 
@@ -162,8 +163,9 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
     const OpDef& d = op_for(n);
     if (d.alias && n.outputs[0] >= 0 && n.inputs[0] >= 0) {
       join(p.buffer[n.inputs[0]], n.outputs[0]);
-    } else if (opt.inplace && d.inplace_input >= 0 && d.inplace_input < static_cast<int>(n.inputs.size()) &&
-               n.outputs[0] >= 0 && n.inputs[d.inplace_input] >= 0) {
+    } else if (opt.inplace && d.inplace_input >= 0 &&
+               d.inplace_input < static_cast<int>(n.inputs.size()) && n.outputs[0] >= 0 &&
+               n.inputs[d.inplace_input] >= 0) {
       int v = n.inputs[d.inplace_input], o = n.outputs[0];
       int b = p.buffer[v];
       bool ok = owned(g.values[b]) && g.values[v].dtype == g.values[o].dtype &&
@@ -234,14 +236,16 @@ void check_plan(const Graph& g, const Plan& p) {
       if (v < 0) continue;
       GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal,
                   "plan: " + n.label() + " reads '" + g.values[v].name + "' after it was freed");
-      GRAFT_CHECK(g.values[v].kind != ValueKind::Intermediate || defined_at[v] >= 0, ErrorKind::Internal,
+      GRAFT_CHECK(g.values[v].kind != ValueKind::Intermediate || defined_at[v] >= 0,
+                  ErrorKind::Internal,
                   "plan: " + n.label() + " reads '" + g.values[v].name + "' before it is computed");
     }
     if (p.steps[s].inplace_in >= 0) {
       int b = p.buffer[p.steps[s].inplace_in];
       // No value of that buffer may be read later or kept.
       GRAFT_CHECK(!buf_kept[b] && buf_last_read[b] <= static_cast<int>(s), ErrorKind::Internal,
-                  "plan: in-place write by " + n.label() + " clobbers a live value of buffer '" + g.values[b].name + "'");
+                  "plan: in-place write by " + n.label() + " clobbers a live value of buffer '" +
+                      g.values[b].name + "'");
     }
     for (int o : n.outputs) {
       if (o < 0) continue;
@@ -251,8 +255,10 @@ void check_plan(const Graph& g, const Plan& p) {
       buf_kept[b] = buf_kept[b] || kept[o];
     }
     for (int v : p.steps[s].frees) {
-      GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal, "plan: '" + g.values[v].name + "' freed twice");
-      GRAFT_CHECK(!kept[v], ErrorKind::Internal, "plan: kept value '" + g.values[v].name + "' freed");
+      GRAFT_CHECK(freed_at[v] < 0, ErrorKind::Internal,
+                  "plan: '" + g.values[v].name + "' freed twice");
+      GRAFT_CHECK(!kept[v], ErrorKind::Internal,
+                  "plan: kept value '" + g.values[v].name + "' freed");
       freed_at[v] = static_cast<int>(s);
     }
   }

@@ -23,7 +23,8 @@ DType parse_dtype(const std::string& s) {
   if (s == "float64") return DType::F64;
   if (s == "int64") return DType::I64;
   if (s == "bool") return DType::Bool;
-  fail(ErrorKind::Unsupported, "dtype " + s + " is not supported by graft (float32, float64, int64, bool)");
+  fail(ErrorKind::Unsupported,
+       "dtype " + s + " is not supported by graft (float32, float64, int64, bool)");
 }
 
 Tensor wrap(uintptr_t ptr, const std::vector<int64_t>& shape, const std::string& dtype) {
@@ -44,10 +45,18 @@ py::array to_numpy(const Tensor& t, const std::shared_ptr<Allocator>& alloc) {
   py::capsule base(keep, [](void* p) { delete static_cast<Keep*>(p); });
   py::dtype dt;
   switch (t.dtype()) {
-    case DType::F32: dt = py::dtype::of<float>(); break;
-    case DType::F64: dt = py::dtype::of<double>(); break;
-    case DType::I64: dt = py::dtype::of<int64_t>(); break;
-    case DType::Bool: dt = py::dtype::of<bool>(); break;
+    case DType::F32:
+      dt = py::dtype::of<float>();
+      break;
+    case DType::F64:
+      dt = py::dtype::of<double>();
+      break;
+    case DType::I64:
+      dt = py::dtype::of<int64_t>();
+      break;
+    case DType::Bool:
+      dt = py::dtype::of<bool>();
+      break;
   }
   std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end()), strides(t.shape().size());
   py::ssize_t s = static_cast<py::ssize_t>(dtype_size(t.dtype()));
@@ -87,8 +96,9 @@ struct PySession {
 
   PySession(const std::string& path, const std::map<std::string, std::vector<int64_t>>& shapes,
             const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
-            const std::vector<std::string>& input_grads, const std::vector<std::string>& param_inputs,
-            const std::string& mode, bool check_finite, int64_t max_memory) {
+            const std::vector<std::string>& input_grads,
+            const std::vector<std::string>& param_inputs, const std::string& mode,
+            bool check_finite, int64_t max_memory) {
     SessionOptions o;
     o.output_grads = output_grads;
     o.freeze = freeze;
@@ -120,7 +130,8 @@ PYBIND11_MODULE(_graft, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      static py::handle make = py::object(py::module_::import("graft.errors").attr("from_runtime")).release();
+      static py::handle make =
+          py::object(py::module_::import("graft.errors").attr("from_runtime")).release();
       py::object exc = make(e.message(), error_kind_name(e.kind()), e.node());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
@@ -129,92 +140,113 @@ PYBIND11_MODULE(_graft, m) {
   m.def("num_threads", &num_threads);
 
   py::class_<PyStep>(m, "Step")
-      .def("input_grads", [](PyStep& s) {
-        std::vector<py::object> r;
-        for (const Tensor& t : s.st->input_grads) r.push_back(t.defined() ? py::object(to_numpy(t, s.alloc)) : py::none());
-        return r;
-      })
+      .def("input_grads",
+           [](PyStep& s) {
+             std::vector<py::object> r;
+             for (const Tensor& t : s.st->input_grads)
+               r.push_back(t.defined() ? py::object(to_numpy(t, s.alloc)) : py::none());
+             return r;
+           })
       .def("pending", [](PyStep& s) { return s.st->forward_done && !s.st->backward_done; })
       .def("seed", [](PyStep& s) { return s.st->seed; });
 
   py::class_<PySession>(m, "Session")
       .def(py::init<const std::string&, const std::map<std::string, std::vector<int64_t>>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
-                    const std::vector<std::string>&, const std::vector<std::string>&, const std::string&, bool,
-                    int64_t>(),
+                    const std::vector<std::string>&, const std::vector<std::string>&,
+                    const std::string&, bool, int64_t>(),
            py::arg("path"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
-           py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"), py::arg("check_finite") = false,
-           py::arg("max_memory") = 0)
-      .def("parameters", [](PySession& p) {
-        std::vector<std::tuple<std::string, bool>> r;
-        for (const auto& q : p.s->parameters()) r.emplace_back(q.name, q.trainable);
-        return r;
-      })
-      .def("outputs_info", [](PySession& p) {
-        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
-        const Graph& g = p.s->graph();
-        for (int o : g.outputs) r.emplace_back(g.values[o].name, dtype_name(g.values[o].dtype), g.values[o].shape);
-        return r;
-      })
-      .def("inputs_info", [](PySession& p) {
-        std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
-        const Graph& g = p.s->graph();
-        for (int v : g.inputs) r.emplace_back(g.values[v].name, dtype_name(g.values[v].dtype), g.values[v].shape);
-        return r;
-      })
-      .def("bind_param", [](PySession& p, const std::string& name, uintptr_t ptr, const std::vector<int64_t>& shape,
-                            const std::string& dtype) { p.s->bind_parameter(name, wrap(ptr, shape, dtype)); })
+           py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"),
+           py::arg("check_finite") = false, py::arg("max_memory") = 0)
+      .def("parameters",
+           [](PySession& p) {
+             std::vector<std::tuple<std::string, bool>> r;
+             for (const auto& q : p.s->parameters()) r.emplace_back(q.name, q.trainable);
+             return r;
+           })
+      .def("outputs_info",
+           [](PySession& p) {
+             std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
+             const Graph& g = p.s->graph();
+             for (int o : g.outputs)
+               r.emplace_back(g.values[o].name, dtype_name(g.values[o].dtype), g.values[o].shape);
+             return r;
+           })
+      .def("inputs_info",
+           [](PySession& p) {
+             std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> r;
+             const Graph& g = p.s->graph();
+             for (int v : g.inputs)
+               r.emplace_back(g.values[v].name, dtype_name(g.values[v].dtype), g.values[v].shape);
+             return r;
+           })
+      .def("bind_param",
+           [](PySession& p, const std::string& name, uintptr_t ptr,
+              const std::vector<int64_t>& shape,
+              const std::string& dtype) { p.s->bind_parameter(name, wrap(ptr, shape, dtype)); })
       // Binds an existing gradient buffer (accumulated into in place), or None (set_to_none).
-      .def("bind_grad", [](PySession& p, const std::string& name, std::optional<uintptr_t> ptr,
-                           const std::vector<int64_t>& shape, const std::string& dtype) {
-        Parameter& q = p.s->parameter(name);
-        q.grad = ptr ? wrap(*ptr, shape, dtype) : Tensor();
-      })
+      .def("bind_grad",
+           [](PySession& p, const std::string& name, std::optional<uintptr_t> ptr,
+              const std::vector<int64_t>& shape, const std::string& dtype) {
+             Parameter& q = p.s->parameter(name);
+             q.grad = ptr ? wrap(*ptr, shape, dtype) : Tensor();
+           })
       // The gradient graft adopted for `name` (a new buffer, when it was None), or None.
-      .def("take_grad", [](PySession& p, const std::string& name) -> py::object {
-        Parameter& q = p.s->parameter(name);
-        if (!q.grad.defined() || !q.grad.storage()->owner) {
-          q.grad = Tensor();
-          return py::none();
-        }
-        py::array a = to_numpy(q.grad, p.alloc);
-        q.grad = Tensor();
-        return std::move(a);
-      })
+      .def("take_grad",
+           [](PySession& p, const std::string& name) -> py::object {
+             Parameter& q = p.s->parameter(name);
+             if (!q.grad.defined() || !q.grad.storage()->owner) {
+               q.grad = Tensor();
+               return py::none();
+             }
+             py::array a = to_numpy(q.grad, p.alloc);
+             q.grad = Tensor();
+             return std::move(a);
+           })
       // Runs a forward over `inputs` (name -> (pointer, shape, dtype), PyTorch memory the caller
       // keeps alive). Returns the step and its outputs as numpy arrays over graft memory.
-      .def("forward", [](PySession& p, const std::map<std::string, TensorSpec>& inputs, uint64_t seed,
-                         bool keep_for_backward) {
-        std::map<std::string, Tensor> in;
-        for (const auto& [n, t] : inputs) in[n] = wrap(std::get<0>(t), std::get<1>(t), std::get<2>(t));
-        std::shared_ptr<StepState> st;
-        {
-          py::gil_scoped_release nogil;
-          st = p.s->forward(in, seed, keep_for_backward);
-        }
-        std::vector<py::array> r;
-        for (const Tensor& t : st->outputs) r.push_back(to_numpy(t, p.alloc));
-        st->outputs.clear();  // PyTorch owns the outputs now (through the arrays' capsules)
-        st->loss = Tensor();
-        st->inputs.clear();   // the caller keeps its tensors alive while the step is pending
-        return py::make_tuple(PyStep{p.alloc, st}, r);
-      }, py::arg("inputs"), py::arg("seed"), py::arg("keep_for_backward") = true)
-      .def("backward", [](PySession& p, PyStep& step, const std::map<std::string, TensorSpec>& grads, py::object hook) {
-        std::map<std::string, Tensor> og;
-        for (const auto& [n, g] : grads) og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g));
-        p.hook = hook;
-        try {
-          p.s->backward(*step.st, og);
-        } catch (...) {
-          p.hook = py::none();
-          throw;
-        }
-        p.hook = py::none();
-      }, py::arg("step"), py::arg("grads"), py::arg("hook") = py::none())
-      .def("release", [](PySession& p, PyStep& step) {
-        if (step.st && step.st->run && step.st->run->active()) step.st->run.reset();
-        step.st->backward_done = true;
-      })
+      .def(
+          "forward",
+          [](PySession& p, const std::map<std::string, TensorSpec>& inputs, uint64_t seed,
+             bool keep_for_backward) {
+            std::map<std::string, Tensor> in;
+            for (const auto& [n, t] : inputs)
+              in[n] = wrap(std::get<0>(t), std::get<1>(t), std::get<2>(t));
+            std::shared_ptr<StepState> st;
+            {
+              py::gil_scoped_release nogil;
+              st = p.s->forward(in, seed, keep_for_backward);
+            }
+            std::vector<py::array> r;
+            for (const Tensor& t : st->outputs) r.push_back(to_numpy(t, p.alloc));
+            st->outputs.clear();  // PyTorch owns the outputs now (through the arrays' capsules)
+            st->loss = Tensor();
+            st->inputs.clear();  // the caller keeps its tensors alive while the step is pending
+            return py::make_tuple(PyStep{p.alloc, st}, r);
+          },
+          py::arg("inputs"), py::arg("seed"), py::arg("keep_for_backward") = true)
+      .def(
+          "backward",
+          [](PySession& p, PyStep& step, const std::map<std::string, TensorSpec>& grads,
+             py::object hook) {
+            std::map<std::string, Tensor> og;
+            for (const auto& [n, g] : grads)
+              og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g));
+            p.hook = hook;
+            try {
+              p.s->backward(*step.st, og);
+            } catch (...) {
+              p.hook = py::none();
+              throw;
+            }
+            p.hook = py::none();
+          },
+          py::arg("step"), py::arg("grads"), py::arg("hook") = py::none())
+      .def("release",
+           [](PySession& p, PyStep& step) {
+             if (step.st && step.st->run && step.st->run->active()) step.st->run.reset();
+             step.st->backward_done = true;
+           })
       .def("memory", [](PySession& p) { return memory_stats(*p.alloc); })
       .def("reset_peak", [](PySession& p) { p.alloc->reset_peak(); })
       .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; });

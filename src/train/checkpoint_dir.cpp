@@ -23,7 +23,8 @@ namespace {
 // "ckpt-<digits>.graft" -> its step.
 bool parse_step(const std::string& name, int64_t& step) {
   constexpr std::string_view pre = "ckpt-", suf = ".graft";
-  if (name.size() <= pre.size() + suf.size() || !name.starts_with(pre) || !name.ends_with(suf)) return false;
+  if (name.size() <= pre.size() + suf.size() || !name.starts_with(pre) || !name.ends_with(suf))
+    return false;
   const char* b = name.data() + pre.size();
   const char* e = name.data() + name.size() - suf.size();
   if (!std::all_of(b, e, [](char c) { return c >= '0' && c <= '9'; })) return false;
@@ -48,17 +49,21 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
     if (ec) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot list: " + ec.message());
     int64_t step;
     if (!parse_step(it->path().filename().string(), step)) continue;
-    std::error_code sec;  // stat, never open: a FIFO or device named like a checkpoint is no checkpoint
+    std::error_code
+        sec;  // stat, never open: a FIFO or device named like a checkpoint is no checkpoint
     if (!it->is_regular_file(sec)) continue;
     out.push_back({step, it->path().string()});
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second > b.second; });
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second > b.second;
+  });
   return out;
 }
 
-std::string save_checkpoint_in_dir(const std::string& dir, const TrainSession& s, const Optimizer* opt, int64_t step,
-                                   int keep) {
-  GRAFT_CHECK(keep >= 2, ErrorKind::InvalidArgument, "checkpoints to keep must be >= 2 (the previous good one stays)");
+std::string save_checkpoint_in_dir(const std::string& dir, const TrainSession& s,
+                                   const Optimizer* opt, int64_t step, int keep) {
+  GRAFT_CHECK(keep >= 2, ErrorKind::InvalidArgument,
+              "checkpoints to keep must be >= 2 (the previous good one stays)");
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot create: " + ec.message());
@@ -107,7 +112,8 @@ ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer*
       const bool exists = ::stat(it->path().c_str(), &sb) == 0;
       if (exists && S_ISREG(sb.st_mode)) continue;
       r.skipped.push_back("checkpoint '" + it->path().string() + "' is not a regular file (" +
-                          (exists ? durable::file_kind(sb.st_mode) : "a dangling link") + "); ignored");
+                          (exists ? durable::file_kind(sb.st_mode) : "a dangling link") +
+                          "); ignored");
     }
   }
   auto files = list_checkpoints(dir);
@@ -117,14 +123,16 @@ ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer*
     try {
       h = ckpt::read_and_verify(path);
       if (h.step != st)
-        ckpt::corrupt(path, "its name says step " + std::to_string(st) + ", its header step " + std::to_string(h.step));
+        ckpt::corrupt(path, "its name says step " + std::to_string(st) + ", its header step " +
+                                std::to_string(h.step));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::InvalidModel) throw;
       r.skipped.push_back(e.what());
       refused.push_back(path);
       continue;
     }
-    r.step = ckpt::load_verified(h, s, opt);  // a checkpoint of another run stops here with its error
+    r.step =
+        ckpt::load_verified(h, s, opt);  // a checkpoint of another run stops here with its error
     r.found = true;
     r.path = path;
     // Training continues from here and rewrites the newer steps; keep the refused files aside for
@@ -135,8 +143,8 @@ ResumeResult resume_from_dir(const std::string& dir, TrainSession& s, Optimizer*
   if (!files.empty()) {
     std::string all;
     for (const std::string& m : r.skipped) all += (all.empty() ? " " : "; ") + m;
-    fail(ErrorKind::InvalidModel, "no checkpoint in '" + dir + "' verifies (" + std::to_string(files.size()) +
-                                      " refused):" + all);
+    fail(ErrorKind::InvalidModel, "no checkpoint in '" + dir + "' verifies (" +
+                                      std::to_string(files.size()) + " refused):" + all);
   }
   return r;
 }
@@ -150,11 +158,13 @@ CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
   for (int attempt = 0;; ++attempt) {
     int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
     if (fd < 0)
-      fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot open its lock file '" + path_ + "': " + durable::errno_str());
+      fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot open its lock file '" + path_ +
+                              "': " + durable::errno_str());
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd);
-      fail(ErrorKind::Io, "checkpoint folder '" + dir + "': its lock file '" + path_ + "' is not a regular file");
+      fail(ErrorKind::Io,
+           "checkpoint folder '" + dir + "': its lock file '" + path_ + "' is not a regular file");
     }
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
@@ -162,12 +172,13 @@ CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
       ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
       ::close(fd);
       if (err != EWOULDBLOCK && err != EINTR)
-        fail(ErrorKind::Io, "checkpoint folder '" + dir + "': cannot lock '" + path_ + "': " + std::strerror(err));
+        fail(ErrorKind::Io,
+             "checkpoint folder '" + dir + "': cannot lock '" + path_ + "': " + std::strerror(err));
       long long pid = n > 0 ? std::atoll(buf) : 0;
       fail(ErrorKind::InvalidArgument,
            "checkpoint folder '" + dir + "' is in use by another graft run (" +
-               (pid > 0 ? "pid " + std::to_string(pid) : std::string("pid unknown")) + ", holding '" + path_ +
-               "'); wait for it to finish or use another folder");
+               (pid > 0 ? "pid " + std::to_string(pid) : std::string("pid unknown")) +
+               ", holding '" + path_ + "'); wait for it to finish or use another folder");
     }
     // The holder before us may have removed the file after we opened it (it unlinks on exit); a
     // lock on a removed file guards nothing, so make sure the name still refers to our file.
@@ -177,10 +188,12 @@ CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
       break;
     }
     ::close(fd);
-    if (attempt > 100) fail(ErrorKind::Io, "checkpoint folder '" + dir + "': its lock file keeps being replaced");
+    if (attempt > 100)
+      fail(ErrorKind::Io, "checkpoint folder '" + dir + "': its lock file keeps being replaced");
   }
   const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+  if (::ftruncate(fd_, 0) != 0 ||
+      ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
     // The lock holds regardless; only the pid shown to a refused run is missing.
   }
 }

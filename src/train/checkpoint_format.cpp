@@ -44,7 +44,8 @@ const json& req(const json& j, const char* key, const std::string& ctx, const st
 }
 int64_t req_int(const json& j, const char* key, const std::string& ctx, const std::string& path) {
   const json& v = req(j, key, ctx, path);
-  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
     corrupt(path, ctx + ": '" + key + "' is not an integer");
   return v.get<int64_t>();
 }
@@ -53,7 +54,8 @@ double req_num(const json& j, const char* key, const std::string& ctx, const std
   if (!v.is_number()) corrupt(path, ctx + ": '" + key + "' is not a number");
   return v.get<double>();
 }
-std::string req_str(const json& j, const char* key, const std::string& ctx, const std::string& path) {
+std::string req_str(const json& j, const char* key, const std::string& ctx,
+                    const std::string& path) {
   const json& v = req(j, key, ctx, path);
   if (!v.is_string()) corrupt(path, ctx + ": '" + key + "' is not a string");
   return v.get<std::string>();
@@ -71,14 +73,17 @@ DType parse_dtype(const std::string& s, const std::string& ctx, const std::strin
 }
 
 // Blobs lie back to back in header order; `cursor` is where the next one must start.
-Blob parse_blob(const json& j, int64_t want_bytes, int64_t& cursor, const std::string& ctx, const std::string& path) {
+Blob parse_blob(const json& j, int64_t want_bytes, int64_t& cursor, const std::string& ctx,
+                const std::string& path) {
   Blob b;
   b.offset = req_int(j, "offset", ctx, path);
   b.bytes = req_int(j, "bytes", ctx, path);
   if (b.bytes != want_bytes)
-    corrupt(path, ctx + ": holds " + std::to_string(b.bytes) + " bytes, its dtype and shape need " + std::to_string(want_bytes));
+    corrupt(path, ctx + ": holds " + std::to_string(b.bytes) + " bytes, its dtype and shape need " +
+                      std::to_string(want_bytes));
   if (b.offset != cursor)
-    corrupt(path, ctx + ": starts at data offset " + std::to_string(b.offset) + ", expected " + std::to_string(cursor));
+    corrupt(path, ctx + ": starts at data offset " + std::to_string(b.offset) + ", expected " +
+                      std::to_string(cursor));
   cursor += b.bytes;
   return b;
 }
@@ -91,7 +96,8 @@ json blob_json(int64_t& cursor, int64_t bytes) {
 
 // The optimizer section: kind, steps, hyperparameters (as the kind lists them) and per-parameter
 // state entries, whose slots continue the data section at `cursor`.
-void parse_optimizer(const json& oj, const std::map<std::string, size_t>& index, int64_t& cursor, Header& h) {
+void parse_optimizer(const json& oj, const std::map<std::string, size_t>& index, int64_t& cursor,
+                     Header& h) {
   const std::string& path = h.path;
   h.has_opt = true;
   h.kind = req_str(oj, "kind", "optimizer", path);
@@ -101,7 +107,8 @@ void parse_optimizer(const json& oj, const std::map<std::string, size_t>& index,
   const OptimizerKind* kind = find_optimizer_kind(h.kind);
   if (!kind) corrupt(path, "optimizer: unknown kind '" + h.kind + "'");
   for (const auto& [name, flag] : kind->hyper)
-    h.hyper[name] = flag ? (req_bool(hp, name.c_str(), h.kind, path) ? 1.0 : 0.0) : req_num(hp, name.c_str(), h.kind, path);
+    h.hyper[name] = flag ? (req_bool(hp, name.c_str(), h.kind, path) ? 1.0 : 0.0)
+                         : req_num(hp, name.c_str(), h.kind, path);
   if (!kind->hyper_valid(h.hyper)) corrupt(path, h.kind + ": hyperparameters out of range");
   const std::set<std::string> allowed(kind->tensors.begin(), kind->tensors.end());
 
@@ -125,12 +132,14 @@ void parse_optimizer(const json& oj, const std::map<std::string, size_t>& index,
     for (const json& slj : slots) {
       SlotEntry s;
       s.name = req_str(slj, "name", ctx, path);
-      if (!allowed.count(s.name)) corrupt(path, ctx + ": unknown slot '" + s.name + "' for " + h.kind);
+      if (!allowed.count(s.name))
+        corrupt(path, ctx + ": unknown slot '" + s.name + "' for " + h.kind);
       s.blob = parse_blob(slj, bytes, cursor, ctx + " " + s.name, path);
       names.push_back(s.name);
       e.slots.push_back(std::move(s));
     }
-    if (std::string why = kind->check_tensors(names, e.step); !why.empty()) corrupt(path, ctx + ": " + why);
+    if (std::string why = kind->check_tensors(names, e.step); !why.empty())
+      corrupt(path, ctx + ": " + why);
     h.state.push_back(std::move(e));
   }
 }
@@ -145,7 +154,8 @@ void parse_header(const std::string& text, Header& h) {
     corrupt(path, std::string("the header is not valid JSON: ") + e.what());
   }
   try {
-    if (req_str(j, "format", "header", path) != "graft-checkpoint") corrupt(path, "header: format is not 'graft-checkpoint'");
+    if (req_str(j, "format", "header", path) != "graft-checkpoint")
+      corrupt(path, "header: format is not 'graft-checkpoint'");
     h.step = req_int(j, "step", "header", path);
     if (h.step < 0) corrupt(path, "header: negative step");
     const json& rng = req(j, "rng", "header", path);
@@ -166,7 +176,8 @@ void parse_header(const std::string& text, Header& h) {
       const json& sj = req(pj, "shape", ctx, path);
       if (!sj.is_array()) corrupt(path, ctx + ": 'shape' is not an array");
       for (const json& d : sj) {
-        if (!d.is_number_integer() || d.get<int64_t>() < 0) corrupt(path, ctx + ": bad dimension in 'shape'");
+        if (!d.is_number_integer() || d.get<int64_t>() < 0)
+          corrupt(path, ctx + ": bad dimension in 'shape'");
         p.shape.push_back(d.get<int64_t>());
       }
       int64_t n;
@@ -176,7 +187,8 @@ void parse_header(const std::string& text, Header& h) {
         corrupt(path, ctx + ": shape " + shape_str(p.shape) + " is too large");
       }
       const int64_t es = static_cast<int64_t>(dtype_size(p.dtype));
-      if (n > INT64_MAX / es) corrupt(path, ctx + ": shape " + shape_str(p.shape) + " is too large");
+      if (n > INT64_MAX / es)
+        corrupt(path, ctx + ": shape " + shape_str(p.shape) + " is too large");
       p.trainable = req_bool(pj, "trainable", ctx, path);
       p.data = parse_blob(req(pj, "data", ctx, path), n * es, cursor, ctx + " data", path);
       const json& g = req(pj, "grad", ctx, path);
@@ -190,8 +202,8 @@ void parse_header(const std::string& text, Header& h) {
     const json& oj = req(j, "optimizer", "header", path);
     if (!oj.is_null()) parse_optimizer(oj, index, cursor, h);
     if (static_cast<uint64_t>(cursor) != h.data_bytes)
-      corrupt(path, "the header describes " + std::to_string(cursor) + " data bytes, the file holds " +
-                        std::to_string(h.data_bytes));
+      corrupt(path, "the header describes " + std::to_string(cursor) +
+                        " data bytes, the file holds " + std::to_string(h.data_bytes));
   } catch (const json::exception& e) {
     corrupt(path, std::string("malformed header: ") + e.what());
   }
@@ -220,29 +232,37 @@ void check_fits(const Header& h, const TrainSession& s, const Optimizer* opt) {
     }
     const ParamEntry& e = *it->second;
     if (e.dtype != p.data.dtype() || e.shape != p.data.shape())
-      fail(ErrorKind::ShapeMismatch, pre + "model: parameter '" + p.name + "' is " + dtype_name(e.dtype) + " " +
-                                         shape_str(e.shape) + " in the checkpoint, " + dtype_name(p.data.dtype()) +
-                                         " " + shape_str(p.data.shape()) + " in the model");
+      fail(ErrorKind::ShapeMismatch, pre + "model: parameter '" + p.name + "' is " +
+                                         dtype_name(e.dtype) + " " + shape_str(e.shape) +
+                                         " in the checkpoint, " + dtype_name(p.data.dtype()) + " " +
+                                         shape_str(p.data.shape()) + " in the model");
   }
   for (const ParamEntry& e : h.params)
     if (!have.count(e.name)) extra.push_back(e.name);
   if (!missing.empty())
     fail(ErrorKind::InvalidArgument, pre + "model: it lacks parameter(s) " + join_names(missing));
   if (!extra.empty())
-    fail(ErrorKind::InvalidArgument, pre + "model: it holds parameter(s) the model lacks: " + join_names(extra));
+    fail(ErrorKind::InvalidArgument,
+         pre + "model: it holds parameter(s) the model lacks: " + join_names(extra));
   if (!opt) return;
-  GRAFT_CHECK(find_optimizer_kind(opt->kind()), ErrorKind::InvalidArgument, "load_checkpoint: unsupported optimizer type");
+  GRAFT_CHECK(find_optimizer_kind(opt->kind()), ErrorKind::InvalidArgument,
+              "load_checkpoint: unsupported optimizer type");
   const std::string kind = opt->kind();
-  if (!h.has_opt) fail(ErrorKind::InvalidArgument, pre + "optimizer: it holds no optimizer state, the run uses " + kind);
+  if (!h.has_opt)
+    fail(ErrorKind::InvalidArgument,
+         pre + "optimizer: it holds no optimizer state, the run uses " + kind);
   if (h.kind != kind)
-    fail(ErrorKind::InvalidArgument, pre + "optimizer: it holds " + h.kind + " state, the run uses " + kind);
+    fail(ErrorKind::InvalidArgument,
+         pre + "optimizer: it holds " + h.kind + " state, the run uses " + kind);
   const auto& ps = opt->params();
   if (ps.size() != h.state.size())
-    fail(ErrorKind::InvalidArgument, pre + "optimizer: it updates " + std::to_string(h.state.size()) +
-                                         " parameters, the run's optimizer " + std::to_string(ps.size()));
+    fail(ErrorKind::InvalidArgument,
+         pre + "optimizer: it updates " + std::to_string(h.state.size()) +
+             " parameters, the run's optimizer " + std::to_string(ps.size()));
   for (size_t i = 0; i < ps.size(); ++i)
     if (ps[i]->name != h.state[i].param)
-      fail(ErrorKind::InvalidArgument, pre + "optimizer: its parameter " + std::to_string(i) + " is '" + h.state[i].param +
+      fail(ErrorKind::InvalidArgument, pre + "optimizer: its parameter " + std::to_string(i) +
+                                           " is '" + h.state[i].param +
                                            "', the run's optimizer has '" + ps[i]->name + "'");
 }
 
@@ -257,7 +277,8 @@ Staged stage(const Header& h, TrainSession& s, Optimizer* opt) {
   Allocator& sa = s.allocator();
   Fd f;
   durable::open_regular(f, path);
-  if (durable::file_size(f, path) != h.file_size) io_error(path, "the file changed while being loaded");
+  if (durable::file_size(f, path) != h.file_size)
+    io_error(path, "the file changed while being loaded");
   std::string prefix(kPreamble + h.header_bytes, '\0');
   read_exact(f.fd, prefix.data(), prefix.size(), path);
   uint32_t crc = crc32(prefix.data(), prefix.size());
@@ -283,7 +304,8 @@ Staged stage(const Header& h, TrainSession& s, Optimizer* opt) {
     std::vector<Tensor> ts;
     const ParamEntry& p = *by_name.at(e.param);
     for (const SlotEntry& sl : e.slots) {
-      Tensor t = Tensor::empty(p.shape, p.dtype, opt ? opt->allocator() : sa, Category::OptimizerState, p.name + "." + sl.name);
+      Tensor t = Tensor::empty(p.shape, p.dtype, opt ? opt->allocator() : sa,
+                               Category::OptimizerState, p.name + "." + sl.name);
       read_into(t);
       ts.push_back(t);
     }
@@ -293,7 +315,8 @@ Staged stage(const Header& h, TrainSession& s, Optimizer* opt) {
   read_exact(f.fd, tr, kTrailer, path);
   uint32_t stored;
   std::memcpy(&stored, tr, 4);
-  if (stored != h.crc || crc != h.crc) io_error(path, "the file changed while being loaded (checksum differs from the first read)");
+  if (stored != h.crc || crc != h.crc)
+    io_error(path, "the file changed while being loaded (checksum differs from the first read)");
   return out;
 }
 
@@ -304,7 +327,8 @@ void commit(const Header& h, Staged& st, TrainSession& s, Optimizer* opt) {
     os.steps = h.opt_steps;
     for (size_t i = 0; i < h.state.size(); ++i) {
       std::map<std::string, Tensor>& m = os.tensors.emplace_back();
-      for (size_t k = 0; k < h.state[i].slots.size(); ++k) m[h.state[i].slots[k].name] = st.slots[i][k];
+      for (size_t k = 0; k < h.state[i].slots.size(); ++k)
+        m[h.state[i].slots[k].name] = st.slots[i][k];
       os.counters.push_back(h.state[i].step);
     }
     opt->check_state(os);  // before anything changes: load_state below cannot fail
@@ -315,7 +339,8 @@ void commit(const Header& h, Staged& st, TrainSession& s, Optimizer* opt) {
     size_t i = index.at(p.name);
     if (p.data.nbytes()) std::memcpy(p.data.raw(), st.data[i].raw(), p.data.nbytes());
     const Tensor& g = st.grad[i];
-    if (!g.defined()) p.grad = Tensor();
+    if (!g.defined())
+      p.grad = Tensor();
     else if (p.grad.defined() && p.grad.dtype() == g.dtype() && p.grad.shape() == g.shape()) {
       if (g.nbytes()) std::memcpy(p.grad.raw(), g.raw(), g.nbytes());
     } else {
@@ -349,17 +374,22 @@ Header read_and_verify(const std::string& path) {
   std::memcpy(&h.header_bytes, pre + 16, 8);
   std::memcpy(&h.data_bytes, pre + 24, 8);
   if (version != kCheckpointVersion)
-    corrupt(path, "format version " + std::to_string(version) + " is not supported (this graft reads version " +
+    corrupt(path, "format version " + std::to_string(version) +
+                      " is not supported (this graft reads version " +
                       std::to_string(kCheckpointVersion) + ")");
   if (flags != 0) corrupt(path, "unknown flags " + std::to_string(flags));
   const uint64_t room = static_cast<uint64_t>(h.file_size) - kPreamble - kTrailer;
-  if (h.header_bytes > room || h.data_bytes > room - h.header_bytes || h.header_bytes + h.data_bytes != room) {
+  if (h.header_bytes > room || h.data_bytes > room - h.header_bytes ||
+      h.header_bytes + h.data_bytes != room) {
     // A partial write shows up here: the preamble promises more than the file holds.
     const bool fits = h.header_bytes <= room && h.data_bytes <= room - h.header_bytes;
-    const unsigned __int128 want = static_cast<unsigned __int128>(kPreamble) + kTrailer + h.header_bytes + h.data_bytes;
-    std::string want_s = want > static_cast<unsigned __int128>(UINT64_MAX) ? "more than 2^64" : std::to_string(static_cast<uint64_t>(want));
-    corrupt(path, std::string(fits ? "trailing garbage" : "truncated") + ": the file has " + std::to_string(h.file_size) +
-                      " bytes, its preamble describes " + want_s);
+    const unsigned __int128 want =
+        static_cast<unsigned __int128>(kPreamble) + kTrailer + h.header_bytes + h.data_bytes;
+    std::string want_s = want > static_cast<unsigned __int128>(UINT64_MAX)
+                             ? "more than 2^64"
+                             : std::to_string(static_cast<uint64_t>(want));
+    corrupt(path, std::string(fits ? "trailing garbage" : "truncated") + ": the file has " +
+                      std::to_string(h.file_size) + " bytes, its preamble describes " + want_s);
   }
   uint32_t crc = crc32(pre, kPreamble);
   std::string header(h.header_bytes, '\0');
@@ -378,7 +408,8 @@ Header read_and_verify(const std::string& path) {
   if (std::memcmp(tr + 4, kEndMagic, 4) != 0) corrupt(path, "bad end marker (expected 'GEND')");
   if (crc != h.crc) {
     char msg[96];
-    std::snprintf(msg, sizeof msg, "checksum mismatch (CRC-32 stored %08x, computed %08x)", h.crc, crc);
+    std::snprintf(msg, sizeof msg, "checksum mismatch (CRC-32 stored %08x, computed %08x)", h.crc,
+                  crc);
     corrupt(path, msg);
   }
   parse_header(header, h);
@@ -386,8 +417,9 @@ Header read_and_verify(const std::string& path) {
 }
 
 int64_t load_verified(const Header& h, TrainSession& s, Optimizer* opt) {
-  GRAFT_CHECK(!s.in_run(), ErrorKind::InvalidArgument,
-              "load_checkpoint: the session is inside a run (forward without backward); cancel() it first");
+  GRAFT_CHECK(
+      !s.in_run(), ErrorKind::InvalidArgument,
+      "load_checkpoint: the session is inside a run (forward without backward); cancel() it first");
   check_fits(h, s, opt);
   Staged st = stage(h, s, opt);
   commit(h, st, s, opt);
@@ -397,20 +429,26 @@ int64_t load_verified(const Header& h, TrainSession& s, Optimizer* opt) {
 }  // namespace ckpt
 
 // --- public API: one file ------------------------------------------------------------------------
-void save_checkpoint(const std::string& path, const TrainSession& s, const Optimizer* opt, int64_t step) {
+void save_checkpoint(const std::string& path, const TrainSession& s, const Optimizer* opt,
+                     int64_t step) {
   using namespace ckpt;
   GRAFT_CHECK(step >= 0, ErrorKind::InvalidArgument, "save_checkpoint: negative step");
   GRAFT_CHECK(!s.in_run(), ErrorKind::InvalidArgument,
-              "save_checkpoint: the session is inside a run (forward without backward); finish or cancel() it first");
+              "save_checkpoint: the session is inside a run (forward without backward); finish or "
+              "cancel() it first");
   std::vector<const Tensor*> blobs;
   int64_t cursor = 0;
   json params = json::array();
   for (const Parameter& p : s.parameters()) {
-    json pj = {{"name", p.name}, {"dtype", dtype_name(p.data.dtype())}, {"shape", p.data.shape()}, {"trainable", p.trainable}};
+    json pj = {{"name", p.name},
+               {"dtype", dtype_name(p.data.dtype())},
+               {"shape", p.data.shape()},
+               {"trainable", p.trainable}};
     pj["data"] = blob_json(cursor, static_cast<int64_t>(p.data.nbytes()));
     blobs.push_back(&p.data);
     if (p.grad.defined()) {
-      GRAFT_CHECK(p.grad.shape() == p.data.shape() && p.grad.dtype() == p.data.dtype(), ErrorKind::Internal,
+      GRAFT_CHECK(p.grad.shape() == p.data.shape() && p.grad.dtype() == p.data.dtype(),
+                  ErrorKind::Internal,
                   "save_checkpoint: gradient of '" + p.name + "' does not match its parameter");
       pj["grad"] = blob_json(cursor, static_cast<int64_t>(p.grad.nbytes()));
       blobs.push_back(&p.grad);
@@ -426,14 +464,19 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
     if (!kind) fail(ErrorKind::InvalidArgument, "save_checkpoint: unsupported optimizer type");
     os = opt->state();
     const auto& ps = opt->params();
-    GRAFT_CHECK(os.tensors.size() == ps.size() && os.counters.size() == ps.size(), ErrorKind::Internal,
-                "save_checkpoint: the optimizer's state does not cover its " + std::to_string(ps.size()) + " parameters");
+    GRAFT_CHECK(os.tensors.size() == ps.size() && os.counters.size() == ps.size(),
+                ErrorKind::Internal,
+                "save_checkpoint: the optimizer's state does not cover its " +
+                    std::to_string(ps.size()) + " parameters");
     json hyper = json::object();
     for (const auto& [name, flag] : kind->hyper) {
       auto it = os.hyper.find(name);
-      GRAFT_CHECK(it != os.hyper.end(), ErrorKind::Internal, "save_checkpoint: " + kind->name + " hyperparameter '" + name + "' is missing");
-      if (flag) hyper[name] = it->second != 0;
-      else hyper[name] = it->second;
+      GRAFT_CHECK(it != os.hyper.end(), ErrorKind::Internal,
+                  "save_checkpoint: " + kind->name + " hyperparameter '" + name + "' is missing");
+      if (flag)
+        hyper[name] = it->second != 0;
+      else
+        hyper[name] = it->second;
     }
     oj = {{"kind", kind->name}, {"hyperparameters", std::move(hyper)}};
     json state = json::array();
@@ -446,14 +489,17 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
         if (it == os.tensors[i].end() || !it->second.defined()) continue;
         const Tensor& t = it->second;
         GRAFT_CHECK(t.shape() == p.data.shape() && t.dtype() == p.data.dtype(), ErrorKind::Internal,
-                    "save_checkpoint: optimizer " + name + " of '" + p.name + "' does not match its parameter");
-        slots.push_back({{"name", name}, {"offset", cursor}, {"bytes", static_cast<int64_t>(t.nbytes())}});
+                    "save_checkpoint: optimizer " + name + " of '" + p.name +
+                        "' does not match its parameter");
+        slots.push_back(
+            {{"name", name}, {"offset", cursor}, {"bytes", static_cast<int64_t>(t.nbytes())}});
         cursor += static_cast<int64_t>(t.nbytes());
         blobs.push_back(&t);
         names.push_back(name);
       }
       const std::string why = kind->check_tensors(names, os.counters[i]);
-      GRAFT_CHECK(why.empty(), ErrorKind::Internal, "save_checkpoint: optimizer state of '" + p.name + "': " + why);
+      GRAFT_CHECK(why.empty(), ErrorKind::Internal,
+                  "save_checkpoint: optimizer state of '" + p.name + "': " + why);
       state.push_back({{"param", p.name}, {"step", os.counters[i]}, {"slots", std::move(slots)}});
     }
     oj["steps"] = os.steps;
@@ -469,7 +515,8 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
   try {
     text = header.dump();
   } catch (const json::exception& e) {  // e.g. a parameter name that is not valid UTF-8
-    fail(ErrorKind::InvalidArgument, "checkpoint '" + path + "': cannot encode the header: " + e.what());
+    fail(ErrorKind::InvalidArgument,
+         "checkpoint '" + path + "': cannot encode the header: " + e.what());
   }
   unsigned char pre[kPreamble];
   std::memcpy(pre, kMagic, 8);

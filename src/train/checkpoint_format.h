@@ -42,7 +42,7 @@ struct Header {
   uint64_t rng = 0;
   std::vector<ParamEntry> params;
   bool has_opt = false;
-  std::string kind;                     // the optimizer's kind (find_optimizer_kind)
+  std::string kind;  // the optimizer's kind (find_optimizer_kind)
   int64_t opt_steps = 0;
   std::map<std::string, double> hyper;  // validated against the kind
   std::vector<StateEntry> state;

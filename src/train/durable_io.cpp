@@ -77,7 +77,8 @@ void open_regular(Fd& f, const std::string& path) {
   if (f.fd < 0) io_error(path, "cannot open: " + errno_str());
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) io_error(path, "cannot stat: " + errno_str());
-  if (!S_ISREG(st.st_mode)) io_error(path, std::string("not a regular file (") + file_kind(st.st_mode) + ")");
+  if (!S_ISREG(st.st_mode))
+    io_error(path, std::string("not a regular file (") + file_kind(st.st_mode) + ")");
   int fl = ::fcntl(f.fd, F_GETFL);  // regular files never block; clear the flag all the same
   if (fl >= 0) ::fcntl(f.fd, F_SETFL, fl & ~O_NONBLOCK);
 }
@@ -115,8 +116,10 @@ namespace {
 void fsync_dir(const fs::path& dir, const std::string& path) {
   Fd d;
   d.fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (d.fd < 0) io_error(path, "cannot open folder '" + dir.string() + "' to sync it: " + errno_str());
-  if (::fsync(d.fd) != 0 && errno != EINVAL) io_error(path, "fsync of folder '" + dir.string() + "' failed: " + errno_str());
+  if (d.fd < 0)
+    io_error(path, "cannot open folder '" + dir.string() + "' to sync it: " + errno_str());
+  if (::fsync(d.fd) != 0 && errno != EINVAL)
+    io_error(path, "fsync of folder '" + dir.string() + "' failed: " + errno_str());
 }
 }  // namespace
 
@@ -126,7 +129,8 @@ void write_atomically(const std::string& path, const std::function<void(int fd)>
   fs::path tmp = dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
   Fd f;
   f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (f.fd < 0) io_error(path, "cannot create temporary file '" + tmp.string() + "': " + errno_str());
+  if (f.fd < 0)
+    io_error(path, "cannot create temporary file '" + tmp.string() + "': " + errno_str());
   try {
     fill(f.fd);
     if (::fsync(f.fd) != 0) io_error(path, "fsync failed: " + errno_str());
@@ -135,8 +139,10 @@ void write_atomically(const std::string& path, const std::function<void(int fd)>
     if (::close(fd) != 0) io_error(path, "close failed: " + errno_str());
     // Test hook (tests/python/test_checkpoint.py): widens the window between a complete temporary
     // and the rename, so that kills land inside a save.
-    if (const char* d = std::getenv("GRAFT_CHECKPOINT_TEST_DELAY_US")) ::usleep(static_cast<useconds_t>(std::atoll(d)));
-    if (::rename(tmp.c_str(), target.c_str()) != 0) io_error(path, "rename from '" + tmp.string() + "' failed: " + errno_str());
+    if (const char* d = std::getenv("GRAFT_CHECKPOINT_TEST_DELAY_US"))
+      ::usleep(static_cast<useconds_t>(std::atoll(d)));
+    if (::rename(tmp.c_str(), target.c_str()) != 0)
+      io_error(path, "rename from '" + tmp.string() + "' failed: " + errno_str());
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;

@@ -19,8 +19,10 @@ Graph linear_stack(int64_t B, int64_t H, int64_t L, DType dt, Allocator& alloc, 
   auto param = [&](const std::string& name, Shape s) {
     Tensor t = Tensor::empty(s, dt, alloc, Category::Parameter, name);
     for (int64_t i = 0; i < t.numel(); ++i) {
-      if (dt == DType::F32) t.data<float>()[i] = static_cast<float>(u(rng));
-      else t.data<double>()[i] = u(rng);
+      if (dt == DType::F32)
+        t.data<float>()[i] = static_cast<float>(u(rng));
+      else
+        t.data<double>()[i] = u(rng);
     }
     return g.add_param(name, t);
   };
@@ -37,7 +39,8 @@ Graph linear_stack(int64_t B, int64_t H, int64_t L, DType dt, Allocator& alloc, 
   }
   Attrs k;
   k.set_int("keepdims", 0);
-  g.outputs = {g.add_op1("ReduceMean", {h}, k, "", "loss")};  // y is not kept: it dies in backward, as in eager PyTorch
+  g.outputs = {g.add_op1("ReduceMean", {h}, k, "",
+                         "loss")};  // y is not kept: it dies in backward, as in eager PyTorch
   return g;
 }
 

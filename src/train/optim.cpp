@@ -14,17 +14,22 @@ Optimizer::Optimizer(std::vector<Parameter*> params, Allocator* alloc)
 
 void Optimizer::zero_grad(bool set_to_none) {
   for (Parameter* p : params_) {
-    if (set_to_none) p->grad = Tensor();
-    else if (p->grad.defined()) std::memset(p->grad.raw(), 0, p->grad.nbytes());
+    if (set_to_none)
+      p->grad = Tensor();
+    else if (p->grad.defined())
+      std::memset(p->grad.raw(), 0, p->grad.nbytes());
   }
 }
 
 namespace {
 template <class F>
 void by_dtype(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::F32) f.template operator()<float>();
-  else if (t.dtype() == DType::F64) f.template operator()<double>();
-  else fail(ErrorKind::InvalidArgument, "optimizers update float parameters only");
+  if (t.dtype() == DType::F32)
+    f.template operator()<float>();
+  else if (t.dtype() == DType::F64)
+    f.template operator()<double>();
+  else
+    fail(ErrorKind::InvalidArgument, "optimizers update float parameters only");
 }
 }  // namespace
 
@@ -53,7 +58,9 @@ void SGD::step() {
         return;
       }
       bool fresh = !buf_[i].defined();
-      if (fresh) buf_[i] = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState, p.name + ".momentum");
+      if (fresh)
+        buf_[i] = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                                p.name + ".momentum");
       T* b = buf_[i].data<T>();
       for (int64_t k = 0; k < n; ++k) {
         T d = wd != T(0) ? g[k] + wd * w[k] : g[k];
@@ -80,8 +87,10 @@ void AdamW::step() {
     Parameter& p = *params_[i];
     if (!p.grad.defined()) continue;
     if (!m_[i].defined()) {
-      m_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState, p.name + ".exp_avg");
-      v_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState, p.name + ".exp_avg_sq");
+      m_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                            p.name + ".exp_avg");
+      v_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                            p.name + ".exp_avg_sq");
     }
     const int64_t step = ++steps_[i];
     by_dtype(p.data, [&]<class T>() {
@@ -115,8 +124,9 @@ bool sgd_hyper_valid(const std::map<std::string, double>& h) {
   const double lr = h.at("lr"), momentum = h.at("momentum"), dampening = h.at("dampening"),
                weight_decay = h.at("weight_decay");
   const bool nesterov = h.at("nesterov") != 0;
-  return lr >= 0 && momentum >= 0 && weight_decay >= 0 && std::isfinite(lr) && std::isfinite(momentum) &&
-         std::isfinite(dampening) && std::isfinite(weight_decay) && (!nesterov || (momentum > 0 && dampening == 0));
+  return lr >= 0 && momentum >= 0 && weight_decay >= 0 && std::isfinite(lr) &&
+         std::isfinite(momentum) && std::isfinite(dampening) && std::isfinite(weight_decay) &&
+         (!nesterov || (momentum > 0 && dampening == 0));
 }
 std::string sgd_check_tensors(const std::vector<std::string>& names, int64_t) {
   return names.size() > 1 ? "more than one momentum_buffer" : "";
@@ -124,23 +134,30 @@ std::string sgd_check_tensors(const std::vector<std::string>& names, int64_t) {
 bool adamw_hyper_valid(const std::map<std::string, double>& h) {
   const double lr = h.at("lr"), beta1 = h.at("beta1"), beta2 = h.at("beta2"), eps = h.at("eps"),
                weight_decay = h.at("weight_decay");
-  return lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && std::isfinite(lr) &&
-         std::isfinite(eps) && std::isfinite(weight_decay);
+  return lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 &&
+         std::isfinite(lr) && std::isfinite(eps) && std::isfinite(weight_decay);
 }
 std::string adamw_check_tensors(const std::vector<std::string>& names, int64_t step) {
   const bool full = names.size() == 2 && names[0] == "exp_avg" && names[1] == "exp_avg_sq";
-  return (step > 0 ? full : names.empty()) ? "" : "AdamW state needs exp_avg and exp_avg_sq exactly when its step is > 0";
+  return (step > 0 ? full : names.empty())
+             ? ""
+             : "AdamW state needs exp_avg and exp_avg_sq exactly when its step is > 0";
 }
 const OptimizerKind kSGD{"sgd",
-                         {{"lr", false}, {"momentum", false}, {"dampening", false}, {"weight_decay", false}, {"nesterov", true}},
+                         {{"lr", false},
+                          {"momentum", false},
+                          {"dampening", false},
+                          {"weight_decay", false},
+                          {"nesterov", true}},
                          {"momentum_buffer"},
                          sgd_hyper_valid,
                          sgd_check_tensors};
-const OptimizerKind kAdamW{"adamw",
-                           {{"lr", false}, {"beta1", false}, {"beta2", false}, {"eps", false}, {"weight_decay", false}},
-                           {"exp_avg", "exp_avg_sq"},
-                           adamw_hyper_valid,
-                           adamw_check_tensors};
+const OptimizerKind kAdamW{
+    "adamw",
+    {{"lr", false}, {"beta1", false}, {"beta2", false}, {"eps", false}, {"weight_decay", false}},
+    {"exp_avg", "exp_avg_sq"},
+    adamw_hyper_valid,
+    adamw_check_tensors};
 
 // The defined tensor named `name` of one parameter's state, or an undefined one.
 Tensor slot(const std::map<std::string, Tensor>& m, const std::string& name) {
@@ -158,17 +175,21 @@ const OptimizerKind* find_optimizer_kind(const std::string& name) {
 void Optimizer::check_state(const OptimizerState& st) const {
   const std::string k = kind();
   const OptimizerKind* kd = find_optimizer_kind(k);
-  GRAFT_CHECK(kd, ErrorKind::InvalidArgument, "optimizer state: unsupported optimizer kind '" + k + "'");
+  GRAFT_CHECK(kd, ErrorKind::InvalidArgument,
+              "optimizer state: unsupported optimizer kind '" + k + "'");
   const std::string pre = k + " state: ";
   for (const auto& [name, flag] : kd->hyper) {
     auto it = st.hyper.find(name);
-    GRAFT_CHECK(it != st.hyper.end(), ErrorKind::InvalidArgument, pre + "hyperparameter '" + name + "' is missing");
+    GRAFT_CHECK(it != st.hyper.end(), ErrorKind::InvalidArgument,
+                pre + "hyperparameter '" + name + "' is missing");
     GRAFT_CHECK(!flag || it->second == 0 || it->second == 1, ErrorKind::InvalidArgument,
                 pre + "hyperparameter '" + name + "' is a flag (0 or 1)");
   }
-  GRAFT_CHECK(kd->hyper_valid(st.hyper), ErrorKind::InvalidArgument, pre + "hyperparameters out of range");
+  GRAFT_CHECK(kd->hyper_valid(st.hyper), ErrorKind::InvalidArgument,
+              pre + "hyperparameters out of range");
   GRAFT_CHECK(st.steps >= 0, ErrorKind::InvalidArgument, pre + "negative step count");
-  GRAFT_CHECK(st.tensors.size() == params_.size() && st.counters.size() == params_.size(), ErrorKind::InvalidArgument,
+  GRAFT_CHECK(st.tensors.size() == params_.size() && st.counters.size() == params_.size(),
+              ErrorKind::InvalidArgument,
               pre + "it has " + std::to_string(st.tensors.size()) + " tensor entries and " +
                   std::to_string(st.counters.size()) + " counters, the optimizer updates " +
                   std::to_string(params_.size()) + " parameters");
@@ -176,16 +197,20 @@ void Optimizer::check_state(const OptimizerState& st) const {
     const Parameter& p = *params_[i];
     std::vector<std::string> names;
     for (const auto& [name, t] : st.tensors[i]) {
-      GRAFT_CHECK(std::find(kd->tensors.begin(), kd->tensors.end(), name) != kd->tensors.end(), ErrorKind::InvalidArgument,
+      GRAFT_CHECK(std::find(kd->tensors.begin(), kd->tensors.end(), name) != kd->tensors.end(),
+                  ErrorKind::InvalidArgument,
                   pre + "unknown tensor '" + name + "' for '" + p.name + "'");
       if (!t.defined()) continue;
-      GRAFT_CHECK(t.dtype() == p.data.dtype() && t.shape() == p.data.shape(), ErrorKind::ShapeMismatch,
-                  pre + name + " of '" + p.name + "' is " + dtype_name(t.dtype()) + " " + shape_str(t.shape()) +
-                      ", the parameter " + dtype_name(p.data.dtype()) + " " + shape_str(p.data.shape()));
+      GRAFT_CHECK(t.dtype() == p.data.dtype() && t.shape() == p.data.shape(),
+                  ErrorKind::ShapeMismatch,
+                  pre + name + " of '" + p.name + "' is " + dtype_name(t.dtype()) + " " +
+                      shape_str(t.shape()) + ", the parameter " + dtype_name(p.data.dtype()) + " " +
+                      shape_str(p.data.shape()));
     }
     for (const std::string& name : kd->tensors)
       if (slot(st.tensors[i], name).defined()) names.push_back(name);
-    GRAFT_CHECK(st.counters[i] >= 0, ErrorKind::InvalidArgument, pre + "negative counter for '" + p.name + "'");
+    GRAFT_CHECK(st.counters[i] >= 0, ErrorKind::InvalidArgument,
+                pre + "negative counter for '" + p.name + "'");
     const std::string why = kd->check_tensors(names, st.counters[i]);
     GRAFT_CHECK(why.empty(), ErrorKind::InvalidArgument, pre + "'" + p.name + "': " + why);
   }

@@ -21,8 +21,9 @@ namespace graft {
 
 void add_inplace(Tensor& dst, const Tensor& src) {
   GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::ShapeMismatch,
-              "add_inplace: cannot add " + std::string(dtype_name(src.dtype())) + " " + shape_str(src.shape()) +
-                  " into " + dtype_name(dst.dtype()) + " " + shape_str(dst.shape()));
+              "add_inplace: cannot add " + std::string(dtype_name(src.dtype())) + " " +
+                  shape_str(src.shape()) + " into " + dtype_name(dst.dtype()) + " " +
+                  shape_str(dst.shape()));
   const int64_t n = dst.numel();
   if (dst.dtype() == DType::F32) {
     float* d = dst.data<float>();
@@ -38,8 +39,10 @@ void add_inplace(Tensor& dst, const Tensor& src) {
 }
 
 void accumulate_grad(Parameter& p, const Tensor& grad) {
-  if (!p.grad.defined()) p.grad = grad.reshaped(p.data.shape());  // adopt: no copy
-  else add_inplace(p.grad, grad);
+  if (!p.grad.defined())
+    p.grad = grad.reshaped(p.data.shape());  // adopt: no copy
+  else
+    add_inplace(p.grad, grad);
 }
 
 std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const SessionOptions& opt,
@@ -49,16 +52,21 @@ std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const 
   return std::make_unique<TrainSession>(load_onnx(path, io), opt, input_shapes);
 }
 
-TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<std::string, Shape>& input_shapes)
-    : gp_(std::make_unique<Graph>(std::move(g))), g_(*gp_), opt_(opt), alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
+TrainSession::TrainSession(Graph g, const SessionOptions& opt,
+                           const std::map<std::string, Shape>& input_shapes)
+    : gp_(std::make_unique<Graph>(std::move(g))),
+      g_(*gp_),
+      opt_(opt),
+      alloc_(opt.alloc ? opt.alloc : &Allocator::global()) {
   // ---- parameters that arrive as graph inputs (exported without weights) ----
   for (const std::string& name : opt.param_inputs) {
     int v = g_.find(name);
     GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
                 "param_inputs: '" + name + "' is not a graph input of the model");
     Value& val = g_.values[v];
-    GRAFT_CHECK(val.shape_known, ErrorKind::InvalidArgument,
-                "param_inputs: '" + name + "' has a symbolic shape; a parameter's shape must be fixed");
+    GRAFT_CHECK(
+        val.shape_known, ErrorKind::InvalidArgument,
+        "param_inputs: '" + name + "' has a symbolic shape; a parameter's shape must be fixed");
     val.kind = ValueKind::Param;
     std::erase(g_.inputs, v);
   }
@@ -102,7 +110,8 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt, const std::map<st
   };
   held_keep_.assign(params_.size(), -1);
   if (opt.mode == GradMode::Hold)
-    for (size_t i = 0; i < bg_.params.size(); ++i) held_keep_[param_of_value_[bg_.params[i]]] = keep(bg_.param_grads[i]);
+    for (size_t i = 0; i < bg_.params.size(); ++i)
+      held_keep_[param_of_value_[bg_.params[i]]] = keep(bg_.param_grads[i]);
   for (int v : bg_.input_grads) igrad_keep_.push_back(keep(v));
   Plan plan = make_plan(g_, po);
   check_budget(plan);
@@ -114,7 +123,8 @@ void TrainSession::check_budget(const Plan& plan) const {
   if (opt_.max_memory <= 0) return;
   int64_t param_bytes = 0;
   for (const Parameter& p : params_)
-    param_bytes += numel(g_.values[p.value].shape) * static_cast<int64_t>(dtype_size(g_.values[p.value].dtype));
+    param_bytes += numel(g_.values[p.value].shape) *
+                   static_cast<int64_t>(dtype_size(g_.values[p.value].dtype));
   int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
   if (total <= opt_.max_memory) return;
   // Name the biggest values alive at the planned peak.
@@ -124,7 +134,8 @@ void TrainSession::check_budget(const Plan& plan) const {
     const Node& n = g_.nodes[plan.steps[s].node];
     for (int o : n.outputs)
       if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
-        live.push_back({numel(g_.values[o].shape) * static_cast<int64_t>(dtype_size(g_.values[o].dtype)), o});
+        live.push_back(
+            {numel(g_.values[o].shape) * static_cast<int64_t>(dtype_size(g_.values[o].dtype)), o});
     if (s < plan.peak_step)
       for (int b : plan.steps[s].buffer_frees) freed[b] = true;
   }
@@ -132,19 +143,22 @@ void TrainSession::check_budget(const Plan& plan) const {
   std::sort(live.rbegin(), live.rend());
   std::string top;
   for (size_t i = 0; i < live.size() && i < 3; ++i)
-    top += (i ? ", " : "") + g_.values[live[i].second].name + " (" + std::to_string(live[i].first) + " bytes)";
+    top += (i ? ", " : "") + g_.values[live[i].second].name + " (" + std::to_string(live[i].first) +
+           " bytes)";
   fail(ErrorKind::OutOfMemory,
        "the planned step needs " + std::to_string(total) + " bytes (activations " +
-           std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) + ", parameters " +
-           std::to_string(param_bytes) + ", gradients " + std::to_string(gradient_bytes()) +
-           "), over the budget of " + std::to_string(opt_.max_memory) + " bytes; biggest live values: " + top);
+           std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) +
+           ", parameters " + std::to_string(param_bytes) + ", gradients " +
+           std::to_string(gradient_bytes()) + "), over the budget of " +
+           std::to_string(opt_.max_memory) + " bytes; biggest live values: " + top);
 }
 
 std::string PlannedMemory::describe() const {
-  std::vector<std::pair<int64_t, const char*>> parts{{parameters, "parameters"}, {gradients, "gradients"},
-                                                      {optimizer_state, "optimizer state"}, {inputs, "inputs"},
-                                                      {constants, "constants"}, {activations, "activations"}};
-  std::stable_sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::pair<int64_t, const char*>> parts{
+      {parameters, "parameters"}, {gradients, "gradients"}, {optimizer_state, "optimizer state"},
+      {inputs, "inputs"},         {constants, "constants"}, {activations, "activations"}};
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string r;
   for (const auto& [b, n] : parts) {
     if (!b) continue;
@@ -156,16 +170,20 @@ std::string PlannedMemory::describe() const {
 }
 
 PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const {
-  auto bytes = [&](int v) { return numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype)); };
+  auto bytes = [&](int v) {
+    return numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype));
+  };
   PlannedMemory m;
   for (const Parameter& p : params_) m.parameters += bytes(p.value);
   m.gradients = gradient_bytes();
   m.optimizer_state = optimizer_state_bytes;
   for (int v : g_.inputs)
-    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) == bg_.output_grad_inputs.end())
+    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) ==
+        bg_.output_grad_inputs.end())
       m.inputs += bytes(v);
   for (const Value& v : g_.values)  // model constants and folded shapes held by graft's allocator
-    if (v.kind == ValueKind::Constant && v.data.defined() && v.data.storage()->owner) m.constants += v.data.nbytes();
+    if (v.kind == ValueKind::Constant && v.data.defined() && v.data.storage()->owner)
+      m.constants += v.data.nbytes();
   // The plan releases forward outputs after their last read; the step's caller holds them (and the
   // loss) until the next step, so they count in full.
   m.activations = exec_->plan().planned_peak;
@@ -180,7 +198,8 @@ PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const 
 
 int64_t TrainSession::gradient_bytes() const {
   int64_t b = 0;
-  for (int v : bg_.params) b += numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype));
+  for (int v : bg_.params)
+    b += numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype));
   return b;
 }
 
@@ -200,9 +219,13 @@ Parameter& TrainSession::parameter(const std::string& name) {
 void TrainSession::bind_parameter(const std::string& name, Tensor data) {
   Parameter& p = parameter(name);
   const Value& v = g_.values[p.value];
-  GRAFT_CHECK(data.defined() && data.dtype() == v.dtype && data.shape() == v.shape, ErrorKind::ShapeMismatch,
-              "parameter '" + name + "' is " + dtype_name(v.dtype) + " " + shape_str(v.shape) + " but was given " +
-                  (data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape()) : "nothing"));
+  GRAFT_CHECK(
+      data.defined() && data.dtype() == v.dtype && data.shape() == v.shape,
+      ErrorKind::ShapeMismatch,
+      "parameter '" + name + "' is " + dtype_name(v.dtype) + " " + shape_str(v.shape) +
+          " but was given " +
+          (data.defined() ? std::string(dtype_name(data.dtype())) + " " + shape_str(data.shape())
+                          : "nothing"));
   GRAFT_CHECK(data.nbytes() == 0 || data.raw() != nullptr, ErrorKind::InvalidArgument,
               "parameter '" + name + "' was given a tensor with no memory (a null data pointer)");
   p.data = std::move(data);
@@ -212,13 +235,15 @@ void TrainSession::set_input(const std::string& name, Tensor t) {
   int v = g_.find(name);
   GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,
               "the model has no input named '" + name + "'");
-  GRAFT_CHECK(t.defined(), ErrorKind::InvalidArgument, "input '" + name + "' was given an undefined tensor");
+  GRAFT_CHECK(t.defined(), ErrorKind::InvalidArgument,
+              "input '" + name + "' was given an undefined tensor");
   const Value& val = g_.values[v];
   GRAFT_CHECK(t.dtype() == val.dtype, ErrorKind::InvalidArgument,
-              "'" + name + "' expects dtype " + dtype_name(val.dtype) + " but got " + dtype_name(t.dtype()));
+              "'" + name + "' expects dtype " + dtype_name(val.dtype) + " but got " +
+                  dtype_name(t.dtype()));
   GRAFT_CHECK(t.shape() == val.shape, ErrorKind::ShapeMismatch,
-              "'" + name + "' was planned with shape " + shape_str(val.shape) + " but got " + shape_str(t.shape()) +
-                  " (a new shape needs a new session)");
+              "'" + name + "' was planned with shape " + shape_str(val.shape) + " but got " +
+                  shape_str(t.shape()) + " (a new shape needs a new session)");
   GRAFT_CHECK(t.nbytes() == 0 || t.raw() != nullptr, ErrorKind::InvalidArgument,
               "input '" + name + "' was given a tensor of " + std::to_string(t.nbytes()) +
                   " bytes with no memory (a null data pointer)");
@@ -231,10 +256,11 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
     return;
   }
   if (p.grad.defined())
-    GRAFT_CHECK(p.grad.dtype() == grad.dtype() && p.grad.numel() == grad.numel(), ErrorKind::ShapeMismatch,
-                "parameter '" + p.name + "': its .grad is " + dtype_name(p.grad.dtype()) + " " + shape_str(p.grad.shape()) +
-                    " but its gradient is " + dtype_name(grad.dtype()) + " " + shape_str(p.data.shape()) +
-                    " (assign a .grad of the parameter's shape, or None)");
+    GRAFT_CHECK(
+        p.grad.dtype() == grad.dtype() && p.grad.numel() == grad.numel(), ErrorKind::ShapeMismatch,
+        "parameter '" + p.name + "': its .grad is " + dtype_name(p.grad.dtype()) + " " +
+            shape_str(p.grad.shape()) + " but its gradient is " + dtype_name(grad.dtype()) + " " +
+            shape_str(p.data.shape()) + " (assign a .grad of the parameter's shape, or None)");
   if (!p.grad.defined()) {
     if (exclusive && grad.storage()->owner == alloc_) {
       alloc_->recategorize(*grad.storage(), Category::Gradient);  // adopt: no copy
@@ -248,17 +274,20 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
 }
 
 std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Tensor>& inputs,
-                                                 std::optional<uint64_t> seed, bool keep_for_backward) {
+                                                 std::optional<uint64_t> seed,
+                                                 bool keep_for_backward) {
   auto st = std::make_shared<StepState>();
   std::vector<std::pair<int, Tensor>> bind;
   for (const Parameter& p : params_) {
     GRAFT_CHECK(p.data.defined(), ErrorKind::InvalidArgument,
                 "parameter '" + p.name + "' has no data (bind_parameter shares memory for it)");
-    GRAFT_CHECK(p.data.dtype() == g_.values[p.value].dtype && p.data.shape() == g_.values[p.value].shape,
-                ErrorKind::ShapeMismatch,
-                "parameter '" + p.name + "' holds " + dtype_name(p.data.dtype()) + " " + shape_str(p.data.shape()) +
-                    " but the model planned " + dtype_name(g_.values[p.value].dtype) + " " +
-                    shape_str(g_.values[p.value].shape) + " (assign a tensor of the planned shape, or build a new session)");
+    GRAFT_CHECK(
+        p.data.dtype() == g_.values[p.value].dtype && p.data.shape() == g_.values[p.value].shape,
+        ErrorKind::ShapeMismatch,
+        "parameter '" + p.name + "' holds " + dtype_name(p.data.dtype()) + " " +
+            shape_str(p.data.shape()) + " but the model planned " +
+            dtype_name(g_.values[p.value].dtype) + " " + shape_str(g_.values[p.value].shape) +
+            " (assign a tensor of the planned shape, or build a new session)");
     bind.emplace_back(p.value, p.data);
   }
   for (const auto& [name, t] : inputs) {
@@ -267,7 +296,8 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
                 "the model has no input named '" + name + "'");
   }
   for (int v : g_.inputs) {
-    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) != bg_.output_grad_inputs.end())
+    if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) !=
+        bg_.output_grad_inputs.end())
       continue;  // fed by backward
     const std::string& name = g_.values[v].name;
     auto it = inputs.find(name);
@@ -292,7 +322,8 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
     Tensor t = st->run->value(o);
     // A constant (or folded) output is graft's own storage, shared by every step: the caller gets
     // a copy it owns, so editing it cannot change what later steps return.
-    if (g_.values[o].kind == ValueKind::Constant && t.defined()) t = t.clone(*alloc_, Category::Activation);
+    if (g_.values[o].kind == ValueKind::Constant && t.defined())
+      t = t.clone(*alloc_, Category::Activation);
     st->outputs.push_back(t);
   }
   st->loss = bg_.loss >= 0 ? st->run->value(bg_.loss) : Tensor();
@@ -306,7 +337,8 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
 }
 
 void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& output_grads) {
-  GRAFT_CHECK(st.forward_done && st.run, ErrorKind::InvalidArgument, "backward of a step whose forward did not run");
+  GRAFT_CHECK(st.forward_done && st.run, ErrorKind::InvalidArgument,
+              "backward of a step whose forward did not run");
   GRAFT_CHECK(!st.backward_done && st.run->active(), ErrorKind::InvalidArgument,
               "this step's backward already ran (or the step was cancelled); run a new forward");
   std::vector<Tensor> kept;
@@ -364,7 +396,9 @@ double TrainSession::step() {
   return cur_->loss.at(0);
 }
 
-std::vector<Tensor> TrainSession::outputs() const { return cur_ ? cur_->outputs : std::vector<Tensor>{}; }
+std::vector<Tensor> TrainSession::outputs() const {
+  return cur_ ? cur_->outputs : std::vector<Tensor>{};
+}
 
 Tensor TrainSession::output(const std::string& name) const {
   for (size_t i = 0; cur_ && i < g_.outputs.size() && i < cur_->outputs.size(); ++i)
@@ -382,8 +416,10 @@ Tensor TrainSession::input_grad(const std::string& name) const {
 
 void TrainSession::zero_grad(bool set_to_none) {
   for (auto& p : params_) {
-    if (set_to_none) p.grad = Tensor();
-    else if (p.grad.defined()) std::memset(p.grad.raw(), 0, p.grad.nbytes());
+    if (set_to_none)
+      p.grad = Tensor();
+    else if (p.grad.defined())
+      std::memset(p.grad.raw(), 0, p.grad.nbytes());
   }
 }
 

@@ -47,12 +47,47 @@ using namespace graft;
 namespace {
 
 // The ONNX-domain ops graft implements.
-const std::vector<std::string> kSupported = {
-    "Gemm", "MatMul", "Add", "Sub", "Mul", "Div", "Neg", "Reciprocal", "Pow", "Sqrt", "Exp",
-    "Log", "Erf", "Tanh", "Sigmoid", "Relu", "Softmax", "LogSoftmax", "LayerNormalization",
-    "ReduceSum", "ReduceMean", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
-    "Concat", "Split", "Slice", "Gather", "Shape", "Cast", "Identity", "Constant", "Equal",
-    "Where", "Trilu", "Expand", "Sum", "Dropout", "SoftmaxCrossEntropyLoss"};
+const std::vector<std::string> kSupported = {"Gemm",
+                                             "MatMul",
+                                             "Add",
+                                             "Sub",
+                                             "Mul",
+                                             "Div",
+                                             "Neg",
+                                             "Reciprocal",
+                                             "Pow",
+                                             "Sqrt",
+                                             "Exp",
+                                             "Log",
+                                             "Erf",
+                                             "Tanh",
+                                             "Sigmoid",
+                                             "Relu",
+                                             "Softmax",
+                                             "LogSoftmax",
+                                             "LayerNormalization",
+                                             "ReduceSum",
+                                             "ReduceMean",
+                                             "Reshape",
+                                             "Transpose",
+                                             "Flatten",
+                                             "Squeeze",
+                                             "Unsqueeze",
+                                             "Concat",
+                                             "Split",
+                                             "Slice",
+                                             "Gather",
+                                             "Shape",
+                                             "Cast",
+                                             "Identity",
+                                             "Constant",
+                                             "Equal",
+                                             "Where",
+                                             "Trilu",
+                                             "Expand",
+                                             "Sum",
+                                             "Dropout",
+                                             "SoftmaxCrossEntropyLoss"};
 
 constexpr double kRtol = 1e-3, kAtol = 1e-7;
 
@@ -95,9 +130,12 @@ struct Result {
 
 const char* status_name(Result::Status s) {
   switch (s) {
-    case Result::Passed: return "passed";
-    case Result::Unsupported: return "unsupported";
-    case Result::Failed: return "failed";
+    case Result::Passed:
+      return "passed";
+    case Result::Unsupported:
+      return "unsupported";
+    case Result::Failed:
+      return "failed";
   }
   return "?";
 }
@@ -212,8 +250,8 @@ std::string check_dropout_structure(const Tensor& x, double ratio, const std::ve
     const bool is_kept = std::fabs(yi - want_kept) <= kAtol + kRtol * std::fabs(want_kept);
     const bool is_dropped = yi == 0;
     if (!is_kept && !is_dropped)
-      return "y[" + std::to_string(i) + "] = " + fmt(yi) + " is neither 0 nor x / (1 - ratio) = " +
-             fmt(want_kept);
+      return "y[" + std::to_string(i) + "] = " + fmt(yi) +
+             " is neither 0 nor x / (1 - ratio) = " + fmt(want_kept);
     if (got.size() > 1) {
       const bool m = got[1].at(i) != 0;
       if (m ? !is_kept : !is_dropped)
@@ -233,8 +271,8 @@ std::string check_dropout_structure(const Tensor& x, double ratio, const std::ve
 // operands, the runner binds its value from input_N.pb as a constant before planning (the value
 // still reaches the kernel unchanged). --no-specialize turns this off.
 const std::map<std::string, std::set<int>> kShapeOperands = {
-    {"Reshape", {1}}, {"Squeeze", {1}}, {"Unsqueeze", {1}}, {"Split", {1}},
-    {"Slice", {1, 2, 3, 4}}, {"Expand", {1}}, {"ReduceSum", {1}}, {"ReduceMean", {1}},
+    {"Reshape", {1}},        {"Squeeze", {1}}, {"Unsqueeze", {1}}, {"Split", {1}},
+    {"Slice", {1, 2, 3, 4}}, {"Expand", {1}},  {"ReduceSum", {1}}, {"ReduceMean", {1}},
 };
 bool g_specialize = true;
 
@@ -399,8 +437,9 @@ Result run_isolated(const fs::path& dir, const onnx::ModelProto& mp, int timeout
 }
 
 int usage() {
-  std::cerr << "usage: run_conformance DATA_DIR [--write-lists OUT_DIR] [--no-fork] [--no-specialize] "
-               "[--verbose] [--timeout SECONDS] [OP ...]\n";
+  std::cerr
+      << "usage: run_conformance DATA_DIR [--write-lists OUT_DIR] [--no-fork] [--no-specialize] "
+         "[--verbose] [--timeout SECONDS] [OP ...]\n";
   return 2;
 }
 
@@ -414,15 +453,24 @@ int main(int argc, char** argv) {
   std::vector<std::string> ops;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--write-lists" && i + 1 < argc) lists = argv[++i];
-    else if (a == "--no-fork") fork_cases = false;
-    else if (a == "--no-specialize") g_specialize = false;
-    else if (a == "--verbose" || a == "-v") verbose = true;
-    else if (a == "--timeout" && i + 1 < argc) timeout_s = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--help" || a == "-h") return usage();
-    else if (a.rfind("--", 0) == 0) return usage();
-    else if (data.empty()) data = a;
-    else ops.push_back(a);
+    if (a == "--write-lists" && i + 1 < argc)
+      lists = argv[++i];
+    else if (a == "--no-fork")
+      fork_cases = false;
+    else if (a == "--no-specialize")
+      g_specialize = false;
+    else if (a == "--verbose" || a == "-v")
+      verbose = true;
+    else if (a == "--timeout" && i + 1 < argc)
+      timeout_s = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--help" || a == "-h")
+      return usage();
+    else if (a.rfind("--", 0) == 0)
+      return usage();
+    else if (data.empty())
+      data = a;
+    else
+      ops.push_back(a);
   }
   if (data.empty()) return usage();
   const std::set<std::string> supported(kSupported.begin(), kSupported.end());
@@ -445,7 +493,8 @@ int main(int argc, char** argv) {
 
   std::vector<fs::path> cases;
   for (const auto& e : fs::directory_iterator(root))
-    if (e.is_directory() && e.path().filename().string().rfind("test_", 0) == 0) cases.push_back(e.path());
+    if (e.is_directory() && e.path().filename().string().rfind("test_", 0) == 0)
+      cases.push_back(e.path());
   std::sort(cases.begin(), cases.end());
 
   int passed = 0, unsupported = 0, failed = 0, skipped = 0;
@@ -465,7 +514,8 @@ int main(int argc, char** argv) {
     } else {
       bool in_scope = true;
       for (const auto& n : mp.graph().node())
-        in_scope = in_scope && (n.domain().empty() || n.domain() == "ai.onnx") && supported.count(n.op_type());
+        in_scope = in_scope && (n.domain().empty() || n.domain() == "ai.onnx") &&
+                   supported.count(n.op_type());
       if (!in_scope) {
         ++skipped;
         if (verbose) std::cout << "skipped " << name << ": uses ops graft does not implement\n";

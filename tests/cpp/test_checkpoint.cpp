@@ -3,13 +3,13 @@
 // truncated, bit-flipped and wrong-model files are refused with typed errors and leave the session
 // untouched; resume_from_dir falls back to the previous good checkpoint.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
-#include <unistd.h>
 
 #include "graft/checkpoint.h"
 #include "graft/models.h"
@@ -32,10 +32,15 @@ struct Trainer {
     o.alloc = &alloc;
     s = std::make_unique<TrainSession>(linear_stack(B, hidden, layers, DType::F32, alloc, 3), o);
     Tensor x = Tensor::empty({B, hidden}, DType::F32, alloc, Category::Workspace);
-    for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
+    for (int64_t i = 0; i < x.numel(); ++i)
+      x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
     s->set_input("x", x);
-    if (optimizer == "sgd") opt = std::make_unique<SGD>(s->trainable(), SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}, &alloc);
-    else opt = std::make_unique<AdamW>(s->trainable(), AdamWOptions{.lr = 0.01, .weight_decay = 0.01}, &alloc);
+    if (optimizer == "sgd")
+      opt = std::make_unique<SGD>(
+          s->trainable(), SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}, &alloc);
+    else
+      opt = std::make_unique<AdamW>(s->trainable(), AdamWOptions{.lr = 0.01, .weight_decay = 0.01},
+                                    &alloc);
   }
   // One optimizer step over `micro` accumulated micro-batches.
   void train(int steps, int micro = 1) {
@@ -62,8 +67,9 @@ struct Trainer {
 struct TempDir {
   fs::path path;
   TempDir() {
-    path = fs::temp_directory_path() / ("graft_ckpt_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    path = fs::temp_directory_path() /
+           ("graft_ckpt_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(path);
     fs::create_directories(path);
   }
@@ -81,13 +87,15 @@ void write_all(const std::string& p, const std::vector<char>& d) {
 }
 
 // Expects `f` to throw a graft::Error of `kind` whose message contains every needle.
-void expect_error(const std::function<void()>& f, ErrorKind kind, std::vector<std::string> needles) {
+void expect_error(const std::function<void()>& f, ErrorKind kind,
+                  std::vector<std::string> needles) {
   try {
     f();
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), kind) << e.what();
-    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << n << " not in: " << e.what();
+    for (const auto& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << n << " not in: " << e.what();
   }
 }
 }  // namespace
@@ -159,8 +167,8 @@ TEST_P(RoundTrip, ParametersOnlyWithoutOptimizer) {
   EXPECT_EQ(load_checkpoint(d / "p.graft", *other.s, nullptr), 2);
   EXPECT_EQ(other.bytes(), first.bytes());
   // An optimizer cannot be restored from a file without optimizer state.
-  expect_error([&] { load_checkpoint(d / "p.graft", *other.s, other.opt.get()); }, ErrorKind::InvalidArgument,
-               {"p.graft", "no optimizer state"});
+  expect_error([&] { load_checkpoint(d / "p.graft", *other.s, other.opt.get()); },
+               ErrorKind::InvalidArgument, {"p.graft", "no optimizer state"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip, ::testing::Values("sgd", "adamw"));
@@ -191,10 +199,12 @@ TEST(Checkpoint, CorruptFilesAreRefusedAndChangeNothing) {
   auto refused = [&](const std::vector<char>& data, const std::string& needle) {
     write_all(bad, data);
     expect_error([&] { verify_checkpoint(bad); }, ErrorKind::InvalidModel, {"bad.graft", needle});
-    expect_error([&] { load_checkpoint(bad, *dst.s, dst.opt.get()); }, ErrorKind::InvalidModel, {"bad.graft", needle});
+    expect_error([&] { load_checkpoint(bad, *dst.s, dst.opt.get()); }, ErrorKind::InvalidModel,
+                 {"bad.graft", needle});
   };
   for (size_t n = 0; n < good.size(); n += (n < 64 ? 1 : 199))
-    refused(std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n)), "truncated");
+    refused(std::vector<char>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n)),
+            "truncated");
   for (size_t i = 0; i < good.size(); i += (i < 64 || i + 16 > good.size() ? 1 : 151)) {
     for (int bit : {0, 5}) {
       std::vector<char> f = good;
@@ -217,7 +227,8 @@ TEST(Checkpoint, CorruptFilesAreRefusedAndChangeNothing) {
 
   EXPECT_EQ(dst.bytes(), before);
   EXPECT_EQ(dst.opt->steps(), 1);
-  expect_error([&] { verify_checkpoint(d / "missing.graft"); }, ErrorKind::Io, {"missing.graft", "cannot open"});
+  expect_error([&] { verify_checkpoint(d / "missing.graft"); }, ErrorKind::Io,
+               {"missing.graft", "cannot open"});
 }
 
 TEST(Checkpoint, WrongModelOrOptimizerIsRefusedAndChangesNothing) {
@@ -228,24 +239,25 @@ TEST(Checkpoint, WrongModelOrOptimizerIsRefusedAndChangesNothing) {
 
   Trainer wider("sgd", H * 2);
   auto before = wider.bytes();
-  expect_error([&] { load_checkpoint(d / "a.graft", *wider.s, wider.opt.get()); }, ErrorKind::ShapeMismatch,
+  expect_error([&] { load_checkpoint(d / "a.graft", *wider.s, wider.opt.get()); },
+               ErrorKind::ShapeMismatch,
                {"a.graft", "does not fit this model", "layers.0.weight", "[16,16]", "[32,32]"});
   EXPECT_EQ(wider.bytes(), before);
 
   Trainer deeper("sgd", H, L + 1);
   before = deeper.bytes();
-  expect_error([&] { load_checkpoint(d / "a.graft", *deeper.s, deeper.opt.get()); }, ErrorKind::InvalidArgument,
-               {"a.graft", "lacks parameter(s) layers.3.weight"});
+  expect_error([&] { load_checkpoint(d / "a.graft", *deeper.s, deeper.opt.get()); },
+               ErrorKind::InvalidArgument, {"a.graft", "lacks parameter(s) layers.3.weight"});
   EXPECT_EQ(deeper.bytes(), before);
 
   Trainer shallower("sgd", H, L - 1);
-  expect_error([&] { load_checkpoint(d / "a.graft", *shallower.s, shallower.opt.get()); }, ErrorKind::InvalidArgument,
-               {"holds parameter(s) the model lacks: layers.2.weight"});
+  expect_error([&] { load_checkpoint(d / "a.graft", *shallower.s, shallower.opt.get()); },
+               ErrorKind::InvalidArgument, {"holds parameter(s) the model lacks: layers.2.weight"});
 
   Trainer adam("adamw");
   before = adam.bytes();
-  expect_error([&] { load_checkpoint(d / "a.graft", *adam.s, adam.opt.get()); }, ErrorKind::InvalidArgument,
-               {"a.graft", "holds sgd state, the run uses adamw"});
+  expect_error([&] { load_checkpoint(d / "a.graft", *adam.s, adam.opt.get()); },
+               ErrorKind::InvalidArgument, {"a.graft", "holds sgd state, the run uses adamw"});
   EXPECT_EQ(adam.bytes(), before);
 }
 
@@ -318,8 +330,9 @@ TEST(CheckpointDir, NoValidCheckpointIsAnErrorAndEmptyIsAFreshStart) {
   }
   Trainer other("sgd");
   const auto before = other.bytes();
-  expect_error([&] { resume_from_dir(dir, *other.s, other.opt.get()); }, ErrorKind::InvalidModel,
-               {"no checkpoint in", "verifies", "ckpt-00000002.graft", "ckpt-00000001.graft", "truncated"});
+  expect_error(
+      [&] { resume_from_dir(dir, *other.s, other.opt.get()); }, ErrorKind::InvalidModel,
+      {"no checkpoint in", "verifies", "ckpt-00000002.graft", "ckpt-00000001.graft", "truncated"});
   EXPECT_EQ(other.bytes(), before);
   // Nothing was renamed aside: a later resume sees the same files and refuses again.
   EXPECT_EQ(list_checkpoints(dir).size(), 2u);
@@ -343,11 +356,12 @@ TEST(Checkpoint, SaveFailureIsIoAndKeepsTheOldFile) {
   r.train(1);
   save_checkpoint(d / "a.graft", *r.s, r.opt.get(), 1);
   const auto old = read_all(d / "a.graft");
-  expect_error([&] { save_checkpoint(d / "no/such/dir/a.graft", *r.s, r.opt.get(), 2); }, ErrorKind::Io,
-               {"no/such/dir/a.graft", "cannot create temporary file"});
+  expect_error([&] { save_checkpoint(d / "no/such/dir/a.graft", *r.s, r.opt.get(), 2); },
+               ErrorKind::Io, {"no/such/dir/a.graft", "cannot create temporary file"});
   // A folder in the way of the rename: the temporary is removed, the target untouched.
   fs::create_directories(d.path / "dir.graft" / "x");
-  expect_error([&] { save_checkpoint(d / "dir.graft", *r.s, r.opt.get(), 2); }, ErrorKind::Io, {"dir.graft", "rename"});
+  expect_error([&] { save_checkpoint(d / "dir.graft", *r.s, r.opt.get(), 2); }, ErrorKind::Io,
+               {"dir.graft", "rename"});
   for (const auto& e : fs::directory_iterator(d.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
   EXPECT_EQ(read_all(d / "a.graft"), old);
@@ -421,5 +435,6 @@ TEST(Checkpoint, UnknownOptimizerKind) {
   EXPECT_EQ(find_optimizer_kind("lion"), nullptr);
   ASSERT_NE(find_optimizer_kind("sgd"), nullptr);
   EXPECT_EQ(find_optimizer_kind("sgd")->tensors, std::vector<std::string>{"momentum_buffer"});
-  EXPECT_EQ(find_optimizer_kind("adamw")->tensors, (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
+  EXPECT_EQ(find_optimizer_kind("adamw")->tensors,
+            (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
 }

@@ -86,8 +86,11 @@ TEST(FuzzRegressions, EveryFileReaderFindingIsHandled) {
   TempDir dir;
   // Edge inputs of the harness itself: empty, a lone mode byte for each reader, a mode-2 frame
   // too short to repair, and a repaired frame whose header size points past the file.
-  for (std::string b : {std::string(), std::string(1, '\0'), std::string(1, '\1'), std::string(1, '\2'),
-                        std::string("\2GRAFTCKP", 9), std::string("\2GRAFTCKP\1\0\0\0\0\0\0\0\377\377\377\377\377\377\377\377", 25) + std::string(40, 'x')})
+  for (std::string b :
+       {std::string(), std::string(1, '\0'), std::string(1, '\1'), std::string(1, '\2'),
+        std::string("\2GRAFTCKP", 9),
+        std::string("\2GRAFTCKP\1\0\0\0\0\0\0\0\377\377\377\377\377\377\377\377", 25) +
+            std::string(40, 'x')})
     replay_files_input(b, dir.path);
   const fs::path files = kDir / "files";
   if (!fs::is_directory(files)) return;

@@ -19,7 +19,7 @@ namespace {
 struct In {
   enum Kind { Float, Ints, Bools, FloatConst } kind = Float;
   Shape shape;
-  double lo = -1, hi = 1;   // float init range
+  double lo = -1, hi = 1;  // float init range
   std::vector<int64_t> ints;
   bool absent = false;
   static In f(Shape s, double lo = -1, double hi = 1) { return In{Float, s, lo, hi, {}}; }
@@ -28,7 +28,11 @@ struct In {
     return x;
   }
   static In b(std::vector<int64_t> v, Shape s) { return In{Bools, s, 0, 0, v}; }
-  static In none() { In x; x.absent = true; return x; }
+  static In none() {
+    In x;
+    x.absent = true;
+    return x;
+  }
   // A float input that is not trained (e.g. class weights, which have no gradient).
   static In fc(Shape s, double lo, double hi) { return In{FloatConst, s, lo, hi, {}}; }
 };
@@ -63,7 +67,8 @@ void check(const Case& c) {
     bool trained = in.kind == In::Float;
     std::string name = "in" + std::to_string(pi++);
     DType dt = is_float ? DType::F64 : in.kind == In::Ints ? DType::I64 : DType::Bool;
-    Tensor t = Tensor::empty(in.shape, dt, alloc, trained ? Category::Parameter : Category::Workspace);
+    Tensor t =
+        Tensor::empty(in.shape, dt, alloc, trained ? Category::Parameter : Category::Workspace);
     std::uniform_real_distribution<double> u(in.lo, in.hi);
     for (int64_t k = 0; k < t.numel(); ++k) {
       if (is_float) {
@@ -77,7 +82,8 @@ void check(const Case& c) {
     }
     n.inputs.push_back(trained ? g.add_param(name, t) : g.add_constant(name, t, false));
   }
-  for (int k = 0; k < c.n_out; ++k) n.outputs.push_back(g.add_value("y" + std::to_string(k), ValueKind::Intermediate, false));
+  for (int k = 0; k < c.n_out; ++k)
+    n.outputs.push_back(g.add_value("y" + std::to_string(k), ValueKind::Intermediate, false));
   std::vector<int> outs = n.outputs;
   g.add_node(n);
   infer_shapes(g);
@@ -169,41 +175,72 @@ std::vector<Case> cases() {
       {"sum3_broadcast", "Sum", {In::f({2, 3}), In::f({3}), In::f({2, 1})}},
       {"cast_f64", "Cast", {In::f({3})}, A([](Attrs& a) { a.set_int("to", 11); })},
       {"gemm", "Gemm", {In::f({3, 4}), In::f({4, 5}), In::f({5})}},
-      {"gemm_transA_transB_alpha_beta", "Gemm", {In::f({4, 3}), In::f({5, 4}), In::f({3, 1})},
-       A([](Attrs& a) { a.set_int("transA", 1); a.set_int("transB", 1); a.set_float("alpha", 0.7); a.set_float("beta", 1.3); })},
-      {"gemm_transA", "Gemm", {In::f({4, 3}), In::f({4, 5})}, A([](Attrs& a) { a.set_int("transA", 1); })},
+      {"gemm_transA_transB_alpha_beta",
+       "Gemm",
+       {In::f({4, 3}), In::f({5, 4}), In::f({3, 1})},
+       A([](Attrs& a) {
+         a.set_int("transA", 1);
+         a.set_int("transB", 1);
+         a.set_float("alpha", 0.7);
+         a.set_float("beta", 1.3);
+       })},
+      {"gemm_transA", "Gemm", {In::f({4, 3}), In::f({4, 5})}, A([](Attrs& a) {
+         a.set_int("transA", 1);
+       })},
       {"matmul_2d", "MatMul", {In::f({3, 4}), In::f({4, 2})}},
       {"matmul_batched_broadcast", "MatMul", {In::f({2, 3, 4}), In::f({4, 5})}},
       {"matmul_batch_both", "MatMul", {In::f({2, 1, 3, 4}), In::f({3, 4, 2})}},
       {"matmul_vec_left", "MatMul", {In::f({4}), In::f({4, 3})}},
       {"matmul_vec_right", "MatMul", {In::f({2, 3, 4}), In::f({4})}},
-      {"reduce_sum_axis", "ReduceSum", {In::f({2, 3, 4}), In::i({1})}, A([](Attrs& a) { a.set_int("keepdims", 0); })},
+      {"reduce_sum_axis", "ReduceSum", {In::f({2, 3, 4}), In::i({1})}, A([](Attrs& a) {
+         a.set_int("keepdims", 0);
+       })},
       {"reduce_sum_all", "ReduceSum", {In::f({2, 3})}},
-      {"reduce_mean_axes", "ReduceMean", {In::f({2, 3, 4})}, A([](Attrs& a) { a.set_ints("axes", {0, 2}); })},
+      {"reduce_mean_axes", "ReduceMean", {In::f({2, 3, 4})}, A([](Attrs& a) {
+         a.set_ints("axes", {0, 2});
+       })},
       {"reshape", "Reshape", {In::f({2, 3}), In::i({3, -1})}},
-      {"transpose", "Transpose", {In::f({2, 3, 4})}, A([](Attrs& a) { a.set_ints("perm", {2, 0, 1}); })},
+      {"transpose", "Transpose", {In::f({2, 3, 4})}, A([](Attrs& a) {
+         a.set_ints("perm", {2, 0, 1});
+       })},
       {"flatten", "Flatten", {In::f({2, 3, 2})}, A([](Attrs& a) { a.set_int("axis", 2); })},
       {"squeeze", "Squeeze", {In::f({2, 1, 3}), In::i({1})}},
       {"unsqueeze", "Unsqueeze", {In::f({2, 3}), In::i({0, 3})}},
-      {"concat", "Concat", {In::f({2, 3}), In::f({2, 1}), In::f({2, 2})}, A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"concat", "Concat", {In::f({2, 3}), In::f({2, 1}), In::f({2, 2})}, A([](Attrs& a) {
+         a.set_int("axis", 1);
+       })},
       {"split", "Split", {In::f({5, 2}), In::i({2, 3})}, nullptr, 2},
-      {"slice_step", "Slice", {In::f({6, 4}), In::i({1, 3}), In::i({6, 0}), In::i({0, 1}), In::i({2, -1})}},
+      {"slice_step",
+       "Slice",
+       {In::f({6, 4}), In::i({1, 3}), In::i({6, 0}), In::i({0, 1}), In::i({2, -1})}},
       {"gather_rows_repeated", "Gather", {In::f({4, 3}), In::i({2, 0, 2, -1}, {2, 2})}},
-      {"gather_axis1", "Gather", {In::f({2, 4}), In::i({3, 1})}, A([](Attrs& a) { a.set_int("axis", 1); })},
+      {"gather_axis1", "Gather", {In::f({2, 4}), In::i({3, 1})}, A([](Attrs& a) {
+         a.set_int("axis", 1);
+       })},
       {"expand", "Expand", {In::f({3, 1}), In::i({2, 3, 4})}},
-      {"trilu_lower_k", "Trilu", {In::f({3, 4}), In::i({1}, Shape{})}, A([](Attrs& a) { a.set_int("upper", 0); })},
+      {"trilu_lower_k", "Trilu", {In::f({3, 4}), In::i({1}, Shape{})}, A([](Attrs& a) {
+         a.set_int("upper", 0);
+       })},
       {"softmax", "Softmax", {In::f({3, 4})}, A([](Attrs& a) { a.set_int("axis", 1); })},
       {"softmax_axis0", "Softmax", {In::f({3, 4})}, A([](Attrs& a) { a.set_int("axis", 0); })},
       {"log_softmax", "LogSoftmax", {In::f({2, 5})}},
       {"layer_norm", "LayerNormalization", {In::f({3, 4}), In::f({4}), In::f({4})}},
-      {"layer_norm_axis1_nobias", "LayerNormalization", {In::f({2, 3, 2}), In::f({3, 2})},
+      {"layer_norm_axis1_nobias",
+       "LayerNormalization",
+       {In::f({2, 3, 2}), In::f({3, 2})},
        A([](Attrs& a) { a.set_int("axis", 1); })},
       {"sce_mean", "SoftmaxCrossEntropyLoss", {In::f({3, 5}), In::i({1, 4, 0})}},
-      {"sce_weights_ignore", "SoftmaxCrossEntropyLoss", {In::f({4, 3}), In::i({2, 0, 1, 2}), In::fc({3}, kPos, 2)},
+      {"sce_weights_ignore",
+       "SoftmaxCrossEntropyLoss",
+       {In::f({4, 3}), In::i({2, 0, 1, 2}), In::fc({3}, kPos, 2)},
        A([](Attrs& a) { a.set_int("ignore_index", 1); })},
-      {"sce_none_3d", "SoftmaxCrossEntropyLoss", {In::f({2, 3, 2}), In::i({0, 2, 1, 1}, {2, 2})},
+      {"sce_none_3d",
+       "SoftmaxCrossEntropyLoss",
+       {In::f({2, 3, 2}), In::i({0, 2, 1, 1}, {2, 2})},
        A([](Attrs& a) { a.set_string("reduction", "none"); })},
-      {"sce_sum", "SoftmaxCrossEntropyLoss", {In::f({2, 3}), In::i({0, 2})}, A([](Attrs& a) { a.set_string("reduction", "sum"); })},
+      {"sce_sum", "SoftmaxCrossEntropyLoss", {In::f({2, 3}), In::i({0, 2})}, A([](Attrs& a) {
+         a.set_string("reduction", "sum");
+       })},
       {"dropout_eval", "Dropout", {In::f({4})}},
       // a parameter used twice gets one summed gradient
       {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},

@@ -23,7 +23,8 @@ struct Builder {
     return n.outputs.empty() ? g.find(out) : g.find(out);
   }
   int shape_const(const std::string& n, std::vector<int64_t> v) {
-    Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, Allocator::global(), Category::Workspace);
+    Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, Allocator::global(),
+                             Category::Workspace);
     std::copy(v.begin(), v.end(), t.data<int64_t>());
     return g.add_constant(n, t, false);
   }
@@ -59,10 +60,10 @@ TEST(Planner, FreesEachValueAfterItsLastUse) {
 TEST(Planner, InPlaceOnlyWhenTheInputIsDeadAndOwned) {
   Builder b;
   int x = b.input("x", {8});
-  int a = b.op("Relu", {x}, "a");      // x is an input: never overwritten
-  int c = b.op("Exp", {a}, "c");       // a dies here: may reuse a's buffer
-  int d = b.op("Neg", {c}, "d");       // c is also read by e below: no in-place
-  int e = b.op("Add", {d, c}, "e");    // d dies here and is input 0: in place
+  int a = b.op("Relu", {x}, "a");    // x is an input: never overwritten
+  int c = b.op("Exp", {a}, "c");     // a dies here: may reuse a's buffer
+  int d = b.op("Neg", {c}, "d");     // c is also read by e below: no in-place
+  int e = b.op("Add", {d, c}, "e");  // d dies here and is input 0: in place
   b.g.outputs = {e};
   infer_shapes(b.g);
   PlanOptions o;
@@ -96,8 +97,8 @@ TEST(Planner, AliasesShareABufferFreedWithTheLastAlias) {
   int x = b.input("x", {2, 3});
   int a = b.op("Relu", {x}, "a");
   int r = b.op("Reshape", {a, b.shape_const("s", {6})}, "r");
-  int c = b.op("Exp", {a}, "c");      // a still read here: r's buffer stays
-  int d = b.op("Neg", {r}, "d");      // last read of the shared buffer
+  int c = b.op("Exp", {a}, "c");  // a still read here: r's buffer stays
+  int d = b.op("Neg", {r}, "d");  // last read of the shared buffer
   b.g.outputs = {c, d};
   infer_shapes(b.g);
   PlanOptions o;

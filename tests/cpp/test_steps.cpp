@@ -47,7 +47,8 @@ TEST_P(Modes, BackwardNeverWritesIntoAnOutput) {
   s.forward();
   Tensor r = s.outputs()[0];
   s.backward();
-  for (int i = 0; i < 4; ++i) EXPECT_DOUBLE_EQ(r.data<double>()[i], 1.0 / ((i + 1) * (0.5 + i))) << i;
+  for (int i = 0; i < 4; ++i)
+    EXPECT_DOUBLE_EQ(r.data<double>()[i], 1.0 / ((i + 1) * (0.5 + i))) << i;
   Tensor r2 = s.outputs()[0];
   EXPECT_EQ(r2.raw(), r.raw());
 }
@@ -74,7 +75,8 @@ TEST_P(Modes, StepsInFlightKeepTheirOwnValues) {
   EXPECT_THROW(s.backward(*s1), Error);  // a step runs backward once
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Modes, ::testing::Values(GradMode::Hold, GradMode::Accumulate, GradMode::Hook),
+INSTANTIATE_TEST_SUITE_P(All, Modes,
+                         ::testing::Values(GradMode::Hold, GradMode::Accumulate, GradMode::Hook),
                          [](const auto& i) { return std::string(grad_mode_name(i.param)); });
 
 TEST(Steps, ForwardsOnSeveralThreadsGiveEachTheirOwnResult) {

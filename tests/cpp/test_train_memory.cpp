@@ -31,10 +31,12 @@ StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
   if (mode == GradMode::Hook)
     s.set_hook([&](Parameter& p, const Tensor& g) {
       for (size_t i = 0; i < s.parameters().size(); ++i)
-        if (s.parameters()[i].name == p.name) kept[i].assign(g.data<float>(), g.data<float>() + g.numel());
+        if (s.parameters()[i].name == p.name)
+          kept[i].assign(g.data<float>(), g.data<float>() + g.numel());
     });
   Tensor x = Tensor::empty({B, H}, DType::F32, alloc, Category::Workspace);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
+  for (int64_t i = 0; i < x.numel(); ++i)
+    x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
   s.set_input("x", x);
   StepRun r{};
   for (int k = 0; k < steps; ++k) {  // the last step is measured, after a warm-up
@@ -48,8 +50,10 @@ StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
   }
   for (size_t i = 0; i < s.parameters().size(); ++i) {
     const Parameter& p = s.parameters()[i];
-    if (mode == GradMode::Hook) r.grads.push_back(kept[i]);
-    else r.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+    if (mode == GradMode::Hook)
+      r.grads.push_back(kept[i]);
+    else
+      r.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
   }
   return r;
 }

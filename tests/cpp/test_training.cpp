@@ -14,13 +14,15 @@ constexpr int64_t B = 8, H = 16, L = 3;
 
 std::vector<std::vector<double>> grads_of(TrainSession& s) {
   std::vector<std::vector<double>> r;
-  for (const Parameter& p : s.parameters()) r.emplace_back(p.grad.data<double>(), p.grad.data<double>() + p.grad.numel());
+  for (const Parameter& p : s.parameters())
+    r.emplace_back(p.grad.data<double>(), p.grad.data<double>() + p.grad.numel());
   return r;
 }
 
 Tensor batch(Allocator& a, int64_t rows, int64_t offset) {
   Tensor x = Tensor::empty({rows, H}, DType::F64, a, Category::Workspace);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = std::sin(0.37 * static_cast<double>(i + offset * H));
+  for (int64_t i = 0; i < x.numel(); ++i)
+    x.data<double>()[i] = std::sin(0.37 * static_cast<double>(i + offset * H));
   return x;
 }
 }  // namespace
@@ -53,10 +55,12 @@ TEST_P(MicroBatch, TwoHalvesAccumulateToTheWholeBatch) {
   auto acc = grads_of(half);
   ASSERT_EQ(acc.size(), full.size());
   for (size_t p = 0; p < acc.size(); ++p)
-    for (size_t i = 0; i < acc[p].size(); ++i) EXPECT_NEAR(acc[p][i] / 2, full[p][i], 1e-12) << p << "/" << i;
+    for (size_t i = 0; i < acc[p].size(); ++i)
+      EXPECT_NEAR(acc[p][i] / 2, full[p][i], 1e-12) << p << "/" << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, MicroBatch, ::testing::Values(GradMode::Accumulate, GradMode::Hold, GradMode::Hook),
+INSTANTIATE_TEST_SUITE_P(Modes, MicroBatch,
+                         ::testing::Values(GradMode::Accumulate, GradMode::Hold, GradMode::Hook),
                          [](const auto& i) { return std::string(grad_mode_name(i.param)); });
 
 TEST(ZeroGrad, SetToNoneReleasesAndFalseKeepsZeroedBuffers) {
@@ -73,7 +77,8 @@ TEST(ZeroGrad, SetToNoneReleasesAndFalseKeepsZeroedBuffers) {
   s.zero_grad(false);
   EXPECT_EQ(alloc.current(Category::Gradient), G);
   EXPECT_EQ(s.parameters()[0].grad.raw(), p0);
-  for (int64_t i = 0; i < s.parameters()[0].grad.numel(); ++i) ASSERT_EQ(s.parameters()[0].grad.data<float>()[i], 0.0f);
+  for (int64_t i = 0; i < s.parameters()[0].grad.numel(); ++i)
+    ASSERT_EQ(s.parameters()[0].grad.data<float>()[i], 0.0f);
   s.zero_grad(true);
   EXPECT_EQ(alloc.current(Category::Gradient), 0);
   EXPECT_FALSE(s.parameters()[0].grad.defined());
