@@ -1,7 +1,9 @@
-// Elementwise ops: unary math, broadcasting binary ops, Where, Sum, Cast, and their gradients.
+// Elementwise ops: unary math, broadcasting binary ops, comparisons and logic, Abs, Sign, Clip,
+// Max, Min, HardSigmoid, HardSwish, Where, Sum, Cast, and their gradients.
 //
 // Every op's schema, shape function, kernel and gradient rule are in the table at the bottom.
 #include <cmath>
+#include <limits>
 
 #include "util.h"
 
@@ -341,6 +343,223 @@ void cast_kernel(KernelCtx& c) {
   });
 }
 
+// ---- comparisons and logic (no gradients) -----------------------------------------------------
+enum class Cmp { Less, LessEq, Greater, GreaterEq };
+template <Cmp op>
+void compare_kernel(KernelCtx& c) {
+  dispatch(c.in(0).dtype(), [&]<class T>() {
+    binary_loop<T>(c.in(0), c.in(1), c.out(0), [](T x, T y) -> bool {
+      if constexpr (op == Cmp::Less) return x < y;
+      if constexpr (op == Cmp::LessEq) return x <= y;
+      if constexpr (op == Cmp::Greater) return x > y;
+      if constexpr (op == Cmp::GreaterEq) return x >= y;
+    });
+  });
+}
+void infer_logic(InferCtx& c) {
+  for (int i = 0; i < c.n_in(); ++i)
+    if (c.dtype(i) != DType::Bool) c.error(ErrorKind::InvalidModel, "inputs must be bool");
+  c.set_out(0, DType::Bool, broadcast_all(c));
+}
+enum class Logic { And, Or, Xor };
+template <Logic op>
+void logic_kernel(KernelCtx& c) {
+  binary_loop<bool>(c.in(0), c.in(1), c.out(0), [](bool x, bool y) -> bool {
+    if constexpr (op == Logic::And) return x && y;
+    if constexpr (op == Logic::Or) return x || y;
+    if constexpr (op == Logic::Xor) return x != y;
+  });
+}
+void not_kernel(KernelCtx& c) {
+  const bool* x = c.in(0).data<bool>();
+  bool* y = c.out(0).data<bool>();
+  for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = !x[i];
+}
+
+// ---- Abs / Sign (float and int64) -------------------------------------------------------------
+void infer_signed(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  infer_same(c);
+}
+template <bool kSign>
+void abs_sign_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) {
+      if constexpr (kSign)
+        y[i] = x[i] > T(0) ? T(1) : x[i] < T(0) ? T(-1) : T(0);
+      else
+        y[i] = x[i] < T(0) ? -x[i] : x[i];
+    }
+  };
+  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+void grad_abs(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.emit1("Sign", {g.x(0)})})); }
+
+// ---- Clip(x, min?, max?) ------------------------------------------------------------------------
+void infer_clip(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  for (int i = 1; i < 3; ++i)
+    if (c.has_in(i)) {
+      c.check(numel(c.shape(i)) == 1, "min and max must be scalars");
+      if (c.dtype(i) != c.dtype(0))
+        c.error(ErrorKind::InvalidModel, "min / max differ in dtype from the input");
+    }
+  infer_same(c);
+}
+// PyTorch's clamp: y = min(max(x, lo), hi); the gradient passes where lo <= x <= hi.
+void clip_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const T lo = c.has_in(1) ? c.in(1).data<T>()[0] : std::numeric_limits<T>::lowest();
+    const T hi = c.has_in(2) ? c.in(2).data<T>()[0] : std::numeric_limits<T>::max();
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = std::min(std::max(x[i], lo), hi);
+  };
+  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+// ClipGrad(dy, x, min?, max?) -> dx
+void clip_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T lo = c.has_in(2) ? c.in(2).data<T>()[0] : std::numeric_limits<T>::lowest();
+    const T hi = c.has_in(3) ? c.in(3).data<T>()[0] : std::numeric_limits<T>::max();
+    const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) dx[i] = x[i] >= lo && x[i] <= hi ? dy[i] : T(0);
+  });
+}
+void grad_clip(GradBuilder& g) {
+  const Node& n = g.node();
+  std::vector<int> ins{g.dy(0), g.x(0)};
+  for (int i = 1; i < 3; ++i)
+    ins.push_back(i < static_cast<int>(n.inputs.size()) ? n.inputs[i] : -1);
+  while (!ins.empty() && ins.back() < 0) ins.pop_back();
+  g.set_dx(0, g.emit1("ClipGrad", ins, {}, "graft"));
+}
+
+// ---- Max / Min (variadic, broadcasting)
+// ----------------------------------------------------------
+void infer_minmax(InferCtx& c) {
+  for (int i = 1; i < c.n_in(); ++i)
+    if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "inputs have different dtypes");
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  c.set_out(0, c.dtype(0), broadcast_all(c));
+}
+template <bool kMax>
+void minmax_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    Tensor& out = c.out(0);
+    T* po = out.data<T>();
+    for (int k = 0; k < static_cast<int>(c.ins.size()); ++k) {
+      const T* pa = c.in(k).data<T>();
+      auto st = bcast_strides(c.in(k).shape(), out.shape());
+      for_each_bcast<1>(out.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        T v = pa[o[0]];
+        po[i] = k == 0 ? v : kMax ? std::max(po[i], v) : std::min(po[i], v);
+      });
+    }
+  };
+  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+// MinMaxGrad(dy, y, x_0, ..., x_n-1; index = i) -> dx_i of the broadcast shape: dy where x_i is
+// the extreme, split evenly between the inputs that tie (PyTorch's maximum / minimum).
+void infer_minmax_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
+void minmax_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const int idx = static_cast<int>(c.attr_int("index", 0));
+    const Shape& os = c.out(0).shape();
+    const int n = static_cast<int>(c.ins.size()) - 2;
+    std::vector<std::vector<int64_t>> st(n);
+    for (int k = 0; k < n; ++k) st[k] = bcast_strides(c.in(2 + k).shape(), os);
+    const T *dy = c.in(0).data<T>(), *y = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    // Offsets per input for each output element, one input at a time.
+    std::vector<int64_t> ties(numel(os), 0);
+    std::vector<char> mine(numel(os), 0);
+    for (int k = 0; k < n; ++k) {
+      const T* xk = c.in(2 + k).data<T>();
+      for_each_bcast<1>(os, {st[k]}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        bool hit = xk[o[0]] == y[i];
+        ties[i] += hit;
+        if (k == idx) mine[i] = hit;
+      });
+    }
+    for (int64_t i = 0; i < numel(os); ++i)
+      dx[i] = mine[i] ? dy[i] / static_cast<T>(ties[i]) : T(0);
+  });
+}
+void grad_minmax(GradBuilder& g) {
+  const Node& n = g.node();
+  for (int i = 0; i < static_cast<int>(n.inputs.size()); ++i) {
+    if (!g.needs(i)) continue;
+    std::vector<int> ins{g.dy(0), g.y(0)};
+    ins.insert(ins.end(), n.inputs.begin(), n.inputs.end());
+    Attrs a;
+    a.set_int("index", i);
+    g.set_dx(i, g.emit1("MinMaxGrad", ins, a, "graft"));
+  }
+}
+
+// ---- HardSigmoid / HardSwish
+// ----------------------------------------------------------------------
+void hard_sigmoid_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T a = static_cast<T>(c.attr_float("alpha", 0.2)),
+            b = static_cast<T>(c.attr_float("beta", 0.5));
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i)
+      y[i] = std::min(T(1), std::max(T(0), a * x[i] + b));
+  });
+}
+void hard_swish_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i)
+      y[i] = x[i] * std::min(T(1), std::max(T(0), x[i] / T(6) + T(0.5)));
+  });
+}
+// HardGrad(dy, x; kind = 0 sigmoid (alpha, beta) | 1 swish) -> dx, as PyTorch's backward.
+void hard_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const bool swish = c.attr_int("kind", 0) == 1;
+    const T a = static_cast<T>(c.attr_float("alpha", 0.2)),
+            b = static_cast<T>(c.attr_float("beta", 0.5));
+    const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    for (int64_t i = 0; i < c.in(0).numel(); ++i) {
+      if (swish)
+        dx[i] = x[i] < T(-3) ? T(0) : x[i] <= T(3) ? dy[i] * (x[i] / T(3) + T(0.5)) : dy[i];
+      else {
+        T z = a * x[i] + b;
+        dx[i] = z > T(0) && z < T(1) ? dy[i] * a : T(0);
+      }
+    }
+  });
+}
+void grad_hard_sigmoid(GradBuilder& g) {
+  Attrs a;
+  a.set_int("kind", 0);
+  a.set_float("alpha", g.node().attrs.get_float("alpha", 0.2));
+  a.set_float("beta", g.node().attrs.get_float("beta", 0.5));
+  g.set_dx(0, g.emit1("HardGrad", {g.dy(0), g.x(0)}, a, "graft"));
+}
+void grad_hard_swish(GradBuilder& g) {
+  Attrs a;
+  a.set_int("kind", 1);
+  g.set_dx(0, g.emit1("HardGrad", {g.dy(0), g.x(0)}, a, "graft"));
+}
+void infer_grad_same1(InferCtx& c) {
+  require_float(c, 0);
+  c.check(c.shape(0) == c.shape(1), "dy and x differ in shape");
+  infer_same(c);
+}
+
 // ---- fused gradient kernels ---------------------------------------------------------------------
 // (dy, t) -> dx, elementwise.
 template <class Op>
@@ -433,6 +652,10 @@ void grad_sigmoid(GradBuilder& g) {
 }
 void grad_relu(GradBuilder& g) { g.set_dx(0, g.emit1("ReluGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
 void grad_identity(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
+// A piecewise-constant op (Sign): its gradient is zero almost everywhere, as in PyTorch.
+void grad_zero(GradBuilder& g) {
+  g.set_dx(0, g.emit1("Mul", {g.dy(0), g.scalar(0, g.val(g.dy(0)).dtype)}));
+}
 void grad_where(GradBuilder& g) {
   int zero = g.scalar(0, g.val(g.dy(0)).dtype);
   if (g.needs(1)) g.set_dx(1, g.emit1("Where", {g.x(0), g.dy(0), zero}));
@@ -542,6 +765,101 @@ const OpDef kOps[] = {
      .grad = grad_sum,
      .inplace_input = 0},
     {.name = "Cast", .infer = infer_cast, .kernel = cast_kernel, .grad = grad_cast},
+    // comparisons and logic
+    {.name = "Less",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_equal,
+     .kernel = compare_kernel<Cmp::Less>},
+    {.name = "LessOrEqual",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_equal,
+     .kernel = compare_kernel<Cmp::LessEq>},
+    {.name = "Greater",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_equal,
+     .kernel = compare_kernel<Cmp::Greater>},
+    {.name = "GreaterOrEqual",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_equal,
+     .kernel = compare_kernel<Cmp::GreaterEq>},
+    {.name = "And",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_logic,
+     .kernel = logic_kernel<Logic::And>},
+    {.name = "Or",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_logic,
+     .kernel = logic_kernel<Logic::Or>},
+    {.name = "Xor",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_logic,
+     .kernel = logic_kernel<Logic::Xor>},
+    {.name = "Not", .infer = infer_logic, .kernel = not_kernel},
+    // pointwise with kinks
+    {.name = "Abs",
+     .infer = infer_signed,
+     .kernel = abs_sign_kernel<false>,
+     .grad = grad_abs,
+     .inplace_input = 0},
+    {.name = "Sign",
+     .infer = infer_signed,
+     .kernel = abs_sign_kernel<true>,
+     .grad = grad_zero,
+     .inplace_input = 0},
+    {.name = "Clip",
+     .max_in = 3,
+     .infer = infer_clip,
+     .kernel = clip_kernel,
+     .grad = grad_clip,
+     .inplace_input = 0,
+     .nondiff_inputs = {1, 2}},
+    {.name = "Max",
+     .max_in = 1 << 20,
+     .infer = infer_minmax,
+     .kernel = minmax_kernel<true>,
+     .grad = grad_minmax},
+    {.name = "Min",
+     .max_in = 1 << 20,
+     .infer = infer_minmax,
+     .kernel = minmax_kernel<false>,
+     .grad = grad_minmax},
+    {.name = "HardSigmoid",
+     .infer = infer_unary_float,
+     .kernel = hard_sigmoid_kernel,
+     .grad = grad_hard_sigmoid,
+     .inplace_input = 0},
+    {.name = "HardSwish",
+     .infer = infer_unary_float,
+     .kernel = hard_swish_kernel,
+     .grad = grad_hard_swish,
+     .inplace_input = 0},
+    {.name = "ClipGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 4,
+     .infer = infer_grad_same1,
+     .kernel = clip_grad_kernel,
+     .inplace_input = 0},
+    {.name = "MinMaxGrad",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 1 << 20,
+     .infer = infer_minmax_grad,
+     .kernel = minmax_grad_kernel},
+    {.name = "HardGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad_same1,
+     .kernel = hard_grad_kernel,
+     .inplace_input = 0},
     // graft's fused gradient kernels: (dy, saved) -> dx
     {.name = "ReluGrad",
      .domain = "graft",

@@ -1,4 +1,7 @@
-// Reductions: ReduceSum, ReduceMean, and graft's SumToShape (un-broadcasting for gradients).
+// Reductions: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd, ReduceL2, ArgMax, ArgMin,
+// CumSum, and graft's SumToShape (un-broadcasting for gradients) and ReduceGrad.
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "util.h"
@@ -168,7 +171,226 @@ void grad_sum_to_shape(GradBuilder& g) {
   g.set_dx(0, g.emit1("Expand", {g.dy(0), g.ints(g.shape(g.x(0)))}));
 }
 
+// ---- ReduceMax / ReduceMin / ReduceProd / ReduceL2 (axes as an attribute, opset <= 17)
+// -----------
+enum class Red { Max, Min, Prod, L2 };
+void infer_reduce_any(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  bool noop;
+  auto axes = reduce_axes(c.node(), axes_of_infer(c), static_cast<int>(c.shape(0).size()), noop);
+  bool keep = c.attr_int("keepdims", 1);
+  c.set_out(0, c.dtype(0), noop ? c.shape(0) : reduced_shape(c.shape(0), axes, keep));
+}
+template <Red op>
+void reduce_any_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const Tensor& x = c.in(0);
+    bool noop;
+    auto axes = reduce_axes(c.node, c.attr_ints("axes"), x.rank(), noop);
+    T* y = c.out(0).data<T>();
+    const T* px = x.data<T>();
+    if (noop) {
+      std::copy(px, px + x.numel(), y);
+      return;
+    }
+    Shape kept = reduced_shape(x.shape(), axes, true);
+    const int64_t n_out = numel(kept);
+    std::vector<double> acc(n_out, op == Red::Max    ? -std::numeric_limits<double>::infinity()
+                                   : op == Red::Min  ? std::numeric_limits<double>::infinity()
+                                   : op == Red::Prod ? 1.0
+                                                     : 0.0);
+    std::vector<T> ext(n_out);
+    std::vector<char> seen(n_out, 0);
+    auto st = bcast_strides(kept, x.shape());
+    for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+      const T v = px[i];
+      if constexpr (op == Red::Max || op == Red::Min) {  // exact in T (int64 too); NaN propagates
+        if (!seen[o[0]] || (op == Red::Max ? v > ext[o[0]] : v < ext[o[0]]) || v != v)
+          ext[o[0]] = v;
+        seen[o[0]] = 1;
+      } else if constexpr (op == Red::Prod) {
+        acc[o[0]] *= static_cast<double>(v);
+      } else {
+        acc[o[0]] += static_cast<double>(v) * static_cast<double>(v);
+      }
+    });
+    for (int64_t i = 0; i < n_out; ++i) {
+      if constexpr (op == Red::Max || op == Red::Min)
+        y[i] = ext[i];
+      else if constexpr (op == Red::Prod)
+        y[i] = static_cast<T>(acc[i]);
+      else
+        y[i] = static_cast<T>(std::sqrt(acc[i]));
+    }
+  };
+  if (c.in(0).dtype() == DType::I64) {
+    if constexpr (op == Red::Max || op == Red::Min || op == Red::Prod)
+      return run.template operator()<int64_t>();
+  }
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+// ReduceGrad(dy, x, y; axes, kind = 0 max/min | 1 l2) -> dx: max / min split dy evenly between the
+// elements that tie for the extreme (PyTorch's amax / amin); l2: dy * x / y.
+void infer_reduce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
+void reduce_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
+    const Tensor& x = c.in(1);
+    std::vector<int64_t> ax = c.attr_ints("axes");
+    std::vector<int> axes(ax.begin(), ax.end());
+    Shape kept = reduced_shape(x.shape(), axes, true);
+    auto st = bcast_strides(kept, x.shape());
+    const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *y = c.in(2).data<T>();
+    T* dx = c.out(0).data<T>();
+    if (c.attr_int("kind", 0) == 1) {
+      for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        dx[i] = y[o[0]] != T(0) ? dy[o[0]] * px[i] / y[o[0]] : T(0);
+      });
+      return;
+    }
+    std::vector<int64_t> ties(numel(kept), 0);
+    for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+      ties[o[0]] += px[i] == y[o[0]];
+    });
+    for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+      dx[i] = px[i] == y[o[0]] ? dy[o[0]] / static_cast<T>(ties[o[0]]) : T(0);
+    });
+  });
+}
+void grad_reduce_any(GradBuilder& g) {
+  const Node& n = g.node();
+  const Shape& xs = g.shape(g.x(0));
+  bool noop;
+  auto axes =
+      reduce_axes(n, n.attrs.get_ints("axes", {}, n.label()), static_cast<int>(xs.size()), noop);
+  if (noop) {
+    g.set_dx(0, g.dy(0));
+    return;
+  }
+  Shape kept = reduced_shape(xs, axes, true);
+  int dy = g.emit1("Reshape", {g.dy(0), g.ints(kept)});
+  int y = g.emit1("Reshape", {g.y(0), g.ints(kept)});
+  Attrs a;
+  a.set_ints("axes", std::vector<int64_t>(axes.begin(), axes.end()));
+  a.set_int("kind", n.op == "ReduceL2" ? 1 : 0);
+  g.set_dx(0, g.emit1("ReduceGrad", {dy, g.x(0), y}, a, "graft"));
+}
+
+// ---- ArgMax / ArgMin (int64 indices; not differentiable)
+// -----------------------------------------
+void infer_arg(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  Shape s = c.shape(0);
+  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  if (c.attr_int("keepdims", 1))
+    s[ax] = 1;
+  else
+    s.erase(s.begin() + ax);
+  c.set_out(0, DType::I64, s);
+}
+template <bool kMax>
+void arg_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const Tensor& x = c.in(0);
+    int ax = static_cast<int>(c.attr_int("axis", 0));
+    if (ax < 0) ax += x.rank();
+    const bool last = c.attr_int("select_last_index", 0);
+    int64_t outer, n, inner;
+    split3(x.shape(), ax, ax + 1, outer, n, inner);
+    const T* px = x.data<T>();
+    int64_t* y = c.out(0).data<int64_t>();
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        int64_t best = 0;
+        for (int64_t k = 1; k < n; ++k) {
+          T v = px[(o * n + k) * inner + i], b = px[(o * n + best) * inner + i];
+          if (kMax ? (v > b || (last && v == b)) : (v < b || (last && v == b))) best = k;
+        }
+        y[o * inner + i] = best;
+      }
+  };
+  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+
+// ---- CumSum(x, axis; exclusive, reverse)
+// ------------------------------------------------------------
+int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
+  GRAFT_CHECK(t.numel() == 1 && (t.dtype() == DType::I64), ErrorKind::InvalidModel,
+              where + ": axis must be an int64 scalar");
+  int64_t a = static_cast<int64_t>(t.at(0));
+  GRAFT_CHECK(a >= -rank && a < rank, ErrorKind::InvalidModel, where + ": axis out of range");
+  return static_cast<int>(a < 0 ? a + rank : a);
+}
+void infer_cumsum(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  c.check(numel(c.shape(1)) == 1, "axis must be a scalar");
+  if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "axis must be int64");
+  infer_same(c);
+}
+void cumsum_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const Tensor& x = c.in(0);
+    int ax = cumsum_axis(c.in(1), x.rank(), c.node.label());
+    const bool excl = c.attr_int("exclusive", 0), rev = c.attr_int("reverse", 0);
+    int64_t outer, n, inner;
+    split3(x.shape(), ax, ax + 1, outer, n, inner);
+    const T* px = x.data<T>();
+    T* y = c.out(0).data<T>();
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        T acc = T(0);
+        for (int64_t kk = 0; kk < n; ++kk) {
+          int64_t k = rev ? n - 1 - kk : kk;
+          int64_t j = (o * n + k) * inner + i;
+          T v = px[j];
+          if (excl) {
+            y[j] = acc;
+            acc += v;
+          } else {
+            acc += v;
+            y[j] = acc;
+          }
+        }
+      }
+  };
+  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  dispatch_float(c.in(0).dtype(), c, run);
+}
+void grad_cumsum(GradBuilder& g) {
+  Attrs a = g.node().attrs;
+  a.set_int("reverse", !g.node().attrs.get_int("reverse", 0, g.node().label()));
+  g.set_dx(0, g.emit1("CumSum", {g.dy(0), g.x(1)}, a));
+}
+
 const OpDef kOps[] = {
+    {.name = "ReduceMax",
+     .infer = infer_reduce_any,
+     .kernel = reduce_any_kernel<Red::Max>,
+     .grad = grad_reduce_any},
+    {.name = "ReduceMin",
+     .infer = infer_reduce_any,
+     .kernel = reduce_any_kernel<Red::Min>,
+     .grad = grad_reduce_any},
+    {.name = "ReduceProd", .infer = infer_reduce_any, .kernel = reduce_any_kernel<Red::Prod>},
+    {.name = "ReduceL2",
+     .infer = infer_reduce_any,
+     .kernel = reduce_any_kernel<Red::L2>,
+     .grad = grad_reduce_any},
+    {.name = "ArgMax", .infer = infer_arg, .kernel = arg_kernel<true>},
+    {.name = "ArgMin", .infer = infer_arg, .kernel = arg_kernel<false>},
+    {.name = "CumSum",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_cumsum,
+     .kernel = cumsum_kernel,
+     .grad = grad_cumsum,
+     .nondiff_inputs = {1}},
+    {.name = "ReduceGrad",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 3,
+     .infer = infer_reduce_grad,
+     .kernel = reduce_grad_kernel},
     {.name = "ReduceSum",
      .max_in = 2,
      .infer = infer_reduce,

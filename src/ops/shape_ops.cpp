@@ -1,6 +1,7 @@
 // Shape and data-movement ops: Reshape, Flatten, Squeeze, Unsqueeze (aliases: no copy),
-// Transpose, Concat, Split, Slice, Gather, Shape, Expand, Trilu, and graft's Zeros, SliceGrad,
-// GatherGrad.
+// Transpose, Concat, Split, Slice, Gather, GatherND, ScatterND, Shape, Expand, Tile, Trilu,
+// ConstantOfShape, Range, and graft's Zeros, SliceGrad, GatherGrad, GatherNDGrad, TileGrad.
+#include <cmath>
 #include <functional>
 
 #include "util.h"
@@ -557,7 +558,266 @@ void grad_trilu(GradBuilder& g) {
   g.set_dx(0, g.emit1("Trilu", ins, g.node().attrs));
 }
 
+// ---- ConstantOfShape(shape; value) --------------------------------------------------------------
+void infer_constant_of_shape(InferCtx& c) {
+  if (c.dtype(0) != DType::I64) c.error(ErrorKind::InvalidModel, "the shape input must be int64");
+  Shape s = c.ints_in(0);
+  for (int64_t d : s)
+    if (d < 0) c.error(ErrorKind::InvalidModel, "negative dimension in " + shape_str(s));
+  const Attr* v = c.attrs().find("value");
+  DType dt = DType::F32;
+  if (v) {
+    if (v->kind != Attr::TensorV || v->t.numel() != 1)
+      c.error(ErrorKind::InvalidModel, "value must be a one-element tensor");
+    dt = v->t.dtype();
+  }
+  c.set_out(0, dt, s);
+}
+void constant_of_shape_kernel(KernelCtx& c) {
+  const Attr* v = c.node.attrs.find("value");
+  Tensor& y = c.out(0);
+  dispatch(y.dtype(), [&]<class T>() {
+    T val = v ? v->t.data<T>()[0] : T(0);
+    std::fill(y.data<T>(), y.data<T>() + y.numel(), val);
+  });
+}
+
+// ---- Range(start, limit, delta) -----------------------------------------------------------------
+void infer_range(InferCtx& c) {
+  for (int i = 1; i < 3; ++i)
+    if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "inputs differ in dtype");
+  const Tensor *s = c.const_in(0), *l = c.const_in(1), *d = c.const_in(2);
+  if (!s || !l || !d)
+    c.error(ErrorKind::Unsupported,
+            "start, limit and delta must be constants (graft plans static shapes)");
+  double start = s->at(0), limit = l->at(0), delta = d->at(0);
+  if (delta == 0) c.error(ErrorKind::InvalidModel, "delta is 0");
+  double n = std::ceil((limit - start) / delta);
+  if (!(n < 9.2e18)) c.error(ErrorKind::InvalidModel, "the range has too many elements");
+  c.set_out(0, c.dtype(0), {static_cast<int64_t>(std::max(0.0, n))});
+}
+void range_kernel(KernelCtx& c) {
+  Tensor& y = c.out(0);
+  dispatch(y.dtype(), [&]<class T>() {
+    if constexpr (!std::is_same_v<T, bool>) {
+      T start = c.in(0).data<T>()[0], delta = c.in(2).data<T>()[0];
+      for (int64_t i = 0; i < y.numel(); ++i)
+        y.data<T>()[i] = static_cast<T>(start + static_cast<T>(i) * delta);
+    }
+  });
+}
+
+// ---- Tile(x, repeats)
+// -----------------------------------------------------------------------------
+void infer_tile(InferCtx& c) {
+  std::vector<int64_t> r = c.ints_in(1);
+  const Shape& s = c.shape(0);
+  c.check(r.size() == s.size(), "repeats has " + std::to_string(r.size()) + " entries for rank " +
+                                    std::to_string(s.size()));
+  Shape out(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (r[i] < 0) c.error(ErrorKind::InvalidModel, "negative repeat");
+    out[i] = s[i] * r[i];
+  }
+  c.set_out(0, c.dtype(0), out);
+}
+void tile_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  Tensor& y = c.out(0);
+  const int r = x.rank();
+  dispatch(x.dtype(), [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    std::vector<int64_t> idx(r, 0), xstride(r, 1);
+    for (int d = r - 2; d >= 0; --d) xstride[d] = xstride[d + 1] * x.shape()[d + 1];
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      int64_t off = 0;
+      for (int d = 0; d < r; ++d) off += (idx[d] % x.shape()[d]) * xstride[d];
+      py[i] = px[off];
+      for (int d = r - 1; d >= 0; --d) {
+        if (++idx[d] < y.shape()[d]) break;
+        idx[d] = 0;
+      }
+    }
+  });
+}
+// TileGrad(dy; shape = x's shape) -> dx: the sum of dy over the tiles.
+void infer_tile_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
+}
+void tile_grad_kernel(KernelCtx& c) {
+  const Tensor& dy = c.in(0);
+  Tensor& dx = c.out(0);
+  const int r = dy.rank();
+  dispatch_float(dy.dtype(), c, [&]<class T>() {
+    const T* pd = dy.data<T>();
+    T* px = dx.data<T>();
+    std::fill(px, px + dx.numel(), T(0));
+    std::vector<int64_t> idx(r, 0), xstride(r, 1);
+    for (int d = r - 2; d >= 0; --d) xstride[d] = xstride[d + 1] * dx.shape()[d + 1];
+    for (int64_t i = 0; i < dy.numel(); ++i) {
+      int64_t off = 0;
+      for (int d = 0; d < r; ++d) off += (idx[d] % dx.shape()[d]) * xstride[d];
+      px[off] += pd[i];
+      for (int d = r - 1; d >= 0; --d) {
+        if (++idx[d] < dy.shape()[d]) break;
+        idx[d] = 0;
+      }
+    }
+  });
+}
+void grad_tile(GradBuilder& g) {
+  Attrs a;
+  a.set_ints("shape", g.shape(g.x(0)));
+  g.set_dx(0, g.emit1("TileGrad", {g.dy(0)}, a, "graft"));
+}
+
+// ---- ScatterND(data, indices, updates; reduction = none) and GatherND(data, indices)
+// --------------- indices [..., k] address slices of data's last rank-k dims; negative indices
+// count from the end.
+struct NdIndex {
+  int64_t n, k, slice;  // index tuples, tuple length, elements per addressed slice
+};
+NdIndex nd_index(const Shape& data, const Shape& idx,
+                 const std::function<void(const std::string&)>& err) {
+  if (idx.empty()) err("indices must have rank >= 1");
+  NdIndex r{1, idx.back(), 1};
+  if (r.k < 1 || r.k > static_cast<int64_t>(data.size()))
+    err("the last dimension of indices is out of range");
+  for (size_t i = 0; i + 1 < idx.size(); ++i) r.n *= idx[i];
+  for (size_t i = r.k; i < data.size(); ++i) r.slice *= data[i];
+  return r;
+}
+int64_t nd_offset(const int64_t* t, const Shape& data, int64_t k, int64_t slice,
+                  const KernelCtx& c) {
+  int64_t off = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t v = t[j], d = data[j];
+    if (v < -d || v >= d)
+      c.error(ErrorKind::InvalidArgument, "index " + std::to_string(v) + " is out of range");
+    off = off * d + (v < 0 ? v + d : v);
+  }
+  return off * slice;
+}
+void infer_scatter_nd(InferCtx& c) {
+  if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "indices must be int64");
+  if (c.dtype(2) != c.dtype(0))
+    c.error(ErrorKind::InvalidModel, "updates differ in dtype from data");
+  std::string red = c.attrs().get_string("reduction", "none", c.node().label());
+  if (red != "none") c.error(ErrorKind::Unsupported, "reduction '" + red + "' (only 'none')");
+  auto ix = nd_index(c.shape(0), c.shape(1),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  Shape want(c.shape(1).begin(), c.shape(1).end() - 1);
+  want.insert(want.end(), c.shape(0).begin() + ix.k, c.shape(0).end());
+  c.check(c.shape(2) == want,
+          "updates have shape " + shape_str(c.shape(2)) + ", expected " + shape_str(want));
+  infer_same(c);
+}
+void scatter_nd_kernel(KernelCtx& c) {
+  const Tensor &x = c.in(0), &ind = c.in(1), &up = c.in(2);
+  auto ix = nd_index(x.shape(), ind.shape(),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  dispatch(x.dtype(), [&]<class T>() {
+    T* py = c.out(0).data<T>();
+    if (py != x.data<T>()) std::copy(x.data<T>(), x.data<T>() + x.numel(), py);
+    const T* pu = up.data<T>();
+    for (int64_t i = 0; i < ix.n; ++i) {
+      int64_t off = nd_offset(ind.data<int64_t>() + i * ix.k, x.shape(), ix.k, ix.slice, c);
+      std::copy(pu + i * ix.slice, pu + (i + 1) * ix.slice, py + off);
+    }
+  });
+}
+void infer_gather_nd(InferCtx& c) {
+  if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "indices must be int64");
+  if (c.attr_int("batch_dims", 0) != 0) c.error(ErrorKind::Unsupported, "batch_dims other than 0");
+  auto ix = nd_index(c.shape(0), c.shape(1),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  Shape out(c.shape(1).begin(), c.shape(1).end() - 1);
+  out.insert(out.end(), c.shape(0).begin() + ix.k, c.shape(0).end());
+  c.set_out(0, c.dtype(0), out);
+}
+void gather_nd_kernel(KernelCtx& c) {
+  const Tensor &x = c.in(0), &ind = c.in(1);
+  auto ix = nd_index(x.shape(), ind.shape(),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  dispatch(x.dtype(), [&]<class T>() {
+    T* py = c.out(0).data<T>();
+    const T* px = x.data<T>();
+    for (int64_t i = 0; i < ix.n; ++i) {
+      int64_t off = nd_offset(ind.data<int64_t>() + i * ix.k, x.shape(), ix.k, ix.slice, c);
+      std::copy(px + off, px + off + ix.slice, py + i * ix.slice);
+    }
+  });
+}
+// ScatterND: d data = dy with the written slices zeroed; d updates = GatherND(dy, indices).
+// (Like PyTorch's index_put_ with duplicate indices, the last write wins in forward.)
+void grad_scatter_nd(GradBuilder& g) {
+  if (g.needs(0)) {
+    DType dt = g.val(g.dy(0)).dtype;
+    int zeros = g.emit1("Mul", {g.x(2), g.scalar(0, dt)});
+    g.set_dx(0, g.emit1("ScatterND", {g.dy(0), g.x(1), zeros}));
+  }
+  if (g.needs(2)) g.set_dx(2, g.emit1("GatherND", {g.dy(0), g.x(1)}));
+}
+// GatherND: d data = ScatterND-add of dy into zeros (GatherNDGrad).
+void infer_gather_nd_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
+}
+void gather_nd_grad_kernel(KernelCtx& c) {
+  const Tensor &dy = c.in(0), &ind = c.in(1);
+  Tensor& dx = c.out(0);
+  auto ix = nd_index(dx.shape(), ind.shape(),
+                     [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
+  dispatch_float(dy.dtype(), c, [&]<class T>() {
+    T* px = dx.data<T>();
+    std::fill(px, px + dx.numel(), T(0));
+    const T* pd = dy.data<T>();
+    for (int64_t i = 0; i < ix.n; ++i) {
+      int64_t off = nd_offset(ind.data<int64_t>() + i * ix.k, dx.shape(), ix.k, ix.slice, c);
+      for (int64_t j = 0; j < ix.slice; ++j) px[off + j] += pd[i * ix.slice + j];
+    }
+  });
+}
+void grad_gather_nd(GradBuilder& g) {
+  Attrs a;
+  a.set_ints("shape", g.shape(g.x(0)));
+  g.set_dx(0, g.emit1("GatherNDGrad", {g.dy(0), g.x(1)}, a, "graft"));
+}
+
 const OpDef kOps[] = {
+    {.name = "ConstantOfShape",
+     .infer = infer_constant_of_shape,
+     .kernel = constant_of_shape_kernel},
+    {.name = "Range", .min_in = 3, .max_in = 3, .infer = infer_range, .kernel = range_kernel},
+    {.name = "Tile",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_tile,
+     .kernel = tile_kernel,
+     .grad = grad_tile,
+     .nondiff_inputs = {1}},
+    {.name = "ScatterND",
+     .min_in = 3,
+     .max_in = 3,
+     .infer = infer_scatter_nd,
+     .kernel = scatter_nd_kernel,
+     .grad = grad_scatter_nd,
+     .nondiff_inputs = {1}},
+    {.name = "GatherND",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_gather_nd,
+     .kernel = gather_nd_kernel,
+     .grad = grad_gather_nd,
+     .nondiff_inputs = {1}},
+    {.name = "TileGrad", .domain = "graft", .infer = infer_tile_grad, .kernel = tile_grad_kernel},
+    {.name = "GatherNDGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_gather_nd_grad,
+     .kernel = gather_nd_grad_kernel,
+     .nondiff_inputs = {1}},
     {.name = "Reshape",
      .min_in = 2,
      .max_in = 2,

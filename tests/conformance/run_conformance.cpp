@@ -40,6 +40,7 @@
 
 #include "graft/exec.h"
 #include "graft/ir.h"
+#include "graft/ops.h"
 
 namespace fs = std::filesystem;
 using namespace graft;
@@ -47,47 +48,15 @@ using namespace graft;
 namespace {
 
 // The ONNX-domain ops graft implements.
-const std::vector<std::string> kSupported = {"Gemm",
-                                             "MatMul",
-                                             "Add",
-                                             "Sub",
-                                             "Mul",
-                                             "Div",
-                                             "Neg",
-                                             "Reciprocal",
-                                             "Pow",
-                                             "Sqrt",
-                                             "Exp",
-                                             "Log",
-                                             "Erf",
-                                             "Tanh",
-                                             "Sigmoid",
-                                             "Relu",
-                                             "Softmax",
-                                             "LogSoftmax",
-                                             "LayerNormalization",
-                                             "ReduceSum",
-                                             "ReduceMean",
-                                             "Reshape",
-                                             "Transpose",
-                                             "Flatten",
-                                             "Squeeze",
-                                             "Unsqueeze",
-                                             "Concat",
-                                             "Split",
-                                             "Slice",
-                                             "Gather",
-                                             "Shape",
-                                             "Cast",
-                                             "Identity",
-                                             "Constant",
-                                             "Equal",
-                                             "Where",
-                                             "Trilu",
-                                             "Expand",
-                                             "Sum",
-                                             "Dropout",
-                                             "SoftmaxCrossEntropyLoss"};
+// The ONNX ops graft implements: its own op table (ONNX's default domain), so a new op's backend
+// cases run as soon as the op is in the table.
+std::vector<std::string> supported_ops() {
+  std::vector<std::string> r;
+  for (const graft::OpDef* d : graft::all_ops())
+    if (std::string(d->domain).empty()) r.push_back(d->name);
+  return r;
+}
+const std::vector<std::string> kSupported = supported_ops();
 
 constexpr double kRtol = 1e-3, kAtol = 1e-7;
 
@@ -271,8 +240,9 @@ std::string check_dropout_structure(const Tensor& x, double ratio, const std::ve
 // operands, the runner binds its value from input_N.pb as a constant before planning (the value
 // still reaches the kernel unchanged). --no-specialize turns this off.
 const std::map<std::string, std::set<int>> kShapeOperands = {
-    {"Reshape", {1}},        {"Squeeze", {1}}, {"Unsqueeze", {1}}, {"Split", {1}},
-    {"Slice", {1, 2, 3, 4}}, {"Expand", {1}},  {"ReduceSum", {1}}, {"ReduceMean", {1}},
+    {"Reshape", {1}},        {"Squeeze", {1}},         {"Unsqueeze", {1}},   {"Split", {1}},
+    {"Slice", {1, 2, 3, 4}}, {"Expand", {1}},          {"ReduceSum", {1}},   {"ReduceMean", {1}},
+    {"Tile", {1}},           {"ConstantOfShape", {0}}, {"Range", {0, 1, 2}}, {"CumSum", {1}},
 };
 bool g_specialize = true;
 

@@ -242,6 +242,33 @@ std::vector<Case> cases() {
          a.set_string("reduction", "sum");
        })},
       {"dropout_eval", "Dropout", {In::f({4})}},
+      {"abs", "Abs", {In::f({3, 4})}},
+      {"clip_min_max", "Clip", {In::f({3, 4}), In::fc({}, -0.5, -0.5), In::fc({}, 0.4, 0.4)}},
+      {"clip_min_only", "Clip", {In::f({3, 4}), In::fc({}, -0.2, -0.2)}},
+      {"max_broadcast", "Max", {In::f({2, 3}), In::f({3})}},
+      {"min_three", "Min", {In::f({2, 3}), In::f({2, 3}), In::f({1, 3})}},
+      {"hard_sigmoid", "HardSigmoid", {In::f({3, 4}, -4, 4)}, A([](Attrs& a) {
+         a.set_float("alpha", 0.2);
+         a.set_float("beta", 0.5);
+       })},
+      {"hard_swish", "HardSwish", {In::f({3, 4}, -4, 4)}},
+      {"reduce_max_axis1", "ReduceMax", {In::f({3, 4})}, A([](Attrs& a) {
+         a.set_ints("axes", {1});
+       })},
+      {"reduce_min_all", "ReduceMin", {In::f({2, 3})}, A([](Attrs& a) {
+         a.set_int("keepdims", 0);
+       })},
+      {"reduce_l2", "ReduceL2", {In::f({2, 3, 2})}, A([](Attrs& a) {
+         a.set_ints("axes", {0, 2});
+       })},
+      {"cumsum", "CumSum", {In::f({3, 4}), In::i({1}, Shape{})}},
+      {"cumsum_exclusive_reverse", "CumSum", {In::f({3, 4}), In::i({0}, Shape{})}, A([](Attrs& a) {
+         a.set_int("exclusive", 1);
+         a.set_int("reverse", 1);
+       })},
+      {"tile", "Tile", {In::f({2, 3}), In::i({2, 2})}},
+      {"scatter_nd", "ScatterND", {In::f({4, 3}), In::i({1, 3}, {2, 1}), In::f({2, 3})}},
+      {"gather_nd_repeated", "GatherND", {In::f({3, 4}), In::i({0, 1, 2, 3, 0, 1}, {3, 2})}},
       // a parameter used twice gets one summed gradient
       {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},
   };
