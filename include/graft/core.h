@@ -55,10 +55,11 @@ class Error : public std::runtime_error {
   } while (0)
 
 // ---------------------------------------------------------------------------------------------
-enum class DType : uint8_t { F32, F64, I64, Bool };
+enum class DType : uint8_t { F32, F64, I64, Bool, I32 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 inline bool is_float(DType t) { return t == DType::F32 || t == DType::F64; }
+inline bool is_int(DType t) { return t == DType::I64 || t == DType::I32; }
 
 using Shape = std::vector<int64_t>;
 // Number of elements; throws InvalidModel on a negative dim or an int64 overflow.

@@ -13,6 +13,7 @@
 import inspect
 import os
 import re
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, List, Tuple
@@ -79,10 +80,16 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     except GraftExportError:
         raise
     except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...
-        first = str(ex).splitlines()[0] if str(ex) else ""
+        # Only the message string: str() of some exporter errors prints a JIT graph that may be gone
+        # by now (torch 1.13 crashes in Graph::toString).
+        text = ex.args[0] if ex.args and isinstance(ex.args[0], str) else ""
+        first = text.splitlines()[0] if text else ""
         op = re.search(r"operator '([^']+)'", first)
         what = (f"it cannot export the operator {op.group(1)} at opset {opset}" if op
                 else f"{type(ex).__name__}: {first}")
+        # Drop the exporter's frames now: their locals hold JIT graphs whose late destruction (when
+        # the caller lets go of this exception) breaks the next export in torch 1.13.
+        traceback.clear_frames(ex.__traceback__)
         raise GraftExportError(
             f"{name}: torch.onnx.export failed ({what}). Keep this module (or the submodule that uses it) in "
             "eager mode, or rewrite it with exportable ops.", "export") from ex

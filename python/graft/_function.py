@@ -28,7 +28,8 @@ import torch
 from . import _graft
 from .errors import GraftError, GraftUnsupportedError, with_context
 
-DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.bool: "bool"}
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
+          torch.bool: "bool"}
 
 
 def spec(t: torch.Tensor):

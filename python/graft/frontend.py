@@ -40,7 +40,7 @@ MODES = ("hook", "accumulate", "hold")
 def _dtype_ok(t: torch.Tensor, what: str, module_name: str):
     if t.dtype not in DTYPES:
         raise GraftUnsupportedError(
-            f"{module_name}: {what} has dtype {t.dtype}; graft supports float32, float64, int64 and bool. "
+            f"{module_name}: {what} has dtype {t.dtype}; graft supports float32, float64, int64, int32 and bool. "
             "Cast it before calling the module, or keep this module in eager mode.", "unsupported")
 
 

@@ -71,6 +71,8 @@ size_t dtype_size(DType t) {
       return 8;
     case DType::Bool:
       return 1;
+    case DType::I32:
+      return 4;
   }
   return 0;
 }
@@ -85,6 +87,8 @@ const char* dtype_name(DType t) {
       return "int64";
     case DType::Bool:
       return "bool";
+    case DType::I32:
+      return "int32";
   }
   return "?";
 }
@@ -292,6 +296,8 @@ double Tensor::at(int64_t i) const {
       return static_cast<double>(data<int64_t>()[i]);
     case DType::Bool:
       return data<bool>()[i] ? 1.0 : 0.0;
+    case DType::I32:
+      return static_cast<double>(data<int32_t>()[i]);
   }
   return 0;
 }

@@ -33,6 +33,8 @@ DType convert_dtype(int t, const std::string& what) {
       return DType::F64;
     case onnx::TensorProto::INT64:
       return DType::I64;
+    case onnx::TensorProto::INT32:
+      return DType::I32;
     case onnx::TensorProto::BOOL:
       return DType::Bool;
     default:
@@ -41,8 +43,8 @@ DType convert_dtype(int t, const std::string& what) {
   std::string n = onnx::TensorProto_DataType_IsValid(t)
                       ? onnx::TensorProto_DataType_Name(static_cast<onnx::TensorProto_DataType>(t))
                       : "code " + std::to_string(t);
-  fail(ErrorKind::Unsupported,
-       what + " has element type " + n + "; graft supports float32, float64, int64 and bool");
+  fail(ErrorKind::Unsupported, what + " has element type " + n +
+                                   "; graft supports float32, float64, int64, int32 and bool");
 }
 
 // A non-negative decimal integer, the whole string (the file says it: no exceptions, no overflow).
@@ -142,6 +144,7 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
         have = tp.int64_data_size();
         break;
       case DType::Bool:
+      case DType::I32:
         have = tp.int32_data_size();
         break;
     }
@@ -170,6 +173,9 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
       break;
     case DType::Bool:
       for (int64_t i = 0; i < n; ++i) t.data<bool>()[i] = tp.int32_data(static_cast<int>(i)) != 0;
+      break;
+    case DType::I32:
+      std::copy(tp.int32_data().begin(), tp.int32_data().end(), t.data<int32_t>());
       break;
   }
   return t;
@@ -497,6 +503,9 @@ void save_tensor_pb(const std::string& path, const Tensor& t, const std::string&
       break;
     case DType::Bool:
       tp.set_data_type(onnx::TensorProto::BOOL);
+      break;
+    case DType::I32:
+      tp.set_data_type(onnx::TensorProto::INT32);
       break;
   }
   tp.set_raw_data(std::string(static_cast<const char*>(t.raw()), t.nbytes()));

@@ -81,18 +81,18 @@ void infer_unary_float(InferCtx& c) {
   infer_same(c);
 }
 
-// Neg also accepts int64 (shape arithmetic in exported graphs).
+// Neg also accepts integers (shape arithmetic in exported graphs).
 void neg_kernel(KernelCtx& c) {
-  if (c.in(0).dtype() == DType::I64) {
-    const int64_t* x = c.in(0).data<int64_t>();
-    int64_t* y = c.out(0).data<int64_t>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = -x[i];
+  if (dispatch_int(c.in(0).dtype(), [&]<class T>() {
+        const T* x = c.in(0).data<T>();
+        T* y = c.out(0).data<T>();
+        for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = -x[i];
+      }))
     return;
-  }
   unary_kernel<NegF>(c);
 }
 void infer_neg(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   infer_same(c);
 }
 
@@ -140,12 +140,15 @@ void arith_kernel(KernelCtx& c) {
       run.template operator()<double>();
       break;
     case DType::I64:
-      if (op == Bin::Div) {
-        const int64_t* b = c.in(1).data<int64_t>();
-        for (int64_t i = 0; i < c.in(1).numel(); ++i)
-          if (b[i] == 0) c.error(ErrorKind::InvalidArgument, "integer division by zero");
-      }
-      run.template operator()<int64_t>();
+    case DType::I32:
+      dispatch_int(c.in(0).dtype(), [&]<class T>() {
+        if (op == Bin::Div) {
+          const T* b = c.in(1).data<T>();
+          for (int64_t i = 0; i < c.in(1).numel(); ++i)
+            if (b[i] == 0) c.error(ErrorKind::InvalidArgument, "integer division by zero");
+        }
+        run.template operator()<T>();
+      });
       break;
     default:
       c.error(ErrorKind::Unsupported, "bool arithmetic is not supported");
@@ -164,7 +167,7 @@ void infer_arith(InferCtx& c) {
 
 // Pow(X, Y) has X's dtype. X: float32, float64 or int64; Y: any of those.
 void infer_pow(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   if (!is_float(c.dtype(1)) && c.dtype(1) != DType::I64)
     c.error(ErrorKind::Unsupported, std::string("exponent has dtype ") + dtype_name(c.dtype(1)) +
                                         "; graft supports float32, float64 and int64 exponents");
@@ -295,6 +298,8 @@ int onnx_dtype_code(DType d) {
       return 7;
     case DType::Bool:
       return 9;
+    case DType::I32:
+      return 6;
   }
   return 0;
 }
@@ -314,9 +319,13 @@ void infer_cast(InferCtx& c) {
     case 9:
       dt = DType::Bool;
       break;
+    case 6:
+      dt = DType::I32;
+      break;
     default:
-      c.error(ErrorKind::Unsupported, "cast to ONNX type " + std::to_string(to) +
-                                          " is not supported (float32, float64, int64, bool only)");
+      c.error(ErrorKind::Unsupported,
+              "cast to ONNX type " + std::to_string(to) +
+                  " is not supported (float32, float64, int64, int32, bool only)");
   }
   c.set_out(0, dt, c.shape(0));
 }
@@ -335,6 +344,9 @@ void cast_kernel(KernelCtx& c) {
           const double v = static_cast<double>(px[i]);
           py[i] = v >= -9.2233720368547758e18 && v < 9.2233720368547758e18 ? static_cast<int64_t>(v)
                                                                            : INT64_MIN;
+        } else if constexpr (std::is_floating_point_v<S> && std::is_same_v<D, int32_t>) {
+          const double v = static_cast<double>(px[i]);
+          py[i] = v > -2147483649.0 && v < 2147483648.0 ? static_cast<int32_t>(v) : INT32_MIN;
         } else {
           py[i] = static_cast<D>(px[i]);
         }
@@ -378,7 +390,7 @@ void not_kernel(KernelCtx& c) {
 
 // ---- Abs / Sign (float and int64) -------------------------------------------------------------
 void infer_signed(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   infer_same(c);
 }
 template <bool kSign>
@@ -393,14 +405,14 @@ void abs_sign_kernel(KernelCtx& c) {
         y[i] = x[i] < T(0) ? -x[i] : x[i];
     }
   };
-  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 void grad_abs(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.emit1("Sign", {g.x(0)})})); }
 
 // ---- Clip(x, min?, max?) ------------------------------------------------------------------------
 void infer_clip(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   for (int i = 1; i < 3; ++i)
     if (c.has_in(i)) {
       c.check(numel(c.shape(i)) == 1, "min and max must be scalars");
@@ -418,7 +430,7 @@ void clip_kernel(KernelCtx& c) {
     T* y = c.out(0).data<T>();
     for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = std::min(std::max(x[i], lo), hi);
   };
-  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 // ClipGrad(dy, x, min?, max?) -> dx
@@ -445,7 +457,7 @@ void grad_clip(GradBuilder& g) {
 void infer_minmax(InferCtx& c) {
   for (int i = 1; i < c.n_in(); ++i)
     if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "inputs have different dtypes");
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   c.set_out(0, c.dtype(0), broadcast_all(c));
 }
 template <bool kMax>
@@ -462,7 +474,7 @@ void minmax_kernel(KernelCtx& c) {
       });
     }
   };
-  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 // MinMaxGrad(dy, y, x_0, ..., x_n-1; index = i) -> dx_i of the broadcast shape: dy where x_i is

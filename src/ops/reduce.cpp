@@ -175,7 +175,7 @@ void grad_sum_to_shape(GradBuilder& g) {
 // -----------
 enum class Red { Max, Min, Prod, L2 };
 void infer_reduce_any(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   bool noop;
   auto axes = reduce_axes(c.node(), axes_of_infer(c), static_cast<int>(c.shape(0).size()), noop);
   bool keep = c.attr_int("keepdims", 1);
@@ -223,10 +223,7 @@ void reduce_any_kernel(KernelCtx& c) {
         y[i] = static_cast<T>(std::sqrt(acc[i]));
     }
   };
-  if (c.in(0).dtype() == DType::I64) {
-    if constexpr (op == Red::Max || op == Red::Min || op == Red::Prod)
-      return run.template operator()<int64_t>();
-  }
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 // ReduceGrad(dy, x, y; axes, kind = 0 max/min | 1 l2) -> dx: max / min split dy evenly between the
@@ -278,7 +275,7 @@ void grad_reduce_any(GradBuilder& g) {
 // ---- ArgMax / ArgMin (int64 indices; not differentiable)
 // -----------------------------------------
 void infer_arg(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   Shape s = c.shape(0);
   int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
   if (c.attr_int("keepdims", 1))
@@ -308,23 +305,23 @@ void arg_kernel(KernelCtx& c) {
         y[o * inner + i] = best;
       }
   };
-  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 
 // ---- CumSum(x, axis; exclusive, reverse)
 // ------------------------------------------------------------
 int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
-  GRAFT_CHECK(t.numel() == 1 && (t.dtype() == DType::I64), ErrorKind::InvalidModel,
-              where + ": axis must be an int64 scalar");
+  GRAFT_CHECK(t.numel() == 1 && is_int(t.dtype()), ErrorKind::InvalidModel,
+              where + ": axis must be an integer scalar");
   int64_t a = static_cast<int64_t>(t.at(0));
   GRAFT_CHECK(a >= -rank && a < rank, ErrorKind::InvalidModel, where + ": axis out of range");
   return static_cast<int>(a < 0 ? a + rank : a);
 }
 void infer_cumsum(InferCtx& c) {
-  if (c.dtype(0) != DType::I64) require_float(c, 0);
+  if (!is_int(c.dtype(0))) require_float(c, 0);
   c.check(numel(c.shape(1)) == 1, "axis must be a scalar");
-  if (c.dtype(1) != DType::I64) c.error(ErrorKind::Unsupported, "axis must be int64");
+  if (!is_int(c.dtype(1))) c.error(ErrorKind::InvalidModel, "axis must be an integer");
   infer_same(c);
 }
 void cumsum_kernel(KernelCtx& c) {
@@ -353,7 +350,7 @@ void cumsum_kernel(KernelCtx& c) {
         }
       }
   };
-  if (c.in(0).dtype() == DType::I64) return run.template operator()<int64_t>();
+  if (dispatch_int(c.in(0).dtype(), run)) return;
   dispatch_float(c.in(0).dtype(), c, run);
 }
 void grad_cumsum(GradBuilder& g) {

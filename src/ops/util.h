@@ -75,7 +75,21 @@ void dispatch(DType dt, F&& f) {
     case DType::Bool:
       f.template operator()<bool>();
       break;
+    case DType::I32:
+      f.template operator()<int32_t>();
+      break;
   }
+}
+// Calls f.template operator()<T>() for an integer dtype (int64, int32); false for others.
+template <class F>
+bool dispatch_int(DType dt, F&& f) {
+  if (dt == DType::I64)
+    f.template operator()<int64_t>();
+  else if (dt == DType::I32)
+    f.template operator()<int32_t>();
+  else
+    return false;
+  return true;
 }
 template <class F>
 void dispatch_float(DType dt, const KernelCtx& c, F&& f) {

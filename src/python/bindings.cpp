@@ -22,9 +22,10 @@ DType parse_dtype(const std::string& s) {
   if (s == "float32") return DType::F32;
   if (s == "float64") return DType::F64;
   if (s == "int64") return DType::I64;
+  if (s == "int32") return DType::I32;
   if (s == "bool") return DType::Bool;
   fail(ErrorKind::Unsupported,
-       "dtype " + s + " is not supported by graft (float32, float64, int64, bool)");
+       "dtype " + s + " is not supported by graft (float32, float64, int64, int32, bool)");
 }
 
 Tensor wrap(uintptr_t ptr, const std::vector<int64_t>& shape, const std::string& dtype) {
@@ -53,6 +54,9 @@ py::array to_numpy(const Tensor& t, const std::shared_ptr<Allocator>& alloc) {
       break;
     case DType::I64:
       dt = py::dtype::of<int64_t>();
+      break;
+    case DType::I32:
+      dt = py::dtype::of<int32_t>();
       break;
     case DType::Bool:
       dt = py::dtype::of<bool>();

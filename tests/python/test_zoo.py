@@ -1,0 +1,164 @@
+"""The model zoo (tests/python/zoo.py) through graft.GraftModule, against eager PyTorch.
+
+For each model and each gradient mode (hook, accumulate, hold): a deep copy wrapped in
+GraftModule and an identical eager copy each train 3 AdamW steps on the same batches.
+  * the loss of every step, and the loss after the 3 steps, within 1e-4 relative of eager;
+  * every parameter's gradient, at every step, within 1e-3 of the largest eager gradient element
+    of that step (max |graft - eager| <= 1e-3 * max over all parameters of |eager grad|), and
+    None exactly where eager's is None;
+  * buffers equal to eager's after every step.
+And once per model with the config's default dropout: 2 AdamW steps through GraftModule, finite
+losses.
+
+A model graft cannot run yet is an expected failure (xfail, its reason the graft error's first
+line) only when the first call raises graft.GraftUnsupportedError or graft.GraftExportError: the
+suite stays green and lists the gaps. Anything else (wrong numbers, another exception, a failure
+after the first call) fails.
+
+Needs Hugging Face transformers (build/venv-zoo, made by tools/setup) and Debian's torchvision:
+    HF_HUB_OFFLINE=1 PYTHONPATH=build/python build/venv-zoo/bin/python -m pytest tests/python/test_zoo.py
+"""
+import copy
+import math
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import graft  # noqa: E402
+import zoo  # noqa: E402
+
+MODES = ("hook", "accumulate", "hold")
+STEPS, DROPOUT_STEPS = 3, 2
+LOSS_RTOL, GRAD_RTOL = 1e-4, 1e-3
+LR = 1e-3
+
+torch.set_num_threads(2)
+pytestmark = pytest.mark.filterwarnings("ignore::graft.GraftWarning", "ignore::torch.jit.TracerWarning",
+                                        "ignore::DeprecationWarning")
+
+
+def first_line(ex: BaseException) -> str:
+    s = str(ex).strip()
+    return s.splitlines()[0] if s else type(ex).__name__
+
+
+def graft_call(g, batch, step):
+    """g(*batch); at step 0 a GraftUnsupportedError / GraftExportError is a known gap (xfail)."""
+    try:
+        return g(*batch)
+    except (graft.GraftUnsupportedError, graft.GraftExportError) as ex:
+        if step == 0:
+            pytest.xfail(f"{type(ex).__name__}: {first_line(ex)}")
+        raise
+
+
+def close_loss(got, want, what):
+    got, want = float(got), float(want)
+    assert math.isfinite(got), f"{what}: graft's loss is {got}"
+    assert abs(got - want) <= LOSS_RTOL * abs(want), \
+        f"{what}: graft {got!r} vs eager {want!r} (relative {abs(got - want) / abs(want):.3g} > {LOSS_RTOL})"
+
+
+def check_grads(mg, me, step):
+    pg = dict(mg.named_parameters())
+    scale = max((p.grad.abs().max().item() for p in me.parameters() if p.grad is not None), default=0.0)
+    bad = []
+    for n, pe in me.named_parameters():
+        gg, ge = pg[n].grad, pe.grad
+        if (gg is None) != (ge is None):
+            bad.append(f"{n}: .grad is {'None' if gg is None else 'set'} in graft, "
+                       f"{'None' if ge is None else 'set'} in eager")
+            continue
+        if ge is None:
+            continue
+        if gg.shape != ge.shape:
+            bad.append(f"{n}: gradient shape {tuple(gg.shape)} vs eager {tuple(ge.shape)}")
+            continue
+        err = (gg - ge).abs().max().item() if ge.numel() else 0.0
+        if not err <= GRAD_RTOL * scale:  # also catches NaN
+            bad.append(f"{n}: max |graft - eager| = {err:.3g} > {GRAD_RTOL} * {scale:.3g}")
+    assert not bad, f"step {step}: {len(bad)} gradient(s) differ:\n  " + "\n  ".join(bad[:20])
+
+
+def check_buffers(mg, me, step):
+    bg = dict(mg.named_buffers())
+    for n, be in me.named_buffers():
+        assert torch.equal(bg[n], be), f"step {step}: buffer {n} differs from eager"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_parity(name, mode):
+    z = zoo.build(name, dropout=False)
+    me = z.model
+    mg = copy.deepcopy(me)
+    g = graft.GraftModule(mg, gradients=mode)
+    opt_e = torch.optim.AdamW(me.parameters(), lr=LR)
+    opt_g = torch.optim.AdamW(mg.parameters(), lr=LR)
+    for step in range(STEPS):
+        batch = z.make_batch(step)
+        opt_g.zero_grad(set_to_none=True)
+        opt_e.zero_grad(set_to_none=True)
+        loss_g = z.loss_fn(graft_call(g, batch, step), batch)
+        loss_g.backward()
+        loss_e = z.loss_fn(me(*batch), batch)
+        loss_e.backward()
+        close_loss(loss_g, loss_e, f"step {step} loss")
+        check_grads(mg, me, step)
+        check_buffers(mg, me, step)
+        opt_g.step()
+        opt_e.step()
+    batch = z.make_batch(STEPS)
+    with torch.no_grad():
+        close_loss(z.loss_fn(g(*batch), batch), z.loss_fn(me(*batch), batch), f"loss after {STEPS} steps")
+    check_buffers(mg, me, STEPS)
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_default_dropout_trains(name):
+    z = zoo.build(name, dropout=True)
+    g = graft.GraftModule(z.model)
+    opt = torch.optim.AdamW(z.model.parameters(), lr=LR)
+    for step in range(DROPOUT_STEPS):
+        batch = z.make_batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = z.loss_fn(graft_call(g, batch, step), batch)
+        loss.backward()
+        assert math.isfinite(float(loss)), f"step {step}: loss {float(loss)}"
+        grads = [p.grad for p in z.model.parameters() if p.grad is not None]
+        assert grads, f"step {step}: no parameter got a gradient"
+        assert all(torch.isfinite(gr).all() for gr in grads), f"step {step}: a non-finite gradient"
+        opt.step()
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
+@pytest.mark.parametrize("name", list(zoo.PAD_TOKEN))
+def test_padded_batch_parity(name, masked):
+    """Batches with padding as real text batches have (zoo.padded: pad tokens, masked or attended),
+    hook mode, 2 steps, the same checks as test_parity. In eager PyTorch an Embedding's
+    padding_idx row gets no gradient from the lookup; torch.onnx.export drops padding_idx in
+    training mode (it warns so), which shows when the pads are attended."""
+    z = zoo.build(name, dropout=False)
+    me = z.model
+    mg = copy.deepcopy(me)
+    g = graft.GraftModule(mg)
+    opt_e = torch.optim.AdamW(me.parameters(), lr=LR)
+    opt_g = torch.optim.AdamW(mg.parameters(), lr=LR)
+    for step in range(2):
+        batch = zoo.padded(name, z.make_batch(step), masked)
+        opt_g.zero_grad(set_to_none=True)
+        opt_e.zero_grad(set_to_none=True)
+        loss_g = z.loss_fn(graft_call(g, batch, step), batch)
+        loss_g.backward()
+        loss_e = z.loss_fn(me(*batch), batch)
+        loss_e.backward()
+        close_loss(loss_g, loss_e, f"step {step} loss")
+        check_grads(mg, me, step)
+        check_buffers(mg, me, step)
+        opt_g.step()
+        opt_e.step()
