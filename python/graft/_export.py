@@ -113,8 +113,15 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
             f"{name}: forward updates {', '.join(repr(n) for n in mutated)} in place (a counter, BatchNorm "
             "running statistics...); graft does not replay in-place updates of module state yet, so the module "
             "would not match eager. Keep this module in eager mode.", "unsupported")
+    branches = set()
+    torch_dir = os.path.dirname(torch.__file__)
     for w in caught:  # pass the exporter's warnings on; a branch on a tensor value gets ours
         if issubclass(w.category, torch.jit.TracerWarning) and "Python boolean" in str(w.message):
+            # Once per place; PyTorch's own modules (nn.MultiheadAttention's fast-path checks) branch
+            # on shapes and flags, which the cache key already covers: not the user's concern.
+            if (w.filename, w.lineno) in branches or os.path.abspath(w.filename).startswith(torch_dir):
+                continue
+            branches.add((w.filename, w.lineno))
             warnings.warn(GraftWarning(
                 f"{name}: the export traced through a Python branch on a tensor value "
                 f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "

@@ -519,3 +519,29 @@ def test_a_training_mode_batchnorm_is_never_folded_away():
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert m.training and m.bn.training
+
+
+# --- a model trained through graft also evaluates through it --------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_transformer_encoder_trains_and_evaluates_without_spurious_warnings(mode):
+    """nn.TransformerEncoder (batch_first, no mask): a training step matches eager, and eval under
+    torch.no_grad() (where eager takes its fused fast path) matches too; nn.MultiheadAttention's
+    internal shape checks raise no 'branch on a tensor value' warning."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    m = nn.TransformerEncoder(layer, 2)
+    e = copy.deepcopy(m)
+    g = GraftModule(m, gradients=mode)
+    x = torch.randn(2, 5, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, ref = g(x), e(x)
+        close(out, ref, "train output")
+        out.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        same_state(m, e)
+        g.eval()
+        e.eval()
+        with torch.no_grad():
+            close(g(x), e(x), "eval output")
+    assert not [w for w in caught if issubclass(w.category, graft.GraftWarning)], [str(w.message) for w in caught]
