@@ -539,7 +539,8 @@ def test_transformer_encoder_trains_and_evaluates_without_spurious_warnings(mode
         close(out, ref, "train output")
         out.pow(2).sum().backward()
         ref.pow(2).sum().backward()
-        same_state(m, e)
+        for (n, p), q in zip(m.named_parameters(), e.parameters()):  # float32 noise near zero: 1e-5
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{n}: {msg}")
         g.eval()
         e.eval()
         with torch.no_grad():
