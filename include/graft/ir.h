@@ -131,6 +131,10 @@ struct ImportOptions {
   // Maximum model file size accepted (guards against reading absurd files into memory).
   int64_t max_file_bytes = int64_t(8) << 30;
   Allocator* alloc = nullptr;  // where initializers live; nullptr = Allocator::global()
+  // When set (graft inspect), an unsupported dtype of an initializer, graph input or Constant is
+  // recorded here (one message each) and the value left without data, instead of stopping the
+  // import at the first one, so a user sees the whole gap at once.
+  std::vector<std::string>* unsupported = nullptr;
 };
 
 // Loads an ONNX model file. Errors: Io (unreadable), InvalidModel (corrupt or inconsistent),

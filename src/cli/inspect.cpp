@@ -9,7 +9,11 @@
 namespace graft::cli {
 
 int cmd_inspect(const InspectArgs& a) {
-  Graph g = load_onnx(a.model);
+  // Every unsupported op and dtype is listed, not just the first one found.
+  std::vector<std::string> bad_dtypes;
+  ImportOptions io;
+  io.unsupported = &bad_dtypes;
+  Graph g = load_onnx(a.model, io);
   auto dims = [&](const Value& v) {
     std::string s = "[";
     for (size_t i = 0; i < v.shape.size(); ++i) {
@@ -22,12 +26,13 @@ int cmd_inspect(const InspectArgs& a) {
   int64_t n_params = 0, param_bytes = 0, n_tensors = 0;
   for (int p : g.params()) {
     ++n_tensors;
+    if (!g.values[p].data.defined()) continue;
     n_params += g.values[p].data.numel();
     param_bytes += static_cast<int64_t>(g.values[p].data.nbytes());
   }
   std::map<std::string, int> ops;
   for (const auto& n : g.nodes) ++ops[n.op];
-  int unsupported = 0;
+  int unsupported = static_cast<int>(bad_dtypes.size());
   for (const auto& [op, c] : ops) unsupported += find_op(op) ? 0 : 1;
   if (a.json) {
     nlohmann::json j;
@@ -40,6 +45,7 @@ int cmd_inspect(const InspectArgs& a) {
     j["parameters"] = {{"tensors", n_tensors}, {"elements", n_params}, {"bytes", param_bytes}};
     for (const auto& [op, c] : ops)
       j["ops"][op] = {{"count", c}, {"supported", find_op(op) != nullptr}};
+    j["unsupported_dtypes"] = bad_dtypes;
     std::printf("%s\n", j.dump(2).c_str());
     return unsupported ? 3 : 0;
   }
@@ -55,7 +61,11 @@ int cmd_inspect(const InspectArgs& a) {
   std::printf("ops:\n");
   for (const auto& [op, c] : ops)
     std::printf("  %-28s %4d%s\n", op.c_str(), c, find_op(op) ? "" : "  UNSUPPORTED");
-  if (unsupported) std::printf("%d op type(s) are not supported by graft\n", unsupported);
+  for (const std::string& m : bad_dtypes) std::printf("  UNSUPPORTED dtype: %s\n", m.c_str());
+  int bad_ops = unsupported - static_cast<int>(bad_dtypes.size());
+  if (unsupported)
+    std::printf("%d op type(s) and %zu value(s) with a dtype graft does not support\n", bad_ops,
+                bad_dtypes.size());
   return unsupported ? 3 : 0;
 }
 

@@ -255,8 +255,21 @@ Tensor constant_value(const Node& n, Allocator& alloc) {
 // Note [Import memory]: the parsed protobuf holds every initializer's bytes; each one is released
 // as soon as it is converted into graft's allocator, so importing needs the parameters once plus
 // the largest tensor, not twice (the model file is parsed from the stream, not read into a string).
-Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc) {
+Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc,
+                    std::vector<std::string>* unsupported) {
   Graph g;
+  // Runs `f`; an Unsupported error is recorded instead when the caller collects them.
+  auto lenient = [&](auto&& f) {
+    if (!unsupported) return f(), true;
+    try {
+      f();
+      return true;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Unsupported) throw;
+      unsupported->push_back(e.message());
+      return false;
+    }
+  };
   // Opset of the default domain.
   int64_t opset = -1;
   for (const auto& os : mp.opset_import())
@@ -276,7 +289,11 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
   for (auto& tp : *mp.mutable_graph()->mutable_initializer()) {
     GRAFT_CHECK(!tp.name().empty(), ErrorKind::InvalidModel, "an initializer has no name");
     std::string what = "initializer '" + tp.name() + "'";
-    DType dt = convert_dtype(tp.data_type(), what);
+    DType dt = DType::F32;
+    if (!lenient([&] { dt = convert_dtype(tp.data_type(), what); })) {
+      g.add_value(tp.name(), ValueKind::Constant, false);  // recorded: no data
+      continue;
+    }
     ValueKind kind = is_float(dt) ? ValueKind::Param : ValueKind::Constant;
     GRAFT_CHECK(g.find(tp.name()) < 0, ErrorKind::InvalidModel,
                 "initializer '" + tp.name() + "' is defined more than once");
@@ -303,7 +320,7 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     const auto& tt = vi.type().tensor_type();
     int v = g.add_value(vi.name(), ValueKind::Input, false);
     Value& val = g.values[v];
-    val.dtype = convert_dtype(tt.elem_type(), what);
+    lenient([&] { val.dtype = convert_dtype(tt.elem_type(), what); });
     if (tt.has_shape()) {
       bool known = true;
       for (const auto& d : tt.shape().dim()) {
@@ -379,16 +396,20 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     Node n;
     n.op = np.op_type();
     n.name = np.name().empty() ? g.unique_name(n.op + "_" + std::to_string(i)) : np.name();
+    bool attrs_ok = true;
     for (const auto& ap : np.attribute()) {
       GRAFT_CHECK(!n.attrs.has(ap.name()), ErrorKind::InvalidModel,
                   n.label() + " has attribute '" + ap.name() + "' twice");
-      n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label()));
+      attrs_ok &=
+          lenient([&] { n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label())); });
     }
     for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
     if (n.op == "Constant") {
       GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel,
                   n.label() + " must have one output");
-      g.add_constant(np.output(0), constant_value(n, alloc), false);
+      if (!attrs_ok ||
+          !lenient([&] { g.add_constant(np.output(0), constant_value(n, alloc), false); }))
+        g.add_value(np.output(0), ValueKind::Constant, false);  // recorded: no data
       continue;
     }
     for (const auto& o : np.output())
@@ -411,7 +432,8 @@ Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir,
   onnx::ModelProto mp;
   GRAFT_CHECK(mp.ParseFromString(bytes), ErrorKind::InvalidModel,
               "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
-  return convert_model(mp, model_dir, opt.alloc ? *opt.alloc : Allocator::global());
+  return convert_model(mp, model_dir, opt.alloc ? *opt.alloc : Allocator::global(),
+                       opt.unsupported);
 }
 
 Graph load_onnx(const std::string& path, const ImportOptions& opt) {
@@ -440,7 +462,7 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
                   "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
     }
     return convert_model(mp, fs::path(path).parent_path().string(),
-                         opt.alloc ? *opt.alloc : Allocator::global());
+                         opt.alloc ? *opt.alloc : Allocator::global(), opt.unsupported);
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::InvalidModel || e.kind() == ErrorKind::Unsupported)
       throw Error(

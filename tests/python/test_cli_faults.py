@@ -324,3 +324,24 @@ def test_directory_as_input_is_refused(models):
 def test_run_checks_inputs_and_outputs_too(models, tmp_path):
     refused(graft("run", models["reg"], "--inputs", models["x"], models["x"]), "given twice")
     refused(graft("run", models["reg"], "--save-outputs", "/proc/nope"), "--save-outputs", "'/proc/nope'")
+
+
+# ---- graft inspect shows the whole gap at once -----------------------------------------------------
+
+def test_inspect_lists_every_unsupported_op_and_dtype(tmp_path):
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+    nodes = [h.make_node("Constant", [], ["c"], value=h.make_tensor("v", T.FLOAT16, [1], [1.0])),
+             h.make_node("Atan", ["x"], ["y"]), h.make_node("Cos", ["y"], ["z"])]
+    g = h.make_graph(nodes, "gap", [h.make_tensor_value_info("x", T.FLOAT, [2]),
+                                    h.make_tensor_value_info("u", T.UINT8, [2])],
+                     [h.make_tensor_value_info("z", T.FLOAT, [2])], [nh.from_array(np.zeros(2, np.int16), "i16")])
+    path = tmp_path / "gap.onnx"
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    p = graft("inspect", str(path))
+    assert p.returncode == 3, (p.returncode, p.stdout, p.stderr)
+    for needle in ("Atan", "Cos", "'i16' has element type INT16", "'u' has element type UINT8",
+                   "attribute 'value' has element type FLOAT16", "2 op type(s) and 3 value(s)"):
+        assert needle in p.stdout, (needle, p.stdout)
