@@ -7,9 +7,7 @@
 #include "util.h"
 
 namespace graft {
-namespace {
-using namespace opsutil;
-
+namespace opsutil {
 // C(M,N) = alpha * op(A) op(B) + beta * C, row-major. lda etc. are the natural ones.
 template <class T>
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
@@ -26,6 +24,14 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A
   else
     cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, lda, B, ldb, beta, C, N);
 }
+template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, const float*,
+                          float, float*);
+template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*,
+                           const double*, double, double*);
+}  // namespace opsutil
+
+namespace {
+using namespace opsutil;
 
 // ---- Gemm ---------------------------------------------------------------------------------------
 void infer_gemm(InferCtx& c) {

@@ -111,6 +111,12 @@ void dispatch_float(DType dt, const KernelCtx& c, F&& f) {
 template <class T>
 void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool accumulate);
 
+// The one GEMM entry point of the op families (src/ops/linalg.cpp: OpenBLAS):
+// C(M,N) = alpha * op(A) op(B) + beta * C, row-major, natural leading dimensions.
+template <class T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+          T beta, T* C);
+
 // Shape check helper for the shape functions.
 inline void require_float(InferCtx& c, int i) {
   if (!is_float(c.dtype(i)))

@@ -269,6 +269,48 @@ std::vector<Case> cases() {
       {"tile", "Tile", {In::f({2, 3}), In::i({2, 2})}},
       {"scatter_nd", "ScatterND", {In::f({4, 3}), In::i({1, 3}, {2, 1}), In::f({2, 3})}},
       {"gather_nd_repeated", "GatherND", {In::f({3, 4}), In::i({0, 1, 2, 3, 0, 1}, {3, 2})}},
+      {"conv2d_pad_stride",
+       "Conv",
+       {In::f({2, 3, 5, 5}), In::f({4, 3, 3, 3}), In::f({4})},
+       A([](Attrs& a) {
+         a.set_ints("pads", {1, 1, 1, 1});
+         a.set_ints("strides", {2, 2});
+       })},
+      {"conv2d_group_dilation", "Conv", {In::f({1, 4, 6, 6}), In::f({4, 2, 2, 2})}, A([](Attrs& a) {
+         a.set_int("group", 2);
+         a.set_ints("dilations", {2, 2});
+       })},
+      {"conv2d_depthwise",
+       "Conv",
+       {In::f({1, 3, 5, 5}), In::f({3, 1, 3, 3}), In::f({3})},
+       A([](Attrs& a) {
+         a.set_int("group", 3);
+         a.set_ints("pads", {1, 1, 1, 1});
+       })},
+      {"conv1d", "Conv", {In::f({2, 2, 7}), In::f({3, 2, 3})}, A([](Attrs& a) {
+         a.set_ints("strides", {2});
+       })},
+      {"maxpool2d", "MaxPool", {In::f({1, 2, 4, 4})}, A([](Attrs& a) {
+         a.set_ints("kernel_shape", {2, 2});
+         a.set_ints("strides", {2, 2});
+       })},
+      {"maxpool_pad_ceil", "MaxPool", {In::f({1, 2, 5, 5})}, A([](Attrs& a) {
+         a.set_ints("kernel_shape", {3, 3});
+         a.set_ints("strides", {2, 2});
+         a.set_ints("pads", {1, 1, 1, 1});
+         a.set_int("ceil_mode", 1);
+       })},
+      {"avgpool_count_pad", "AveragePool", {In::f({1, 2, 5, 5})}, A([](Attrs& a) {
+         a.set_ints("kernel_shape", {3, 3});
+         a.set_ints("strides", {2, 2});
+         a.set_ints("pads", {1, 1, 1, 1});
+         a.set_int("count_include_pad", 1);
+       })},
+      {"avgpool1d", "AveragePool", {In::f({2, 2, 6})}, A([](Attrs& a) {
+         a.set_ints("kernel_shape", {2});
+       })},
+      {"global_average_pool", "GlobalAveragePool", {In::f({2, 3, 4, 4})}},
+      {"global_max_pool", "GlobalMaxPool", {In::f({2, 3, 3})}},
       // a parameter used twice gets one summed gradient
       {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},
   };
