@@ -120,6 +120,25 @@ class _Entry:
         return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
+def _mark_padding_rows(model, module, e) -> bool:
+    """torch.onnx.export drops nn.Embedding's padding_idx; graft's Gather takes it as its own
+    attribute, so that row gets no gradient from the lookup, as in eager. True if any was set."""
+    import onnx
+    name_of = {id(t): g for g, t in zip(e.param_inputs, e.current)}
+    marked = False
+    for mod in module.modules():
+        if not isinstance(mod, torch.nn.Embedding) or mod.padding_idx is None:
+            continue
+        g = name_of.get(id(mod.weight))
+        for n in model.graph.node:
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            if (n.op_type == "Gather" and n.input and n.input[0] == g and axis == 0
+                    and not any(a.name == "padding_idx" for a in n.attribute)):
+                n.attribute.append(onnx.helper.make_attribute("padding_idx", int(mod.padding_idx)))
+                marked = True
+    return marked
+
+
 class _Call:
     """What one call passes to the autograd Function besides tensors."""
     __slots__ = ("n_in", "training_run")
@@ -269,6 +288,8 @@ class GraftModule(torch.nn.Module):
         # Differentiate every float output, once each (a module may return one tensor twice).
         e.float_outputs = list(dict.fromkeys(o.name for o in m.graph.output if o.type.tensor_type.elem_type
                                              in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)))
+        if _mark_padding_rows(m, self.module, e):
+            onnx.save(m, path)
         from . import _graft
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,

@@ -1,4 +1,5 @@
-// Neural-network ops: Softmax, LogSoftmax, LayerNormalization, SoftmaxCrossEntropyLoss, Dropout,
+// Neural-network ops: Softmax, LogSoftmax, LayerNormalization, BatchNormalization,
+// SoftmaxCrossEntropyLoss, Dropout,
 // with graft's fused gradient kernels. Statistics are accumulated in double.
 #include <atomic>
 #include <cmath>
@@ -423,7 +424,168 @@ void grad_dropout(GradBuilder& g) {
   g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
 }
 
+// ---- BatchNormalization (opset 15)
+// ----------------------------------------------------------------- X [N, C, D...]; scale, B,
+// input_mean, input_var [C]. training_mode = 0: normalize with the given statistics. training_mode
+// = 1: with the batch's (biased variance), and outputs 1 and 2 are the updated running statistics,
+// as PyTorch updates them: running * momentum + batch * (1 - momentum) with the batch's unbiased
+// variance (ONNX's momentum is 1 - PyTorch's).
+void infer_batchnorm(InferCtx& c) {
+  require_float(c, 0);
+  const Shape& s = c.shape(0);
+  c.check(s.size() >= 2, "X must be [N, C, ...]");
+  for (int i = 1; i < 5; ++i) {
+    c.check(c.shape(i) == Shape{s[1]}, "scale, B, mean and var must have shape [C]");
+    if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
+  }
+  const bool train = c.attr_int("training_mode", 0) != 0;
+  if (!train && (c.has_out(1) || c.has_out(2)))
+    c.error(ErrorKind::InvalidModel, "running statistics are outputs in training mode only");
+  c.set_out(0, c.dtype(0), s);
+  c.set_out(1, c.dtype(0), {s[1]});
+  c.set_out(2, c.dtype(0), {s[1]});
+}
+struct BnView {
+  int64_t N, C, S;  // batch, channels, spatial elements per channel and image
+};
+BnView bn_view(const Shape& s) {
+  BnView v{s[0], s[1], 1};
+  for (size_t i = 2; i < s.size(); ++i) v.S *= s[i];
+  return v;
+}
+template <class T>
+void bn_batch_stats(const T* x, BnView v, std::vector<double>& mean, std::vector<double>& var) {
+  mean.assign(v.C, 0.0);
+  var.assign(v.C, 0.0);
+  const double n = static_cast<double>(v.N * v.S);
+  for (int64_t ch = 0; ch < v.C; ++ch) {
+    double m = 0, q = 0;
+    for (int64_t b = 0; b < v.N; ++b)
+      for (int64_t i = 0; i < v.S; ++i) m += x[(b * v.C + ch) * v.S + i];
+    m /= n ? n : 1;
+    for (int64_t b = 0; b < v.N; ++b)
+      for (int64_t i = 0; i < v.S; ++i) {
+        double d = x[(b * v.C + ch) * v.S + i] - m;
+        q += d * d;
+      }
+    mean[ch] = m;
+    var[ch] = q / (n ? n : 1);
+  }
+}
+void batchnorm_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const Tensor& x = c.in(0);
+    BnView v = bn_view(x.shape());
+    const double eps = c.attr_float("epsilon", 1e-5), mom = c.attr_float("momentum", 0.9);
+    const bool train = c.attr_int("training_mode", 0) != 0;
+    const T *px = x.data<T>(), *sc = c.in(1).data<T>(), *bi = c.in(2).data<T>();
+    const T *rm = c.in(3).data<T>(), *rv = c.in(4).data<T>();
+    std::vector<double> mean(v.C), var(v.C);
+    if (train) {
+      bn_batch_stats(px, v, mean, var);
+    } else {
+      for (int64_t ch = 0; ch < v.C; ++ch) {
+        mean[ch] = rm[ch];
+        var[ch] = rv[ch];
+      }
+    }
+    T* y = c.out(0).data<T>();
+    for (int64_t b = 0; b < v.N; ++b)
+      for (int64_t ch = 0; ch < v.C; ++ch) {
+        const double inv = 1.0 / std::sqrt(var[ch] + eps);
+        for (int64_t i = 0; i < v.S; ++i) {
+          const int64_t j = (b * v.C + ch) * v.S + i;
+          y[j] = static_cast<T>((px[j] - mean[ch]) * inv * sc[ch] + bi[ch]);
+        }
+      }
+    if (!train) return;
+    const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
+    for (int64_t ch = 0; ch < v.C; ++ch) {
+      if (c.has_out(1))
+        c.out(1).data<T>()[ch] = static_cast<T>(rm[ch] * mom + mean[ch] * (1 - mom));
+      if (c.has_out(2))
+        c.out(2).data<T>()[ch] = static_cast<T>(rv[ch] * mom + var[ch] * unbias * (1 - mom));
+    }
+  });
+}
+// BatchNormGrad(dY, X, scale, mean, var; epsilon, training_mode) -> dX, dscale, dB.
+void infer_batchnorm_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(1), c.shape(1));
+  c.set_out(1, c.dtype(2), c.shape(2));
+  c.set_out(2, c.dtype(2), c.shape(2));
+}
+void batchnorm_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
+    const Tensor& x = c.in(1);
+    BnView v = bn_view(x.shape());
+    const double eps = c.attr_float("epsilon", 1e-5);
+    const bool train = c.attr_int("training_mode", 0) != 0;
+    const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
+    std::vector<double> mean(v.C), var(v.C);
+    if (train) {
+      bn_batch_stats(px, v, mean, var);
+    } else {
+      for (int64_t ch = 0; ch < v.C; ++ch) {
+        mean[ch] = c.in(3).data<T>()[ch];
+        var[ch] = c.in(4).data<T>()[ch];
+      }
+    }
+    const double n = static_cast<double>(v.N * v.S);
+    for (int64_t ch = 0; ch < v.C; ++ch) {
+      const double inv = 1.0 / std::sqrt(var[ch] + eps);
+      double sdy = 0, sdyx = 0;
+      for (int64_t b = 0; b < v.N; ++b)
+        for (int64_t i = 0; i < v.S; ++i) {
+          const int64_t j = (b * v.C + ch) * v.S + i;
+          sdy += dy[j];
+          sdyx += dy[j] * (px[j] - mean[ch]) * inv;
+        }
+      if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
+      if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
+      if (!c.has_out(0)) continue;
+      T* dx = c.out(0).data<T>();
+      for (int64_t b = 0; b < v.N; ++b)
+        for (int64_t i = 0; i < v.S; ++i) {
+          const int64_t j = (b * v.C + ch) * v.S + i;
+          const double xh = (px[j] - mean[ch]) * inv;
+          dx[j] = static_cast<T>(train ? sc[ch] * inv / n * (n * dy[j] - sdy - xh * sdyx)
+                                       : dy[j] * sc[ch] * inv);
+        }
+    }
+  });
+}
+void grad_batchnorm(GradBuilder& g) {
+  const Node& n = g.node();
+  if ((n.outputs.size() > 1 && n.outputs[1] >= 0 && g.dy(1) >= 0) ||
+      (n.outputs.size() > 2 && n.outputs[2] >= 0 && g.dy(2) >= 0))
+    fail(ErrorKind::Unsupported,
+         n.label() + ": a gradient through the running statistics is not supported");
+  Attrs a;
+  a.set_float("epsilon", n.attrs.get_float("epsilon", 1e-5));
+  a.set_int("training_mode", n.attrs.get_int("training_mode", 0));
+  auto outs = g.emit("BatchNormGrad", {g.dy(0), g.x(0), g.x(1), g.x(3), g.x(4)}, a, 3, "graft");
+  if (g.needs(0)) g.set_dx(0, outs[0]);
+  if (g.needs(1)) g.set_dx(1, outs[1]);
+  if (g.needs(2)) g.set_dx(2, outs[2]);
+}
+
 const OpDef kOps[] = {
+    {.name = "BatchNormalization",
+     .min_in = 5,
+     .max_in = 5,
+     .max_out = 3,
+     .infer = infer_batchnorm,
+     .kernel = batchnorm_kernel,
+     .grad = grad_batchnorm,
+     .nondiff_inputs = {3, 4}},
+    {.name = "BatchNormGrad",
+     .domain = "graft",
+     .min_in = 5,
+     .max_in = 5,
+     .max_out = 3,
+     .infer = infer_batchnorm_grad,
+     .kernel = batchnorm_grad_kernel,
+     .nondiff_inputs = {3, 4}},
     {.name = "Softmax",
      .infer = infer_softmax,
      .kernel = softmax_kernel<false>,

@@ -469,6 +469,9 @@ void grad_gather(GradBuilder& g) {
   if (ax < 0) ax += static_cast<int64_t>(g.shape(g.x(0)).size());
   a.set_int("axis", ax);
   a.set_ints("shape", g.shape(g.x(0)));
+  // graft's own attribute, set by the PyTorch front end on an nn.Embedding's lookup (the exporter
+  // drops padding_idx): that row gets no gradient from the lookup, as in eager.
+  if (const Attr* p = g.node().attrs.find("padding_idx")) a.set("padding_idx", *p);
   g.set_dx(0, g.emit1("GatherGrad", {g.dy(0), g.x(1)}, a, "graft"));
 }
 void infer_gather_grad(InferCtx& c) {
@@ -479,8 +482,16 @@ void gather_grad_kernel(KernelCtx& c) {
   Tensor& dx = c.out(0);
   std::memset(dx.raw(), 0, dx.nbytes());
   dispatch_float(dx.dtype(), c, [&]<class T>() {
-    gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(),
-                         static_cast<int>(c.attr_int("axis", 0)));
+    const int axis = static_cast<int>(c.attr_int("axis", 0));
+    gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(), axis);
+    if (c.node.attrs.has("padding_idx") && axis == 0 && dx.rank() >= 1) {
+      int64_t p = c.attr_int("padding_idx", 0), rows = dx.dim(0);
+      if (p < 0) p += rows;
+      if (p >= 0 && p < rows) {
+        const int64_t row = dx.numel() / std::max<int64_t>(rows, 1);
+        std::fill(dx.data<T>() + p * row, dx.data<T>() + (p + 1) * row, T(0));
+      }
+    }
   });
 }
 
