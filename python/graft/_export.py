@@ -108,6 +108,19 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
             for n, (p, version) in param_versions.items():
                 if p._version != version:
                     mutated.append(n)
+    # A training-mode BatchNorm updates its running statistics: graft replays that from the
+    # BatchNormalization node's running-statistics outputs (GraftModule), so it is not refused.
+    replayed = set()
+    for mod_name, mod in module.named_modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training and mod.track_running_stats:
+            if mod.momentum is None:
+                raise GraftUnsupportedError(
+                    f"{name}: BatchNorm '{mod_name}' has momentum=None (a cumulative average); graft replays "
+                    "the exponential update only. Set a momentum, or keep this module in eager mode.",
+                    "unsupported")
+            prefix = f"{mod_name}." if mod_name else ""
+            replayed |= {prefix + "running_mean", prefix + "running_var", prefix + "num_batches_tracked"}
+    mutated = [n for n in mutated if n not in replayed]
     if mutated:
         raise GraftUnsupportedError(
             f"{name}: forward updates {', '.join(repr(n) for n in mutated)} in place (a counter, BatchNorm "

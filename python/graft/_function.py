@@ -136,6 +136,18 @@ def run_forward(entry, tensors, seed, keep):
     return sess.forward(inputs, seed, keep)
 
 
+def apply_state_updates(entry, arrays):
+    """Copies a training-mode BatchNorm's updated running statistics into the module's buffers and
+    counts the forward in num_batches_tracked, as eager's forward does."""
+    if not entry.state_updates:
+        return
+    with torch.no_grad():
+        for (_, slot), a in zip(entry.state_updates, arrays):
+            entry.current[slot].copy_(torch.from_numpy(a))
+        for c in entry.counters:
+            c.add_(1)
+
+
 class GraftFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, call, dummy, *tensors_and_params):
@@ -147,7 +159,9 @@ class GraftFunction(torch.autograd.Function):
             step, arrays = run_forward(entry, tensors, seed, training_run)
         except GraftError as ex:
             raise with_context(ex, entry.module_name) from None
-        outs = wrap_outputs(arrays, tensors + [p for p in entry.current])
+        n_user = len(entry.output_names)
+        outs = wrap_outputs(arrays[:n_user], tensors + [p for p in entry.current])
+        apply_state_updates(entry, arrays[n_user:])
         del arrays
         ctx.entry, ctx.step, ctx.seed, ctx.n_in, ctx.n_params = entry, step, seed, n_in, len(params)
         ctx.training_run = training_run

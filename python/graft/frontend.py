@@ -77,6 +77,8 @@ class _Entry:
         self.outputs_info = []
         self.output_template = None
         self.has_dropout = False
+        self.state_updates: List[Tuple[str, int]] = []  # (graph output, param slot): BatchNorm statistics
+        self.counters: List[torch.Tensor] = []         # num_batches_tracked buffers to count forwards
         self.lock = threading.Lock()
         self._acc: Dict[int, Tuple[torch.Tensor, Any]] = {}
 
@@ -137,6 +139,35 @@ def _mark_padding_rows(model, module, e) -> bool:
                 n.attribute.append(onnx.helper.make_attribute("padding_idx", int(mod.padding_idx)))
                 marked = True
     return marked
+
+
+def _expose_batchnorm_state(model, module, e) -> bool:
+    """A training-mode BatchNormalization computes the updated running statistics (outputs 1, 2)
+    but the exporter drops them (PyTorch updates the buffers in place). graft makes them extra graph
+    outputs and copies them into the buffers after each forward, and counts num_batches_tracked,
+    so the module's state moves exactly as in eager. True if any was exposed."""
+    import onnx
+    slot_of = {g: i for i, g in enumerate(e.param_inputs)}
+    by_name = dict(module.named_buffers())
+    exposed = False
+    for n in model.graph.node:
+        train = next((a.i for a in n.attribute if a.name == "training_mode"), 0)
+        if n.op_type != "BatchNormalization" or not train or len(n.output) < 3:
+            continue
+        for k in (1, 2):
+            buf_input = n.input[2 + k]
+            if not n.output[k] or buf_input not in slot_of:
+                continue
+            c = e.current[slot_of[buf_input]]
+            dtype = onnx.TensorProto.DOUBLE if c.dtype == torch.float64 else onnx.TensorProto.FLOAT
+            model.graph.output.append(onnx.helper.make_tensor_value_info(n.output[k], dtype, list(c.shape)))
+            e.state_updates.append((n.output[k], slot_of[buf_input]))
+            exposed = True
+        owner = n.input[3][len(_export.PREFIX):].rpartition(".")[0]
+        counter = by_name.get(f"{owner}.num_batches_tracked" if owner else "num_batches_tracked")
+        if counter is not None:
+            e.counters.append(counter)
+    return exposed
 
 
 class _Call:
@@ -288,7 +319,9 @@ class GraftModule(torch.nn.Module):
         # Differentiate every float output, once each (a module may return one tensor twice).
         e.float_outputs = list(dict.fromkeys(o.name for o in m.graph.output if o.type.tensor_type.elem_type
                                              in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)))
-        if _mark_padding_rows(m, self.module, e):
+        changed = _mark_padding_rows(m, self.module, e)
+        changed = _expose_batchnorm_state(m, self.module, e) or changed
+        if changed:
             onnx.save(m, path)
         from . import _graft
         try:

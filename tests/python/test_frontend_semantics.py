@@ -506,43 +506,42 @@ class LinearBN(nn.Module):
         return self.bn(self.fc(x))
 
 
-def test_a_training_mode_batchnorm_is_never_folded_away():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_training_mode_batchnorm_trains_and_updates_its_statistics(mode):
     """torch >= 2.9's default exporter folds a training-mode BatchNorm into the Linear with eval
-    statistics; graft exports with the TorchScript exporter and refuses what it cannot replay (the
-    running statistics update), leaving the module as it was."""
+    statistics; graft exports with the TorchScript exporter, normalizes with the batch's statistics
+    and updates running_mean, running_var and num_batches_tracked exactly as eager does."""
     torch.manual_seed(0)
     m = LinearBN()
-    before = {k: v.clone() for k, v in m.state_dict().items()}
-    g = GraftModule(m)
-    with pytest.raises(graft.GraftUnsupportedError, match="bn.running_mean.*in place"):
-        g(torch.randn(8, 4))
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert m.training and m.bn.training
-
-
-# --- a model trained through graft also evaluates through it --------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_transformer_encoder_trains_and_evaluates_without_spurious_warnings(mode):
-    """nn.TransformerEncoder (batch_first, no mask): a training step matches eager, and eval under
-    torch.no_grad() (where eager takes its fused fast path) matches too; nn.MultiheadAttention's
-    internal shape checks raise no 'branch on a tensor value' warning."""
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    m = nn.TransformerEncoder(layer, 2)
     e = copy.deepcopy(m)
     g = GraftModule(m, gradients=mode)
-    x = torch.randn(2, 5, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    for k in range(3):
+        x = torch.randn(8, 4)
         out, ref = g(x), e(x)
-        close(out, ref, "train output")
+        close(out, ref, f"step {k} output")
         out.pow(2).sum().backward()
         ref.pow(2).sum().backward()
-        for (n, p), q in zip(m.named_parameters(), e.parameters()):  # float32 noise near zero: 1e-5
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{n}: {msg}")
-        g.eval()
-        e.eval()
-        with torch.no_grad():
-            close(g(x), e(x), "eval output")
-    assert not [w for w in caught if issubclass(w.category, graft.GraftWarning)], [str(w.message) for w in caught]
+        # BatchNorm's backward cancels terms (fc.bias's gradient is 0 in exact arithmetic, ~2e-6 of
+        # float32 noise in eager): compare at 1e-3 of the largest gradient, the model zoo's
+        # criterion (in float64 graft and eager agree to 3e-10).
+        scale = max(q.grad.abs().max().item() for q in e.parameters())
+        for (n, p), q in zip(m.named_parameters(), e.parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 1e-3 * scale, n
+        for (n, a), b in zip(m.named_buffers(), e.buffers()):
+            close(a.double(), b.double(), n)
+    g.eval()
+    e.eval()
+    with torch.no_grad():
+        close(g(x), e(x), "eval output")
+    assert int(m.bn.num_batches_tracked) == 3
+
+
+def test_batchnorm_with_momentum_none_is_refused():
+    torch.manual_seed(0)
+    m = LinearBN()
+    m.bn.momentum = None
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(graft.GraftUnsupportedError, match="momentum=None"):
+        GraftModule(m)(torch.randn(8, 4))
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
