@@ -87,7 +87,7 @@ def check_grads(mg, me, step):
         if gg.shape != ge.shape:
             bad.append(f"{n}: gradient shape {tuple(gg.shape)} vs eager {tuple(ge.shape)}")
             continue
-        err = (gg - ge).abs().max().item() if ge.numel() else 0.0
+        err = (gg.double() - ge.double()).abs().max().item() if ge.numel() else 0.0
         if not err <= GRAD_RTOL * scale:  # also catches NaN
             bad.append(f"{n}: max |graft - eager| = {err:.3g} > {GRAD_RTOL} * {scale:.3g}")
     assert not bad, f"step {step}: {len(bad)} gradient(s) differ:\n  " + "\n  ".join(bad[:20])
@@ -96,7 +96,19 @@ def check_grads(mg, me, step):
 def check_buffers(mg, me, step):
     bg = dict(mg.named_buffers())
     for n, be in me.named_buffers():
-        assert torch.equal(bg[n], be), f"step {step}: buffer {n} differs from eager"
+        if not be.is_floating_point():  # counters (num_batches_tracked), masks, position ids
+            assert torch.equal(bg[n], be), f"step {step}: buffer {n} differs from eager"
+        else:  # computed statistics (BatchNorm's running mean / var): to rounding
+            torch.testing.assert_close(bg[n].double(), be.double(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step}: buffer {n}: {m}")
+
+
+def has_training_batchnorm(model):
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+
+
+def to64(batch):
+    return tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in batch)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -104,6 +116,15 @@ def check_buffers(mg, me, step):
 def test_parity(name, mode):
     z = zoo.build(name, dropout=False)
     me = z.model
+    # A freshly initialized CNN with training-mode BatchNorm over a small batch has ill-conditioned
+    # gradients: float32 rounding is amplified ~1e3 in backward, so eager's own float32 gradients
+    # are up to 2e-2 (of the largest) away from float64's, and no float32 implementation can meet
+    # 1e-3. Those models are compared in float64, graft and eager both (they agree to ~1e-9);
+    # their float32 runs are covered by test_default_dropout_trains.
+    ref64 = has_training_batchnorm(me)
+    if ref64:
+        me.double()
+    prep = to64 if ref64 else (lambda b: b)
     mg = copy.deepcopy(me)
     g = graft.GraftModule(mg, gradients=mode)
     opt_e = torch.optim.AdamW(me.parameters(), lr=LR, eps=EPS)
@@ -112,9 +133,9 @@ def test_parity(name, mode):
         batch = z.make_batch(step)
         opt_g.zero_grad(set_to_none=True)
         opt_e.zero_grad(set_to_none=True)
-        loss_g = z.loss_fn(graft_call(g, batch, step), batch)
+        loss_g = z.loss_fn(graft_call(g, prep(batch), step), batch)
         loss_g.backward()
-        loss_e = z.loss_fn(me(*batch), batch)
+        loss_e = z.loss_fn(me(*prep(batch)), batch)
         loss_e.backward()
         close_loss(loss_g, loss_e, f"step {step} loss")
         check_grads(mg, me, step)
@@ -123,7 +144,8 @@ def test_parity(name, mode):
         opt_e.step()
     batch = z.make_batch(STEPS)
     with torch.no_grad():
-        close_loss(z.loss_fn(g(*batch), batch), z.loss_fn(me(*batch), batch), f"loss after {STEPS} steps")
+        close_loss(z.loss_fn(g(*prep(batch)), batch), z.loss_fn(me(*prep(batch)), batch),
+                   f"loss after {STEPS} steps")
     check_buffers(mg, me, STEPS)
 
 
@@ -151,6 +173,7 @@ def test_padded_batch_parity(name, masked):
     hook mode, 2 steps, the same checks as test_parity. In eager PyTorch an Embedding's
     padding_idx row gets no gradient from the lookup; torch.onnx.export drops padding_idx in
     training mode (it warns so), which shows when the pads are attended."""
+    prep = lambda b: b  # noqa: E731  (text models: float32 both, as test_parity)
     z = zoo.build(name, dropout=False)
     me = z.model
     mg = copy.deepcopy(me)
@@ -161,9 +184,9 @@ def test_padded_batch_parity(name, masked):
         batch = zoo.padded(name, z.make_batch(step), masked)
         opt_g.zero_grad(set_to_none=True)
         opt_e.zero_grad(set_to_none=True)
-        loss_g = z.loss_fn(graft_call(g, batch, step), batch)
+        loss_g = z.loss_fn(graft_call(g, prep(batch), step), batch)
         loss_g.backward()
-        loss_e = z.loss_fn(me(*batch), batch)
+        loss_e = z.loss_fn(me(*prep(batch)), batch)
         loss_e.backward()
         close_loss(loss_g, loss_e, f"step {step} loss")
         check_grads(mg, me, step)

@@ -44,9 +44,16 @@ def _gen(seed):
     return torch.Generator().manual_seed(1000 + seed)
 
 
-def _images(seed, size=IMAGE):
+# CNN images: 4 x 64x64. The deepest feature maps of resnet18 / mobilenet_v2 are then 2x2, so a
+# training-mode BatchNorm there normalizes over 16 values; at 2 x 32x32 it normalized over 2
+# (1x1 maps), where float32 rounding is amplified ~1e3 (graft and eager then differ by 1e-4..1e-1
+# in the loss while agreeing to 1e-10 in float64).
+CNN_BATCH, CNN_IMAGE = 4, 64
+
+
+def _images(seed, size=CNN_IMAGE, batch=CNN_BATCH):
     g = _gen(seed)
-    return torch.randn(BATCH, 3, size, size, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
 
 
 def _tokens(seed, low=3):
@@ -71,7 +78,7 @@ def _hf_loss(out, batch):
     return out.loss
 
 
-def _vision(model, dropout):
+def _vision(model, dropout, make_batch=None):
     if not dropout:
         _no_dropout(model)
     model.train()
@@ -85,7 +92,7 @@ def _vision(model, dropout):
         def forward(self, x, labels):
             return self.m(x)
 
-    return Zoo(Images(model), _images, _ce)
+    return Zoo(Images(model), make_batch or _images, _ce)
 
 
 # --- torchvision (Debian's python3-torchvision 0.14) ----------------------------------------------
@@ -114,7 +121,8 @@ def vit_b_16(dropout):
     import torchvision
     # 32x32 images: 2x2 patches of 16 (+ the class token). The default dropout of vit_b_16 is 0.
     kw = {} if dropout else {"dropout": 0.0, "attention_dropout": 0.0}
-    return _vision(torchvision.models.vit_b_16(weights=None, image_size=32, num_classes=CLASSES, **kw), dropout)
+    return _vision(torchvision.models.vit_b_16(weights=None, image_size=32, num_classes=CLASSES, **kw), dropout,
+                   lambda seed: _images(seed, size=32, batch=BATCH))
 
 
 # --- recurrent and convolutional text classifiers --------------------------------------------------
@@ -294,7 +302,8 @@ def hf_vit(dropout):
     cfg = ViTConfig(image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=2,
                     num_attention_heads=2, intermediate_size=2 * HIDDEN, num_labels=CLASSES,
                     **_zero(dropout, "hidden_dropout_prob", "attention_probs_dropout_prob"))
-    return _hf(_Keywords(ViTForImageClassification(cfg), ("pixel_values", "labels")), _images)
+    return _hf(_Keywords(ViTForImageClassification(cfg), ("pixel_values", "labels")),
+               lambda seed: _images(seed, size=IMAGE, batch=BATCH))
 
 
 BUILDERS = {
