@@ -16,6 +16,7 @@ new export. Parameters are shared, not copied, so optimizer.step() on them is se
 Gradient delivery ("accumulate", "hook", "hold") and what autograd asks for: graft._function.
 """
 import collections
+import dataclasses
 import os
 import sys
 import tempfile
@@ -58,29 +59,28 @@ def _autocast_cpu() -> bool:
         return torch.is_autocast_cpu_enabled()
 
 
+@dataclasses.dataclass(eq=False)
 class _Entry:
     """One export + graft session, for one cache key."""
-
-    def __init__(self):
-        self.session = None
-        self.module_name = ""
-        self.mode = "hook"
-        self.input_names: List[str] = []
-        self.input_index: List[int] = []
-        self.param_inputs: List[str] = []        # graph inputs bound to module state ("m.fc.weight")
-        self.slots: List[Tuple[Any, str, str]] = []  # per param input: (owner module, attribute, param|buffer)
-        self.current: List[torch.Tensor] = []    # per param input: the tensor bound now
-        self.trainable: List[Tuple[str, torch.nn.Parameter]] = []
-        self.input_grads: List[str] = []
-        self.output_names: List[str] = []
-        self.float_outputs: List[str] = []
-        self.outputs_info = []
-        self.output_template = None
-        self.has_dropout = False
-        self.state_updates: List[Tuple[str, int]] = []  # (graph output, param slot): BatchNorm statistics
-        self.counters: List[torch.Tensor] = []         # num_batches_tracked buffers to count forwards
-        self.lock = threading.Lock()
-        self._acc: Dict[int, Tuple[torch.Tensor, Any]] = {}
+    session: Any = None
+    module_name: str = ""
+    mode: str = "hook"
+    input_names: List[str] = dataclasses.field(default_factory=list)
+    input_index: List[int] = dataclasses.field(default_factory=list)  # position among the call's tensors
+    param_inputs: List[str] = dataclasses.field(default_factory=list)  # graph inputs bound to module state
+    slots: List[Tuple[Any, str, str]] = dataclasses.field(default_factory=list)  # (owner, attribute, param|buffer)
+    current: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per param input: bound now
+    trainable: List[Tuple[str, torch.nn.Parameter]] = dataclasses.field(default_factory=list)
+    input_grads: List[str] = dataclasses.field(default_factory=list)
+    output_names: List[str] = dataclasses.field(default_factory=list)
+    float_outputs: List[str] = dataclasses.field(default_factory=list)
+    outputs_info: list = dataclasses.field(default_factory=list)
+    output_template: Any = None
+    has_dropout: bool = False
+    state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)  # BatchNorm statistics
+    counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
+    lock: Any = dataclasses.field(default_factory=threading.Lock)
+    _acc: Dict[int, Tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
 
     def refresh_trainable(self):
         self.trainable = [(g, p) for g, p, (_, _, kind) in zip(self.param_inputs, self.current, self.slots)
@@ -330,9 +330,9 @@ class GraftModule(torch.nn.Module):
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
             msg = err.message.replace(f"{path}: ", "")
-            import re
-            for node in re.findall(r"node '([^']+)' \(Constant\)", msg):  # name what the constant feeds
-                outs = {o for n in m.graph.node if n.name == node for o in n.output}
+            at = [n for n in m.graph.node if n.name == err.node and n.op_type == "Constant"]
+            if at:  # name what the constant feeds
+                outs = set(at[0].output)
                 users = [f"{n.op_type} node '{n.name}'" for n in m.graph.node if outs & set(n.input)]
                 if users:
                     msg += f" (the constant feeds {', '.join(users)})"

@@ -400,8 +400,14 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     for (const auto& ap : np.attribute()) {
       GRAFT_CHECK(!n.attrs.has(ap.name()), ErrorKind::InvalidModel,
                   n.label() + " has attribute '" + ap.name() + "' twice");
-      attrs_ok &=
-          lenient([&] { n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label())); });
+      attrs_ok &= lenient([&] {
+        try {
+          n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label()));
+        } catch (const Error& e) {
+          if (!e.node().empty()) throw;
+          throw Error(e.kind(), e.message(), n.name);  // the node at fault, as a field
+        }
+      });
     }
     for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
     if (n.op == "Constant") {
@@ -465,9 +471,7 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
                          opt.alloc ? *opt.alloc : Allocator::global(), opt.unsupported);
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::InvalidModel || e.kind() == ErrorKind::Unsupported)
-      throw Error(
-          e.kind(),
-          path + ": " + std::string(e.what()).substr(std::strlen(error_kind_name(e.kind())) + 2));
+      throw Error(e.kind(), path + ": " + e.message(), e.node());
     throw;
   }
 }

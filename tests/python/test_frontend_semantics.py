@@ -545,3 +545,22 @@ def test_batchnorm_with_momentum_none_is_refused():
         GraftModule(m)(torch.randn(8, 4))
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class Int16Cast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).to(torch.int16).to(torch.float32)  # Cast to INT16: graft has no int16
+
+
+def test_an_unsupported_node_is_named_in_the_error_fields():
+    m = Int16Cast()
+    g = GraftModule(m)
+    with pytest.raises(graft.GraftUnsupportedError) as ex:
+        g(torch.randn(2, 4))
+    e = ex.value
+    assert e.kind == "unsupported" and "Cast" in e.node, (e.kind, e.node)
+    assert "Int16Cast" in e.message and "cast to ONNX type 5" in e.message, e.message
