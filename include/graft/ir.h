@@ -127,6 +127,11 @@ class Graph {
   int counter_ = 0;
 };
 
+// ONNX TensorProto element types, the one mapping (import, Cast's `to`, graft's own ops):
+// FLOAT 1, INT32 6, INT64 7, BOOL 9, DOUBLE 11.
+int onnx_elem_type(DType t);
+bool dtype_of_onnx_elem(int64_t code, DType& out);  // false: a type graft does not have
+
 struct ImportOptions {
   // Maximum model file size accepted (guards against reading absurd files into memory).
   int64_t max_file_bytes = int64_t(8) << 30;

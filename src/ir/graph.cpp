@@ -196,6 +196,31 @@ void Graph::remove_dead_nodes() {
       if (o >= 0) values[o].producer = static_cast<int>(i);
 }
 
+int onnx_elem_type(DType t) {
+  switch (t) {
+    case DType::F32:
+      return 1;
+    case DType::I32:
+      return 6;
+    case DType::I64:
+      return 7;
+    case DType::Bool:
+      return 9;
+    case DType::F64:
+      return 11;
+  }
+  return 0;
+}
+
+bool dtype_of_onnx_elem(int64_t code, DType& out) {
+  for (DType t : {DType::F32, DType::F64, DType::I64, DType::I32, DType::Bool})
+    if (onnx_elem_type(t) == code) {
+      out = t;
+      return true;
+    }
+  return false;
+}
+
 std::vector<std::vector<int>> Graph::consumers() const {
   std::vector<std::vector<int>> c(values.size());
   for (size_t i = 0; i < nodes.size(); ++i) {

@@ -26,20 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 
 DType convert_dtype(int t, const std::string& what) {
-  switch (t) {
-    case onnx::TensorProto::FLOAT:
-      return DType::F32;
-    case onnx::TensorProto::DOUBLE:
-      return DType::F64;
-    case onnx::TensorProto::INT64:
-      return DType::I64;
-    case onnx::TensorProto::INT32:
-      return DType::I32;
-    case onnx::TensorProto::BOOL:
-      return DType::Bool;
-    default:
-      break;
-  }
+  DType dt;
+  if (dtype_of_onnx_elem(t, dt)) return dt;
   std::string n = onnx::TensorProto_DataType_IsValid(t)
                       ? onnx::TensorProto_DataType_Name(static_cast<onnx::TensorProto_DataType>(t))
                       : "code " + std::to_string(t);
@@ -517,23 +505,7 @@ void save_tensor_pb(const std::string& path, const Tensor& t, const std::string&
   onnx::TensorProto tp;
   tp.set_name(name);
   for (int64_t d : t.shape()) tp.add_dims(d);
-  switch (t.dtype()) {
-    case DType::F32:
-      tp.set_data_type(onnx::TensorProto::FLOAT);
-      break;
-    case DType::F64:
-      tp.set_data_type(onnx::TensorProto::DOUBLE);
-      break;
-    case DType::I64:
-      tp.set_data_type(onnx::TensorProto::INT64);
-      break;
-    case DType::Bool:
-      tp.set_data_type(onnx::TensorProto::BOOL);
-      break;
-    case DType::I32:
-      tp.set_data_type(onnx::TensorProto::INT32);
-      break;
-  }
+  tp.set_data_type(onnx_elem_type(t.dtype()));
   tp.set_raw_data(std::string(static_cast<const char*>(t.raw()), t.nbytes()));
   std::ofstream f(path, std::ios::binary);
   GRAFT_CHECK(f.good() && tp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");

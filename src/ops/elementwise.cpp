@@ -288,45 +288,14 @@ void sum_kernel(KernelCtx& c) {
   });
 }
 
-int onnx_dtype_code(DType d) {
-  switch (d) {
-    case DType::F32:
-      return 1;
-    case DType::F64:
-      return 11;
-    case DType::I64:
-      return 7;
-    case DType::Bool:
-      return 9;
-    case DType::I32:
-      return 6;
-  }
-  return 0;
-}
+int onnx_dtype_code(DType d) { return onnx_elem_type(d); }
 void infer_cast(InferCtx& c) {
   int64_t to = c.attr_int("to", -1);
   DType dt;
-  switch (to) {
-    case 1:
-      dt = DType::F32;
-      break;
-    case 11:
-      dt = DType::F64;
-      break;
-    case 7:
-      dt = DType::I64;
-      break;
-    case 9:
-      dt = DType::Bool;
-      break;
-    case 6:
-      dt = DType::I32;
-      break;
-    default:
-      c.error(ErrorKind::Unsupported,
-              "cast to ONNX type " + std::to_string(to) +
-                  " is not supported (float32, float64, int64, int32, bool only)");
-  }
+  if (!dtype_of_onnx_elem(to, dt))
+    c.error(ErrorKind::Unsupported,
+            "cast to ONNX type " + std::to_string(to) +
+                " is not supported (float32, float64, int64, int32, bool only)");
   c.set_out(0, dt, c.shape(0));
 }
 void cast_kernel(KernelCtx& c) {

@@ -279,20 +279,8 @@ void grad_split(GradBuilder& g) {
 }
 
 void infer_zeros(InferCtx& c) {
-  DType dt = DType::F32;
-  switch (c.attr_int("to", 1)) {
-    case 1:
-      dt = DType::F32;
-      break;
-    case 11:
-      dt = DType::F64;
-      break;
-    case 7:
-      dt = DType::I64;
-      break;
-    default:
-      c.error(ErrorKind::Unsupported, "Zeros dtype");
-  }
+  DType dt;
+  if (!dtype_of_onnx_elem(c.attr_int("to", 1), dt)) c.error(ErrorKind::Unsupported, "Zeros dtype");
   c.set_out(0, dt, c.attrs().get_ints("shape", {}, c.node().label()));
 }
 void zeros_kernel(KernelCtx& c) { std::memset(c.out(0).raw(), 0, c.out(0).nbytes()); }

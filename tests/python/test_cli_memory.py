@@ -102,13 +102,14 @@ def chain(path, n):
 
 def test_a_long_chain_trains_in_near_linear_time(tmp_path):
     """Import, autodiff, planning and execution of a chain of N Adds: 4x the nodes must take well
-    under 16x the time (quadratic); a ratio, never an absolute time."""
+    under 16x the time (quadratic; linear is 4x, hashing and allocation make it ~5-6x here); a ratio,
+    never an absolute time, best of three runs each."""
     times = {}
-    for n in (10000, 40000):
+    for n in (20000, 80000):
         path = tmp_path / f"chain{n}.onnx"
         chain(path, n)
         best = None
-        for _ in range(2):
+        for _ in range(3):
             t0 = time.monotonic()
             p = graft("train", path, "--loss", "loss", "--steps", "1")
             dt = time.monotonic() - t0
@@ -116,4 +117,4 @@ def test_a_long_chain_trains_in_near_linear_time(tmp_path):
             best = dt if best is None else min(best, dt)
         times[n] = best
     print(times)
-    assert times[40000] / times[10000] < 8, times
+    assert times[80000] / times[20000] < 10, times
