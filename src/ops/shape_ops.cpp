@@ -1,6 +1,7 @@
 // Shape and data-movement ops: Reshape, Flatten, Squeeze, Unsqueeze (aliases: no copy),
-// Transpose, Concat, Split, Slice, Gather, GatherND, ScatterND, Shape, Expand, Tile, Trilu,
-// ConstantOfShape, Range, and graft's Zeros, SliceGrad, GatherGrad, GatherNDGrad, TileGrad.
+// Transpose, Concat, Split, Slice, Gather, GatherND, ScatterND, Shape, Expand, Tile, Trilu, Pad,
+// ConstantOfShape, Range, and graft's Zeros, SliceGrad, GatherGrad, GatherNDGrad, TileGrad,
+// PadGrad.
 #include <cmath>
 #include <functional>
 
@@ -783,7 +784,134 @@ void grad_gather_nd(GradBuilder& g) {
   g.set_dx(0, g.emit1("GatherNDGrad", {g.dy(0), g.x(1)}, a, "graft"));
 }
 
+// ---- Pad(data, pads, constant_value?; mode = constant | reflect | edge)
+// ------------------------------ pads = [x1_begin, x2_begin, ..., x1_end, x2_end, ...]; negative
+// pads crop. Each output element reads one input element (or the constant): pad_source gives it,
+// for the kernel and the gradient.
+std::vector<int64_t> pad_amounts(const std::vector<int64_t>& pads, int rank,
+                                 const std::function<void(const std::string&)>& err) {
+  if (static_cast<int>(pads.size()) != 2 * rank)
+    err("pads has " + std::to_string(pads.size()) + " entries for rank " + std::to_string(rank));
+  return pads;
+}
+// Flat input index read by output element `o` (-1: the constant), for input shape `in`.
+int64_t pad_source(int64_t o, const Shape& out, const Shape& in, const std::vector<int64_t>& pads,
+                   int mode) {  // mode 0 constant, 1 reflect, 2 edge
+  const int r = static_cast<int>(in.size());
+  int64_t src = 0;
+  std::vector<int64_t> idx(r);
+  for (int d = r - 1; d >= 0; --d) {
+    idx[d] = o % out[d];
+    o /= out[d];
+  }
+  for (int d = 0; d < r; ++d) {
+    int64_t i = idx[d] - pads[d];
+    const int64_t n = in[d];
+    if (i < 0 || i >= n) {
+      if (mode == 0 || n == 0) return -1;
+      if (mode == 2) {
+        i = i < 0 ? 0 : n - 1;
+      } else {  // reflect (without repeating the edge); n == 1 reflects onto itself
+        if (n == 1)
+          i = 0;
+        else {
+          const int64_t period = 2 * (n - 1);
+          i = ((i % period) + period) % period;
+          if (i >= n) i = period - i;
+        }
+      }
+    }
+    src = src * n + i;
+  }
+  return src;
+}
+int pad_mode(const Node& n, const std::function<void(const std::string&)>& err) {
+  std::string m = n.attrs.get_string("mode", "constant", n.label());
+  if (m == "constant") return 0;
+  if (m == "reflect") return 1;
+  if (m == "edge") return 2;
+  err("mode '" + m + "' is not supported (constant, reflect, edge)");
+  return 0;
+}
+void infer_pad(InferCtx& c) {
+  auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
+  const Shape& s = c.shape(0);
+  auto pads = pad_amounts(c.ints_in(1), static_cast<int>(s.size()), err);
+  int mode = pad_mode(c.node(), err);
+  Shape out(s.size());
+  for (size_t d = 0; d < s.size(); ++d) {
+    out[d] = s[d] + pads[d] + pads[d + s.size()];
+    if (out[d] < 0) err("pads crop dimension " + std::to_string(d) + " below zero");
+    if (mode == 1 && (pads[d] >= s[d] || pads[d + s.size()] >= s[d]) &&
+        (pads[d] > 0 || pads[d + s.size()] > 0))
+      c.error(ErrorKind::Unsupported, "reflect padding of at least the dimension's size");
+  }
+  if (c.has_in(2)) {
+    c.check(numel(c.shape(2)) == 1, "constant_value must be a scalar");
+    if (c.dtype(2) != c.dtype(0))
+      c.error(ErrorKind::InvalidModel, "constant_value differs in dtype");
+  }
+  c.set_out(0, c.dtype(0), out);
+}
+void pad_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  Tensor& y = c.out(0);
+  auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
+  std::vector<int64_t> pads(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
+  pads = pad_amounts(pads, x.rank(), err);
+  const int mode = pad_mode(c.node, err);
+  dispatch(x.dtype(), [&]<class T>() {
+    const T v = c.has_in(2) ? c.in(2).data<T>()[0] : T(0);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    for (int64_t o = 0; o < y.numel(); ++o) {
+      int64_t s = pad_source(o, y.shape(), x.shape(), pads, mode);
+      py[o] = s < 0 ? v : px[s];
+    }
+  });
+}
+// PadGrad(dy; pads, mode, shape = x's shape) -> dx: each output element's gradient added to the
+// input element it read.
+void infer_pad_grad(InferCtx& c) {
+  c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
+}
+void pad_grad_kernel(KernelCtx& c) {
+  const Tensor& dy = c.in(0);
+  Tensor& dx = c.out(0);
+  auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
+  std::vector<int64_t> pads = pad_amounts(c.attr_ints("pads"), dx.rank(), err);
+  const int mode = pad_mode(c.node, err);
+  dispatch_float(dy.dtype(), c, [&]<class T>() {
+    T* px = dx.data<T>();
+    std::fill(px, px + dx.numel(), T(0));
+    const T* pd = dy.data<T>();
+    for (int64_t o = 0; o < dy.numel(); ++o) {
+      int64_t s = pad_source(o, dy.shape(), dx.shape(), pads, mode);
+      if (s >= 0) px[s] += pd[o];
+    }
+  });
+}
+void grad_pad(GradBuilder& g) {
+  const Value& pv = g.val(g.x(1));
+  GRAFT_CHECK(pv.data.defined(), ErrorKind::Unsupported,
+              g.node().label() + ": pads must be constant");
+  Attrs a;
+  a.set_ints("pads", std::vector<int64_t>(pv.data.data<int64_t>(),
+                                          pv.data.data<int64_t>() + pv.data.numel()));
+  a.set_string("mode", g.node().attrs.get_string("mode", "constant"));
+  a.set_ints("shape", g.shape(g.x(0)));
+  g.set_dx(0, g.emit1("PadGrad", {g.dy(0)}, a, "graft"));
+}
+
 const OpDef kOps[] = {
+    {.name = "Pad",
+     .min_in = 2,
+     .max_in = 3,
+     .infer = infer_pad,
+     .kernel = pad_kernel,
+     .grad = grad_pad,
+     .nondiff_inputs = {1, 2}},
+    {.name = "PadGrad", .domain = "graft", .infer = infer_pad_grad, .kernel = pad_grad_kernel},
     {.name = "ConstantOfShape",
      .infer = infer_constant_of_shape,
      .kernel = constant_of_shape_kernel},

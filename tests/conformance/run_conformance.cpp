@@ -84,6 +84,7 @@ std::vector<std::string> name_stems(const std::string& op) {
   if (op == "SoftmaxCrossEntropyLoss") v.push_back("sce");
   if (op == "Trilu") v = {"tril", "triu"};
   if (op == "Dropout") v.push_back("training_dropout");
+  if (op == "Pad") v = {"constant_pad", "edge_pad", "reflect_pad"};
   return v;
 }
 
@@ -240,9 +241,19 @@ std::string check_dropout_structure(const Tensor& x, double ratio, const std::ve
 // operands, the runner binds its value from input_N.pb as a constant before planning (the value
 // still reaches the kernel unchanged). --no-specialize turns this off.
 const std::map<std::string, std::set<int>> kShapeOperands = {
-    {"Reshape", {1}},        {"Squeeze", {1}},         {"Unsqueeze", {1}},   {"Split", {1}},
-    {"Slice", {1, 2, 3, 4}}, {"Expand", {1}},          {"ReduceSum", {1}},   {"ReduceMean", {1}},
-    {"Tile", {1}},           {"ConstantOfShape", {0}}, {"Range", {0, 1, 2}}, {"CumSum", {1}},
+    {"Reshape", {1}},
+    {"Squeeze", {1}},
+    {"Unsqueeze", {1}},
+    {"Split", {1}},
+    {"Slice", {1, 2, 3, 4}},
+    {"Expand", {1}},
+    {"ReduceSum", {1}},
+    {"ReduceMean", {1}},
+    {"Tile", {1}},
+    {"ConstantOfShape", {0}},
+    {"Range", {0, 1, 2}},
+    {"CumSum", {1}},
+    {"Pad", {1}},
 };
 bool g_specialize = true;
 

@@ -311,6 +311,13 @@ std::vector<Case> cases() {
        })},
       {"global_average_pool", "GlobalAveragePool", {In::f({2, 3, 4, 4})}},
       {"global_max_pool", "GlobalMaxPool", {In::f({2, 3, 3})}},
+      {"pad_constant_crop", "Pad", {In::f({3, 4}), In::i({1, -1, 2, 1})}},
+      {"pad_reflect", "Pad", {In::f({2, 3, 4}), In::i({0, 1, 2, 0, 2, 3})}, A([](Attrs& a) {
+         a.set_string("mode", "reflect");
+       })},
+      {"pad_edge", "Pad", {In::f({3, 3}), In::i({2, 0, 1, 3})}, A([](Attrs& a) {
+         a.set_string("mode", "edge");
+       })},
       // a parameter used twice gets one summed gradient
       {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},
   };
