@@ -92,7 +92,7 @@ void neg_kernel(KernelCtx& c) {
   unary_kernel<NegF>(c);
 }
 void infer_neg(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   infer_same(c);
 }
 
@@ -167,7 +167,7 @@ void infer_arith(InferCtx& c) {
 
 // Pow(X, Y) has X's dtype. X: float32, float64 or int64; Y: any of those.
 void infer_pow(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   if (!is_float(c.dtype(1)) && c.dtype(1) != DType::I64)
     c.error(ErrorKind::Unsupported, std::string("exponent has dtype ") + dtype_name(c.dtype(1)) +
                                         "; graft supports float32, float64 and int64 exponents");
@@ -359,7 +359,7 @@ void not_kernel(KernelCtx& c) {
 
 // ---- Abs / Sign (float and int64) -------------------------------------------------------------
 void infer_signed(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   infer_same(c);
 }
 template <bool kSign>
@@ -374,14 +374,13 @@ void abs_sign_kernel(KernelCtx& c) {
         y[i] = x[i] < T(0) ? -x[i] : x[i];
     }
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 void grad_abs(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.emit1("Sign", {g.x(0)})})); }
 
 // ---- Clip(x, min?, max?) ------------------------------------------------------------------------
 void infer_clip(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   for (int i = 1; i < 3; ++i)
     if (c.has_in(i)) {
       c.check(numel(c.shape(i)) == 1, "min and max must be scalars");
@@ -399,8 +398,7 @@ void clip_kernel(KernelCtx& c) {
     T* y = c.out(0).data<T>();
     for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = std::min(std::max(x[i], lo), hi);
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 // ClipGrad(dy, x, min?, max?) -> dx
 void clip_grad_kernel(KernelCtx& c) {
@@ -426,7 +424,7 @@ void grad_clip(GradBuilder& g) {
 void infer_minmax(InferCtx& c) {
   for (int i = 1; i < c.n_in(); ++i)
     if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "inputs have different dtypes");
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   c.set_out(0, c.dtype(0), broadcast_all(c));
 }
 template <bool kMax>
@@ -443,8 +441,7 @@ void minmax_kernel(KernelCtx& c) {
       });
     }
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 // MinMaxGrad(dy, y, x_0, ..., x_n-1; index = i) -> dx_i of the broadcast shape: dy where x_i is
 // the extreme, split evenly between the inputs that tie (PyTorch's maximum / minimum).

@@ -175,7 +175,7 @@ void grad_sum_to_shape(GradBuilder& g) {
 // -----------
 enum class Red { Max, Min, Prod, L2 };
 void infer_reduce_any(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   bool noop;
   auto axes = reduce_axes(c.node(), axes_of_infer(c), static_cast<int>(c.shape(0).size()), noop);
   bool keep = c.attr_int("keepdims", 1);
@@ -223,8 +223,7 @@ void reduce_any_kernel(KernelCtx& c) {
         y[i] = static_cast<T>(std::sqrt(acc[i]));
     }
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 // ReduceGrad(dy, x, y; axes, kind = 0 max/min | 1 l2) -> dx: max / min split dy evenly between the
 // elements that tie for the extreme (PyTorch's amax / amin); l2: dy * x / y.
@@ -275,7 +274,7 @@ void grad_reduce_any(GradBuilder& g) {
 // ---- ArgMax / ArgMin (int64 indices; not differentiable)
 // -----------------------------------------
 void infer_arg(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   Shape s = c.shape(0);
   int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
   if (c.attr_int("keepdims", 1))
@@ -305,8 +304,7 @@ void arg_kernel(KernelCtx& c) {
         y[o * inner + i] = best;
       }
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 
 // ---- CumSum(x, axis; exclusive, reverse)
@@ -319,7 +317,7 @@ int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
   return static_cast<int>(a < 0 ? a + rank : a);
 }
 void infer_cumsum(InferCtx& c) {
-  if (!is_int(c.dtype(0))) require_float(c, 0);
+  require_numeric(c, 0);
   c.check(numel(c.shape(1)) == 1, "axis must be a scalar");
   if (!is_int(c.dtype(1))) c.error(ErrorKind::InvalidModel, "axis must be an integer");
   infer_same(c);
@@ -350,8 +348,7 @@ void cumsum_kernel(KernelCtx& c) {
         }
       }
   };
-  if (dispatch_int(c.in(0).dtype(), run)) return;
-  dispatch_float(c.in(0).dtype(), c, run);
+  dispatch_numeric(c.in(0).dtype(), c, run);
 }
 void grad_cumsum(GradBuilder& g) {
   Attrs a = g.node().attrs;

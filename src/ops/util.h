@@ -117,12 +117,24 @@ template <class T>
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
           T beta, T* C);
 
+// Calls f.template operator()<T>() for a numeric dtype: int64, int32, float32 or float64 (bool is
+// an Unsupported error naming the node).
+template <class F>
+void dispatch_numeric(DType dt, const KernelCtx& c, F&& f) {
+  if (!dispatch_int(dt, f)) dispatch_float(dt, c, f);
+}
+
 // Shape check helper for the shape functions.
 inline void require_float(InferCtx& c, int i) {
   if (!is_float(c.dtype(i)))
     c.error(ErrorKind::Unsupported, std::string("input '") + c.in(i).name + "' has dtype " +
                                         dtype_name(c.dtype(i)) +
                                         "; this op needs float32 or float64");
+}
+
+// Input i must be numeric: an integer or float32 / float64.
+inline void require_numeric(InferCtx& c, int i) {
+  if (!is_int(c.dtype(i))) require_float(c, i);
 }
 
 // ONNX TensorProto element-type code of a dtype (Cast's `to`).
