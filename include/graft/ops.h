@@ -159,5 +159,6 @@ void register_reduce_ops(std::vector<const OpDef*>& t);
 void register_shape_ops(std::vector<const OpDef*>& t);
 void register_nn_ops(std::vector<const OpDef*>& t);
 void register_conv_ops(std::vector<const OpDef*>& t);
+void register_rnn_ops(std::vector<const OpDef*>& t);
 
 }  // namespace graft

@@ -8,26 +8,38 @@
 
 namespace graft {
 namespace opsutil {
-// C(M,N) = alpha * op(A) op(B) + beta * C, row-major. lda etc. are the natural ones.
+// C(M,N) = alpha * op(A) op(B) + beta * C, row-major, explicit leading dimensions.
 template <class T>
-void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
-          T beta, T* C) {
+void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+             const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
-    for (int64_t i = 0; i < M * N; ++i) C[i] = beta == T(0) ? T(0) : beta * C[i];
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
     return;
   }
   const auto TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
-  const blasint lda = static_cast<blasint>(ta ? M : K), ldb = static_cast<blasint>(tb ? K : N);
+  const auto la = static_cast<blasint>(lda), lb = static_cast<blasint>(ldb);
+  const auto lc = static_cast<blasint>(ldc);
   if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, lda, B, ldb, beta, C, N);
+    cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
   else
-    cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, lda, B, ldb, beta, C, N);
+    cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
+}
+// The natural leading dimensions.
+template <class T>
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+          T beta, T* C) {
+  gemm_ld(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
 }
 template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, const float*,
                           float, float*);
 template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*,
                            const double*, double, double*);
+template void gemm_ld<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                             const float*, int64_t, float, float*, int64_t);
+template void gemm_ld<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t,
+                              const double*, int64_t, double, double*, int64_t);
 }  // namespace opsutil
 
 namespace {

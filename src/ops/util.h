@@ -116,6 +116,10 @@ void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool 
 template <class T>
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
           T beta, T* C);
+// The same with explicit leading dimensions (sub-matrices of wider row-major buffers).
+template <class T>
+void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+             const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
 // Calls f.template operator()<T>() for a numeric dtype: int64, int32, float32 or float64 (bool is
 // an Unsupported error naming the node).

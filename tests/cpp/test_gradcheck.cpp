@@ -311,6 +311,57 @@ std::vector<Case> cases() {
        })},
       {"global_average_pool", "GlobalAveragePool", {In::f({2, 3, 4, 4})}},
       {"global_max_pool", "GlobalMaxPool", {In::f({2, 3, 3})}},
+      // LSTM / GRU: X [T=3, B=2, I=3], hidden 2; every output feeds the loss.
+      {"lstm",
+       "LSTM",
+       {In::f({3, 2, 3}), In::f({1, 8, 3}), In::f({1, 8, 2}), In::f({1, 16}), In::none(),
+        In::f({1, 2, 2}), In::f({1, 2, 2})},
+       A([](Attrs& a) { a.set_int("hidden_size", 2); }),
+       3},
+      {"lstm_bidirectional_seq_lens",
+       "LSTM",
+       {In::f({3, 2, 3}), In::f({2, 8, 3}), In::f({2, 8, 2}), In::f({2, 16}), In::i({3, 1}),
+        In::f({2, 2, 2}), In::f({2, 2, 2})},
+       A([](Attrs& a) {
+         a.set_int("hidden_size", 2);
+         a.set_string("direction", "bidirectional");
+       }),
+       3},
+      {"lstm_reverse_layout1_no_bias",
+       "LSTM",
+       {In::f({2, 3, 3}), In::f({1, 8, 3}), In::f({1, 8, 2}), In::none(), In::none(),
+        In::f({2, 1, 2})},
+       A([](Attrs& a) {
+         a.set_int("hidden_size", 2);
+         a.set_string("direction", "reverse");
+         a.set_int("layout", 1);
+       }),
+       3},
+      {"gru_linear_before_reset_bidirectional",
+       "GRU",
+       {In::f({3, 2, 3}), In::f({2, 6, 3}), In::f({2, 6, 2}), In::f({2, 12}), In::none(),
+        In::f({2, 2, 2})},
+       A([](Attrs& a) {
+         a.set_int("hidden_size", 2);
+         a.set_int("linear_before_reset", 1);
+         a.set_string("direction", "bidirectional");
+       }),
+       2},
+      {"gru_seq_lens",
+       "GRU",
+       {In::f({3, 2, 3}), In::f({1, 6, 3}), In::f({1, 6, 2}), In::f({1, 12}), In::i({2, 3}),
+        In::f({1, 2, 2})},
+       A([](Attrs& a) { a.set_int("hidden_size", 2); }),
+       2},
+      {"gru_reverse_layout1_seq_lens",
+       "GRU",
+       {In::f({2, 3, 3}), In::f({1, 6, 3}), In::f({1, 6, 2}), In::f({1, 12}), In::i({1, 3})},
+       A([](Attrs& a) {
+         a.set_int("hidden_size", 2);
+         a.set_string("direction", "reverse");
+         a.set_int("layout", 1);
+       }),
+       2},
       {"pad_constant_crop", "Pad", {In::f({3, 4}), In::i({1, -1, 2, 1})}},
       {"pad_reflect", "Pad", {In::f({2, 3, 4}), In::i({0, 1, 2, 0, 2, 3})}, A([](Attrs& a) {
          a.set_string("mode", "reflect");
