@@ -155,3 +155,53 @@ def test_sgd_matches_torch(case, opt, tmp_path):
     for n, p in m.named_parameters():
         if n in params:
             np.testing.assert_allclose(params[n], p.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n)
+
+
+class _Einsum(torch.nn.Module):
+    """Linear -> torch.einsum("bij,bjk->bik") with a batched weight -> MSE."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 4)
+        self.w = torch.nn.Parameter(torch.randn(2, 4, 6))
+
+    def forward(self, x, target):
+        return ((torch.einsum("bij,bjk->bik", self.lin(x), self.w) - target) ** 2).mean()
+
+
+_RESIZE_EINSUM = {  # name: (model kwargs or None for einsum, input shape, target shape)
+    "einsum_bij_bjk": (None, (2, 3, 5), (2, 3, 6)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(_RESIZE_EINSUM))
+def resize_einsum_case(request, tmp_path_factory):
+    name = request.param
+    kw, xs, ts = _RESIZE_EINSUM[name]
+    torch.manual_seed(0)
+    model = _Einsum()
+    args = (torch.randn(*xs), torch.randn(*ts))
+    names = ("x", "target")
+    d = tmp_path_factory.mktemp(name)
+    export(model, args, names, d / "model.onnx", training=True)
+    files = []
+    for a, n in zip(args, names):
+        save_pb(d / f"{n}.pb", a.numpy(), n)
+        files.append(d / f"{n}.pb")
+    return name, model, args, d, files
+
+
+def test_resize_and_einsum_gradients_match_eager(resize_einsum_case, tmp_path):
+    """Einsum (torch.einsum) exported at opset 17: graft's loss, gradients and parameters after 5
+    AdamW steps match eager's."""
+    steps, got_grads, _ = graft_train(resize_einsum_case, "accumulate", 1, tmp_path / "one")
+    losses, grads, _ = torch_reference(resize_einsum_case, 1)
+    np.testing.assert_allclose(steps[0]["loss"], losses[0], rtol=RTOL, atol=ATOL)
+    assert set(got_grads) == set(grads)
+    for n, g in grads.items():
+        np.testing.assert_allclose(got_grads[n], g, rtol=RTOL, atol=ATOL, err_msg=n)
+    steps, _, params = graft_train(resize_einsum_case, "accumulate", 5, tmp_path / "five")
+    losses, _, ref = torch_reference(resize_einsum_case, 5)
+    np.testing.assert_allclose([s["loss"] for s in steps], losses, rtol=RTOL, atol=ATOL)
+    for n, p in ref.items():
+        np.testing.assert_allclose(params[n], p, rtol=RTOL, atol=ATOL, err_msg=n)
