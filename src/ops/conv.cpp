@@ -1,13 +1,15 @@
 // Convolution and pooling: Conv (1-D, 2-D, 3-D; groups, depthwise, strides, pads, dilations),
 // MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, and graft's ConvGrad, PoolGrad.
 //
-// Conv is im2col + GEMM (the one GEMM entry point, opsutil::gemm): per image and group,
+// Conv is im2col + GEMM (the one GEMM entry point, opsutil::gemm_ld): per image (or a few images
+// side by side when an image has few outputs) and group,
 //   col[(c, k), o] = x[c, o * stride + k * dilation - pad]   (0 outside)     // (C/g * K, O)
 //   y[m, o] = W[m, (c, k)] @ col                                               // (M/g, O)
 // and its gradient dW += dy @ col^T, dcol = W^T @ dy then col2im (scatter-add) into dx.
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <thread>
 
 #include "util.h"
 
@@ -129,21 +131,270 @@ void infer_conv(InferCtx& c) {
   c.set_out(0, c.dtype(0), out);
 }
 
+// ---- parallel loops, im2col / col2im
+// ------------------------------------------------------------- Splits [0, n) into up to
+// num_threads() contiguous ranges and runs f(thread, begin, end) on each, the calling thread taking
+// the first. Used where OpenBLAS is not: per-channel and per-plane loops. (GEMMs run between them,
+// never inside, so the two thread pools do not compete.)
+int max_threads() { return std::max(1, num_threads()); }
+template <class F>
+void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
+  // Below ~64k element operations a thread costs more than it saves.
+  int t = static_cast<int>(
+      std::min<int64_t>({max_threads(), n, std::max<int64_t>(1, n * work_per_item / 65536)}));
+  if (t <= 1) {
+    if (n > 0) f(0, int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> th;
+  th.reserve(t - 1);
+  for (int i = 1; i < t; ++i) th.emplace_back([&f, i, n, t] { f(i, n * i / t, n * (i + 1) / t); });
+  f(0, int64_t{0}, n / t);
+  for (auto& x : th) x.join();
+}
+
+// The layout of im2col for one channel: per kernel offset k (a row block of O columns) and per
+// output row (every output dim but the last), the range [lo, hi) of last-dim outputs whose input
+// is inside the image; the rest of the row is padding. Computed once per kernel call.
+struct Run {
+  int64_t k, o;    // col row k, first column o (of an output row of length OL)
+  int64_t in;      // input flat index of last-dim output 0 (may point outside; only [lo, hi) read)
+  int64_t lo, hi;  // inside: lo <= ol < hi (lo == hi: the whole row is padding)
+};
+std::vector<Run> col_runs(const Window& w) {
+  const int nd = w.nd, L = nd - 1;
+  const int64_t OL = w.out[L], K = w.k_size(), outer = w.out_size() / std::max<int64_t>(OL, 1);
+  const int64_t sL = w.stride[L], eL = w.in[L];
+  std::vector<Run> runs;
+  runs.reserve(K * outer);
+  std::vector<int64_t> k(nd, 0), o(nd, 0);
+  for (int64_t ki = 0; ki < K; ++ki) {
+    std::fill(o.begin(), o.end(), 0);
+    for (int64_t oo = 0; oo < outer; ++oo) {
+      Run r{ki, oo * OL, 0, 0, 0};
+      bool inside = true;
+      int64_t base = 0;
+      for (int d = 0; d < L; ++d) {
+        int64_t p = o[d] * w.stride[d] + k[d] * w.dil[d] - w.pad_begin[d];
+        inside = inside && p >= 0 && p < w.in[d];
+        base = base * w.in[d] + p;
+      }
+      if (inside) {
+        const int64_t off = k[L] * w.dil[L] - w.pad_begin[L];  // input of ol: ol * sL + off
+        int64_t lo = off >= 0 ? 0 : (-off + sL - 1) / sL;
+        int64_t hi = eL - off > 0 ? std::min<int64_t>(OL, (eL - off + sL - 1) / sL) : 0;
+        if (lo < hi) {
+          r.lo = lo;
+          r.hi = hi;
+          r.in = base * eL + off;
+        }
+      }
+      runs.push_back(r);
+      for (int d = L - 1; d >= 0; --d) {
+        if (++o[d] < w.out[d]) break;
+        o[d] = 0;
+      }
+    }
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++k[d] < w.k[d]) break;
+      k[d] = 0;
+    }
+  }
+  return runs;
+}
+
+// col[(ch, k), col0 + o] = x[ch, ...] (0 in the padding), ld: col's row length. Parallel over the
+// (channel, kernel offset) rows: col_runs lists each offset's runs together.
 template <class T>
-void im2col(const T* x, const Window& w, int64_t C, T* col) {  // col: (C * K, O)
-  const int64_t O = w.out_size(), K = w.k_size(), I = w.in_size();
-  std::fill(col, col + C * K * O, T(0));
-  for_each_tap(w, [&](int64_t o, int64_t k, int64_t i) {
-    for (int64_t ch = 0; ch < C; ++ch) col[(ch * K + k) * O + o] = x[ch * I + i];
+void im2col(const T* x, const Window& w, const std::vector<Run>& runs, int64_t C, T* col,
+            int64_t ld) {
+  const int64_t K = w.k_size(), I = w.in_size(), O = w.out_size(), OL = w.out[w.nd - 1];
+  const int64_t s = w.stride[w.nd - 1], per_k = static_cast<int64_t>(runs.size()) / K;
+  parallel_for(C * K, O, [&](int, int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t ch = row / K, k = row % K;
+      for (const Run* r = runs.data() + k * per_k; r != runs.data() + (k + 1) * per_k; ++r) {
+        T* c = col + row * ld + r->o;
+        const T* xi = x + ch * I + r->in;
+        std::fill(c, c + r->lo, T(0));
+        if (s == 1)
+          std::copy(xi + r->lo, xi + r->hi, c + r->lo);
+        else
+          for (int64_t ol = r->lo; ol < r->hi; ++ol) c[ol] = xi[ol * s];
+        std::fill(c + r->hi, c + OL, T(0));
+      }
+    }
   });
 }
+// x[ch, ...] += col[(ch, k), o] over every tap inside the image (the scatter-add of im2col).
+// Parallel over channels (the offsets of one channel add into the same inputs).
 template <class T>
-void col2im_add(const T* col, const Window& w, int64_t C, T* x) {
-  const int64_t O = w.out_size(), K = w.k_size(), I = w.in_size();
-  for_each_tap(w, [&](int64_t o, int64_t k, int64_t i) {
-    for (int64_t ch = 0; ch < C; ++ch) x[ch * I + i] += col[(ch * K + k) * O + o];
+void col2im_add(const T* col, const Window& w, const std::vector<Run>& runs, int64_t C, T* x,
+                int64_t ld) {
+  const int64_t K = w.k_size(), I = w.in_size();
+  const int64_t s = w.stride[w.nd - 1];
+  parallel_for(C, K * w.out_size(), [&](int, int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch)
+      for (const Run& r : runs) {
+        const T* c = col + (ch * K + r.k) * ld + r.o;
+        T* xi = x + ch * I + r.in;
+        if (s == 1)
+          for (int64_t ol = r.lo; ol < r.hi; ++ol) xi[ol] += c[ol];
+        else
+          for (int64_t ol = r.lo; ol < r.hi; ++ol) xi[ol * s] += c[ol];
+      }
   });
 }
+
+// A 1x1 convolution with unit strides and no padding reads x as its own im2col matrix.
+bool is_pointwise(const Window& w) {
+  for (int d = 0; d < w.nd; ++d)
+    if (w.k[d] != 1 || w.stride[d] != 1 || w.pad_begin[d] != 0 || w.pad_end[d] != 0) return false;
+  return true;
+}
+// Images per GEMM: one, unless an image has few output positions (ViT's 14x14 patch grid), where
+// nb images side by side give the GEMM ~2048 columns; the im2col workspace stays under 16 MiB.
+int64_t images_per_gemm(int64_t N, int64_t O, int64_t rows, size_t elem) {
+  if (O >= 1024) return 1;
+  int64_t nb = std::min<int64_t>(N, (2048 + O - 1) / std::max<int64_t>(O, 1));
+  const int64_t cap = (int64_t{16} << 20) / std::max<int64_t>(1, rows * O * int64_t(elem));
+  return std::max<int64_t>(1, std::min(nb, cap));
+}
+
+// ---- depthwise (one input channel per group), direct -----------------------------------------
+// 1-D and 2-D convolutions whose groups each read one input channel (MobileNet, EfficientNet,
+// ConvNeXt) are a handful of multiply-adds per output: an im2col + GEMM per channel would be
+// tiny GEMMs. Each plane is copied into a zero-padded buffer, so every inner loop is bounds-free;
+// a block of B outputs of a row stays in registers over all the kernel taps.
+//   forward  y[oh, ow] = b + sum_k w[kh, kw] * xp[oh * sh + kh * dh, ow * sw + kw * dw]
+//   dW       dw[k] += sum_{oh, ow} dy[oh, ow] * xp[oh * sh + kh * dh, ow * sw + kw * dw]
+//   dX       unit strides: the forward over dy zero-padded by the dilated kernel extent with the
+//            kernel flipped, written straight into dx; other strides: a scatter-add into a padded
+//            plane.
+struct Plane2 {
+  int64_t H, W, OH, OW, KH, KW, sh, sw, dh, dw, ph, pw, Hp, Wp;
+  int64_t ld;  // row stride of the padded input the taps read
+};
+bool depthwise_plane(const Window& w, int64_t Cg, Plane2& p) {
+  if (Cg != 1 || w.nd > 2) return false;
+  const bool two = w.nd == 2;
+  auto at = [&](const std::vector<int64_t>& v, int i, int64_t one) {
+    return two ? v[i] : (i == 0 ? one : v[0]);
+  };
+  p.H = at(w.in, 0, 1), p.W = at(w.in, 1, 1), p.OH = at(w.out, 0, 1), p.OW = at(w.out, 1, 1);
+  p.KH = at(w.k, 0, 1), p.KW = at(w.k, 1, 1), p.sh = at(w.stride, 0, 1), p.sw = at(w.stride, 1, 1);
+  p.dh = at(w.dil, 0, 1), p.dw = at(w.dil, 1, 1);
+  p.ph = at(w.pad_begin, 0, 0), p.pw = at(w.pad_begin, 1, 0);
+  // The padded extent the taps read (rows and columns past it are never read).
+  p.Hp = (p.OH - 1) * p.sh + (p.KH - 1) * p.dh + 1;
+  p.Wp = (p.OW - 1) * p.sw + (p.KW - 1) * p.dw + 1;
+  p.ld = p.Wp;
+  return true;
+}
+// xp (rows x cols, row stride cols) = x (H x W) placed at (r0, c0), zeros around it, clipped.
+template <class T>
+void pad_into(const T* x, int64_t H, int64_t W, T* xp, int64_t rows, int64_t cols, int64_t r0,
+              int64_t c0) {
+  std::fill(xp, xp + rows * cols, T(0));
+  const int64_t w1 = std::max<int64_t>(0, std::min(W, cols - c0));
+  for (int64_t h = 0; h < H && h + r0 < rows; ++h)
+    std::copy(x + h * W, x + h * W + w1, xp + (h + r0) * cols + c0);
+}
+// B outputs of one row, starting at x (the first tap's input of the first output).
+template <int B, bool kUnit, class T>
+inline void dw_block(const Plane2& p, const T* x, const T* wk, T b, T* out) {
+  T acc[B];
+  for (int i = 0; i < B; ++i) acc[i] = b;
+  for (int64_t kh = 0; kh < p.KH; ++kh) {
+    const T* xr = x + kh * p.dh * p.ld;
+    for (int64_t kw = 0; kw < p.KW; ++kw) {
+      const T wv = wk[kh * p.KW + kw];
+      const T* xs = xr + kw * p.dw;
+      for (int i = 0; i < B; ++i) acc[i] += wv * xs[kUnit ? i : i * p.sw];
+    }
+  }
+  for (int i = 0; i < B; ++i) out[i] = acc[i];
+}
+// One output row in blocks of B; the last block overlaps the one before (outputs are written,
+// not added, so recomputing a few is harmless).
+template <int B, bool kUnit, class T>
+void dw_row(const Plane2& p, const T* x, const T* wk, T b, T* y) {
+  for (int64_t o = 0;; o += B) {
+    const int64_t o0 = std::min(o, p.OW - B);
+    dw_block<B, kUnit>(p, x + o0 * p.sw, wk, b, y + o0);
+    if (o0 + B >= p.OW) break;
+  }
+}
+template <bool kUnit, class T>
+void dw_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
+  constexpr int kB = 128 / sizeof(T);  // 32 floats: enough independent sums to hide the latency
+  for (int64_t oh = 0; oh < p.OH; ++oh) {
+    const T* x = xp + oh * p.sh * p.ld;
+    T* yr = y + oh * p.OW;
+    if (p.OW >= kB)
+      dw_row<kB, kUnit>(p, x, wk, b, yr);
+    else if (p.OW >= 8)
+      dw_row<8, kUnit>(p, x, wk, b, yr);
+    else
+      for (int64_t o = 0; o < p.OW; ++o) dw_block<1, kUnit>(p, x + o * p.sw, wk, b, yr + o);
+  }
+}
+template <class T>
+void depthwise_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
+  if (p.sw == 1)
+    dw_forward<true>(p, xp, wk, b, y);
+  else
+    dw_forward<false>(p, xp, wk, b, y);
+}
+// dwk[k] += sum over the plane of dy * (the inputs tap k reads).
+template <bool kUnit, class T>
+void dw_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
+  constexpr int kB = 64 / sizeof(T);
+  for (int64_t kh = 0; kh < p.KH; ++kh)
+    for (int64_t kw = 0; kw < p.KW; ++kw) {
+      T acc[kB] = {};
+      T tail = 0;
+      for (int64_t oh = 0; oh < p.OH; ++oh) {
+        const T* xs = xp + (oh * p.sh + kh * p.dh) * p.ld + kw * p.dw;
+        const T* dyr = dy + oh * p.OW;
+        int64_t o = 0;
+        for (; o + kB <= p.OW; o += kB)
+          for (int i = 0; i < kB; ++i) acc[i] += dyr[o + i] * xs[kUnit ? o + i : (o + i) * p.sw];
+        for (; o < p.OW; ++o) tail += dyr[o] * xs[o * p.sw];
+      }
+      for (int i = 0; i < kB; ++i) tail += acc[i];
+      dwk[kh * p.KW + kw] += tail;
+    }
+}
+template <class T>
+void depthwise_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
+  if (p.sw == 1)
+    dw_wgrad<true>(p, xp, dy, dwk);
+  else
+    dw_wgrad<false>(p, xp, dy, dwk);
+}
+// Strided dX: dxp[oh * sh + kh * dh, ow * sw + kw * dw] += w[k] * dy[oh, ow] (dxp padded).
+template <class T>
+void depthwise_dx_scatter(const Plane2& p, const T* dy, const T* wk, T* dxp) {
+  for (int64_t oh = 0; oh < p.OH; ++oh) {
+    const T* dyr = dy + oh * p.OW;
+    for (int64_t kh = 0; kh < p.KH; ++kh)
+      for (int64_t kw = 0; kw < p.KW; ++kw) {
+        const T wv = wk[kh * p.KW + kw];
+        T* ds = dxp + (oh * p.sh + kh * p.dh) * p.Wp + kw * p.dw;
+        for (int64_t ow = 0; ow < p.OW; ++ow) ds[ow * p.sw] += wv * dyr[ow];
+      }
+  }
+}
+// Unit strides: dX is a forward pass (see above). The plane that describes it and the padded dy
+// buffer's extent.
+Plane2 dx_plane(const Plane2& p) {
+  Plane2 q = p;
+  q.OH = p.H, q.OW = p.W, q.sh = q.sw = 1;
+  q.ld = p.OW + 2 * (p.KW - 1) * p.dw;
+  return q;
+}
+int64_t dy_pad_rows(const Plane2& p) { return p.OH + 2 * (p.KH - 1) * p.dh; }
 
 void conv_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
@@ -152,19 +403,53 @@ void conv_kernel(KernelCtx& c) {
     Window w = conv_window(c.node, x.shape(), wt.shape(), err);
     const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
-    Tensor col = Tensor::empty({Cg * K, O}, x.dtype(), c.alloc, Category::Workspace, "im2col");
-    T* y = c.out(0).data<T>();
+    const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
-    for (int64_t n = 0; n < N; ++n)
+    T* y = c.out(0).data<T>();
+    Plane2 p;
+    if (depthwise_plane(w, Cg, p)) {
+      Tensor ws = Tensor::empty({max_threads(), p.Hp * p.Wp}, x.dtype(), c.alloc,
+                                Category::Workspace, "padded plane");
+      parallel_for(N * g, Mg * O * K, [&](int t, int64_t q0, int64_t q1) {
+        T* xp = ws.data<T>() + t * p.Hp * p.Wp;
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t n = q / g, gi = q % g;
+          pad_into(px + (n * C + gi) * I, p.H, p.W, xp, p.Hp, p.Wp, p.ph, p.pw);
+          for (int64_t m = gi * Mg; m < (gi + 1) * Mg; ++m)
+            depthwise_forward(p, xp, pw + m * K, b ? b[m] : T(0), y + (n * M + m) * O);
+        }
+      });
+      return;
+    }
+    const bool direct = is_pointwise(w);
+    const int64_t rows = Cg * K, nb = direct ? 1 : images_per_gemm(N, O, rows, sizeof(T));
+    const int64_t ld = nb * O;
+    const std::vector<Run> runs = direct ? std::vector<Run>{} : col_runs(w);
+    Tensor col, ytmp;
+    if (!direct) col = Tensor::empty({rows, ld}, x.dtype(), c.alloc, Category::Workspace, "im2col");
+    if (nb > 1) ytmp = Tensor::empty({Mg, ld}, x.dtype(), c.alloc, Category::Workspace, "conv out");
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+      const int64_t cnt = std::min(nb, N - n0);
       for (int64_t gi = 0; gi < g; ++gi) {
-        im2col(x.data<T>() + (n * C + gi * Cg) * I, w, Cg, col.data<T>());
-        T* yg = y + (n * M + gi * Mg) * O;
-        gemm<T>(false, false, Mg, O, Cg * K, T(1), wt.data<T>() + gi * Mg * Cg * K, col.data<T>(),
-                T(0), yg);
-        if (b)
-          for (int64_t m = 0; m < Mg; ++m)
-            for (int64_t o = 0; o < O; ++o) yg[m * O + o] += b[gi * Mg + m];
+        const T* B = px + (n0 * C + gi * Cg) * I;  // direct: x is the im2col matrix
+        if (!direct) {
+          for (int64_t j = 0; j < cnt; ++j)
+            im2col(px + ((n0 + j) * C + gi * Cg) * I, w, runs, Cg, col.data<T>() + j * O, ld);
+          B = col.data<T>();
+        }
+        T* yg = y + (n0 * M + gi * Mg) * O;
+        const bool gather = cnt > 1;
+        gemm_ld<T>(false, false, Mg, cnt * O, rows, T(1), pw + gi * Mg * rows, rows, B,
+                   direct ? O : ld, T(0), gather ? ytmp.data<T>() : yg, gather ? ld : O);
+        for (int64_t j = 0; j < cnt; ++j)
+          for (int64_t m = 0; m < Mg; ++m) {
+            T* yr = y + ((n0 + j) * M + gi * Mg + m) * O;
+            if (gather) std::copy_n(ytmp.data<T>() + m * ld + j * O, O, yr);
+            if (b)
+              for (int64_t o = 0; o < O; ++o) yr[o] += b[gi * Mg + m];
+          }
       }
+    }
   });
 }
 
@@ -184,28 +469,109 @@ void conv_grad_kernel(KernelCtx& c) {
     T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
     T* dw = c.has_out(1) ? c.out(1).data<T>() : nullptr;
     T* db = c.has_out(2) ? c.out(2).data<T>() : nullptr;
-    if (dx) std::fill(dx, dx + x.numel(), T(0));
     if (dw) std::fill(dw, dw + wt.numel(), T(0));
     if (db) std::fill(db, db + M, T(0));
-    Tensor col = Tensor::empty({Cg * K, O}, x.dtype(), c.alloc, Category::Workspace, "im2col");
-    const T* pdy = dy.data<T>();
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const T* dyg = pdy + (n * M + gi * Mg) * O;
-        const T* wg = wt.data<T>() + gi * Mg * Cg * K;
-        if (dw) {  // dW_g += dY_g (Mg, O) @ col^T (O, Cg*K)
-          im2col(x.data<T>() + (n * C + gi * Cg) * I, w, Cg, col.data<T>());
-          gemm<T>(false, true, Mg, Cg * K, O, T(1), dyg, col.data<T>(), T(1),
-                  dw + gi * Mg * Cg * K);
+    const T *pdy = dy.data<T>(), *px = x.data<T>(), *pw = wt.data<T>();
+    Plane2 p;
+    if (depthwise_plane(w, Cg, p)) {
+      // One task per group (input channel): its dW rows sum over the images.
+      const Plane2 q = dx_plane(p);
+      const bool flipped = p.sh == 1 && p.sw == 1 && Mg == 1;  // dX as a forward pass
+      const int64_t HW = p.Hp * p.Wp, DY = flipped ? dy_pad_rows(p) * q.ld : HW;
+      const int64_t per = HW + DY + K;
+      Tensor ws = Tensor::empty({max_threads(), per}, x.dtype(), c.alloc, Category::Workspace,
+                                "padded planes");
+      parallel_for(g, 2 * N * Mg * O * K, [&](int t, int64_t g0, int64_t g1) {
+        T *xp = ws.data<T>() + t * per, *buf = xp + HW, *flip = buf + DY;
+        for (int64_t gi = g0; gi < g1; ++gi) {
+          if (flipped) std::reverse_copy(pw + gi * K, pw + (gi + 1) * K, flip);
+          for (int64_t n = 0; n < N; ++n) {
+            if (dw) pad_into(px + (n * C + gi) * I, p.H, p.W, xp, p.Hp, p.Wp, p.ph, p.pw);
+            if (dx && !flipped) std::fill(buf, buf + HW, T(0));
+            for (int64_t m = gi * Mg; m < (gi + 1) * Mg; ++m) {
+              const T* dyp = pdy + (n * M + m) * O;
+              if (dw) depthwise_wgrad(p, xp, dyp, dw + m * K);
+              if (db) {
+                T s = 0;
+                for (int64_t o = 0; o < O; ++o) s += dyp[o];
+                db[m] += s;
+              }
+              if (dx && flipped) {
+                pad_into(dyp, p.OH, p.OW, buf, dy_pad_rows(p), q.ld, (p.KH - 1) * p.dh,
+                         (p.KW - 1) * p.dw);
+                depthwise_forward(q, buf + p.ph * q.ld + p.pw, flip, T(0), dx + (n * C + gi) * I);
+              } else if (dx) {
+                depthwise_dx_scatter(p, dyp, pw + m * K, buf);
+              }
+            }
+            if (dx && !flipped) {  // the interior of the padded plane (zeros where never read)
+              T* dxn = dx + (n * C + gi) * I;
+              for (int64_t h = 0; h < p.H; ++h) {
+                const int64_t hp = h + p.ph;
+                const int64_t w1 = hp < p.Hp ? std::max<int64_t>(0, std::min(p.W, p.Wp - p.pw)) : 0;
+                std::copy(buf + hp * p.Wp + p.pw, buf + hp * p.Wp + p.pw + w1, dxn + h * p.W);
+                std::fill(dxn + h * p.W + w1, dxn + (h + 1) * p.W, T(0));
+              }
+            }
+          }
         }
-        if (dx) {  // dcol = W_g^T (Cg*K, Mg) @ dY_g (Mg, O), scattered back
-          gemm<T>(true, false, Cg * K, O, Mg, T(1), wg, dyg, T(0), col.data<T>());
-          col2im_add(col.data<T>(), w, Cg, dx + (n * C + gi * Cg) * I);
+      });
+      return;
+    }
+    const bool direct = is_pointwise(w);
+    const int64_t rows = Cg * K, nb = direct ? 1 : images_per_gemm(N, O, rows, sizeof(T));
+    const int64_t ld = nb * O;
+    const std::vector<Run> runs = direct ? std::vector<Run>{} : col_runs(w);
+    Tensor col, dytmp;
+    if (!direct) col = Tensor::empty({rows, ld}, x.dtype(), c.alloc, Category::Workspace, "im2col");
+    if (nb > 1) dytmp = Tensor::empty({Mg, ld}, x.dtype(), c.alloc, Category::Workspace, "conv dy");
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+      const int64_t cnt = std::min(nb, N - n0);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        // dY_g for the cnt images side by side: (Mg, cnt * O), row stride lddy.
+        const T* dyg = pdy + (n0 * M + gi * Mg) * O;
+        int64_t lddy = O;
+        if (cnt > 1) {
+          for (int64_t j = 0; j < cnt; ++j)
+            for (int64_t m = 0; m < Mg; ++m)
+              std::copy_n(pdy + ((n0 + j) * M + gi * Mg + m) * O, O,
+                          dytmp.data<T>() + m * ld + j * O);
+          dyg = dytmp.data<T>();
+          lddy = ld;
+        }
+        const T* wg = pw + gi * Mg * rows;
+        if (dw) {  // dW_g += dY_g (Mg, cnt*O) @ col^T (cnt*O, Cg*K)
+          const T* B = px + (n0 * C + gi * Cg) * I;
+          if (!direct) {
+            for (int64_t j = 0; j < cnt; ++j)
+              im2col(px + ((n0 + j) * C + gi * Cg) * I, w, runs, Cg, col.data<T>() + j * O, ld);
+            B = col.data<T>();
+          }
+          gemm_ld<T>(false, true, Mg, rows, cnt * O, T(1), dyg, lddy, B, direct ? O : ld, T(1),
+                     dw + gi * Mg * rows, rows);
+        }
+        if (dx) {  // dcol = W_g^T (Cg*K, Mg) @ dY_g (Mg, cnt*O), scattered back
+          T* dxg = dx + (n0 * C + gi * Cg) * I;
+          if (direct) {
+            gemm_ld<T>(true, false, rows, O, Mg, T(1), wg, rows, dyg, lddy, T(0), dxg, O);
+          } else {
+            gemm_ld<T>(true, false, rows, cnt * O, Mg, T(1), wg, rows, dyg, lddy, T(0),
+                       col.data<T>(), ld);
+            for (int64_t j = 0; j < cnt; ++j) {
+              T* dxj = dx + ((n0 + j) * C + gi * Cg) * I;
+              std::fill(dxj, dxj + Cg * I, T(0));
+              col2im_add(col.data<T>() + j * O, w, runs, Cg, dxj, ld);
+            }
+          }
         }
         if (db)
-          for (int64_t m = 0; m < Mg; ++m)
-            for (int64_t o = 0; o < O; ++o) db[gi * Mg + m] += dyg[m * O + o];
+          for (int64_t m = 0; m < Mg; ++m) {
+            T s = 0;
+            for (int64_t o = 0; o < cnt * O; ++o) s += dyg[m * lddy + o];
+            db[gi * Mg + m] += s;
+          }
       }
+    }
   });
 }
 void grad_conv(GradBuilder& g) {

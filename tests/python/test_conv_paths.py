@@ -1,0 +1,124 @@
+"""Every Conv / ConvGrad kernel path against PyTorch in float64: im2col + GEMM (one image or several
+side by side per GEMM), the pointwise path that skips im2col, and the direct depthwise kernels
+(forward; dW; dX as a flipped forward for unit strides, as a scatter for other strides or channel
+multipliers), 1-D, 2-D and 3-D. Plus a smoke run of `python3 -m graft.bench_conv` (no timing
+assertions). Needs graft._graft on PYTHONPATH (build/python).
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+_graft = pytest.importorskip("graft._graft")
+from onnx import TensorProto, helper  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# name: (x shape, out channels, kernel, strides, pads (begin..., end...), dilations, group, dx)
+CASES = {
+    "gemm_pad_stride": ((2, 3, 9, 8), 4, (3, 3), (2, 1), (1, 0, 2, 1), (1, 1), 1, True),
+    "gemm_group_dilation": ((2, 4, 9, 9), 6, (2, 3), (1, 1), (1, 1, 1, 1), (2, 1), 2, True),
+    "gemm_batched_small_out": ((5, 3, 8, 8), 6, (4, 4), (4, 4), (0, 0, 0, 0), (1, 1), 1, True),
+    "gemm_batched_patch_no_dx": ((3, 3, 12, 12), 5, (4, 4), (4, 4), (0, 0, 0, 0), (1, 1), 1, False),
+    "pointwise": ((2, 6, 5, 7), 4, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1, True),
+    "pointwise_groups": ((2, 6, 5, 7), 4, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 2, True),
+    "pointwise_strided": ((2, 6, 5, 7), 4, (1, 1), (2, 2), (0, 0, 0, 0), (1, 1), 1, True),
+    "depthwise_7x7": ((2, 5, 11, 40), 5, (7, 7), (1, 1), (3, 3, 3, 3), (1, 1), 5, True),
+    "depthwise_asym_pad_dilated": ((2, 3, 9, 10), 3, (3, 2), (1, 1), (2, 0, 1, 3), (2, 3), 3, True),
+    "depthwise_stride2": ((2, 4, 11, 12), 4, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 4, True),
+    "depthwise_stride_no_end_pad": ((1, 2, 10, 10), 2, (3, 3), (3, 2), (0, 0, 0, 0), (1, 1), 2, True),
+    "depthwise_multiplier": ((2, 3, 8, 9), 6, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 3, True),
+    "depthwise_wide_rows": ((1, 2, 4, 70), 2, (3, 5), (1, 1), (1, 2, 1, 2), (1, 1), 2, True),
+    "depthwise_1d": ((2, 4, 50), 4, (5,), (1,), (2, 2), (1,), 4, True),
+    "depthwise_1d_stride": ((2, 4, 23), 8, (3,), (2,), (1, 0), (1,), 4, True),
+    "conv1d": ((2, 3, 20), 4, (3,), (2,), (1, 1), (1,), 1, True),
+    "conv3d": ((2, 2, 5, 6, 4), 3, (2, 3, 2), (1, 2, 1), (1, 0, 1, 0, 1, 0), (1, 1, 2), 1, True),
+    "depthwise_3d_gemm": ((1, 2, 5, 5, 5), 2, (3, 3, 3), (1, 1, 1), (1, 1, 1, 1, 1, 1), (1, 1, 1), 2, True),
+}
+
+
+def _spec(t):
+    return (t.data_ptr(), list(t.shape), "float64")
+
+
+def _model(xs, m, k, s, p, d, g):
+    nd = len(k)
+    x = torch.zeros(xs, dtype=torch.float64)
+    w = torch.zeros((m, xs[1] // g) + tuple(k), dtype=torch.float64)
+    y = _torch_conv(x, w, None, s, p, d, g)
+    node = helper.make_node("Conv", ["x", "W", "B"], ["y"], kernel_shape=list(k), strides=list(s),
+                            pads=list(p), dilations=list(d), group=g)
+    graph = helper.make_graph(
+        [node], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(xs)),
+         helper.make_tensor_value_info("W", TensorProto.DOUBLE, list(w.shape)),
+         helper.make_tensor_value_info("B", TensorProto.DOUBLE, [m])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, list(y.shape))])
+    assert nd in (1, 2, 3)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _torch_conv(x, w, b, s, p, d, g):
+    nd = len(s)
+    begin, end = p[:nd], p[nd:]
+    # F.pad takes (last dim begin, last dim end, previous dim begin, ...)
+    pad = []
+    for i in reversed(range(nd)):
+        pad += [begin[i], end[i]]
+    x = torch.nn.functional.pad(x, pad)
+    f = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[nd]
+    return f(x, w, b, tuple(s), 0, tuple(d), g)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_path_matches_torch(name):
+    xs, m, k, s, p, d, g, needs_dx = CASES[name]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(xs, dtype=torch.float64, generator=gen)
+    w = torch.randn((m, xs[1] // g) + tuple(k), dtype=torch.float64, generator=gen)
+    b = torch.randn(m, dtype=torch.float64, generator=gen)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "conv.onnx")
+        onnx.save(_model(xs, m, k, s, p, d, g), path)
+        sess = _graft.Session(path, {}, ["y"], [], ["x"] if needs_dx else [], ["W", "B"], "hold")
+    sess.bind_param("W", w.data_ptr(), list(w.shape), "float64")
+    sess.bind_param("B", b.data_ptr(), list(b.shape), "float64")
+    step, outs = sess.forward({"x": _spec(x)}, 0, True)
+    y = torch.from_numpy(outs[0]).clone()
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+    for pn in ("W", "B"):
+        sess.bind_grad(pn, None, [], "")
+    sess.backward(step, {"y": _spec(dy)})
+    gw, gb = torch.from_numpy(sess.take_grad("W")), torch.from_numpy(sess.take_grad("B"))
+    gx = torch.from_numpy(step.input_grads()[0]).clone() if needs_dx else None
+    sess.release(step)
+
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    yr = _torch_conv(xr, wr, br, s, p, d, g)
+    yr.backward(dy)
+    torch.testing.assert_close(y, yr.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gw, wr.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gb, br.grad, rtol=1e-10, atol=1e-10)
+    if needs_dx:
+        torch.testing.assert_close(gx, xr.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_bench_conv_runs():
+    env = dict(os.environ)
+    p = subprocess.run([sys.executable, "-m", "graft.bench_conv", "--cases", "mobilenet_dw3s2,vit_patch",
+                        "--reps", "1", "--threads", "1", "--json"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert [r["case"] for r in doc["rows"]] == ["mobilenet_dw3s2", "vit_patch"]
+    for r in doc["rows"]:
+        assert r["max_rel_err"] < 1e-3
+        for key in ("eager_fwd_gflops", "graft_fwd_gflops", "eager_bwd_gflops", "graft_bwd_gflops"):
+            assert r[key] > 0
+    assert doc["config"]["sgemm_ceiling_gflops"] > 0
