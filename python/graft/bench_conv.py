@@ -12,7 +12,8 @@ the forward and of the backward (the minimum: other processes on a shared machin
 time), GFLOP/s (forward 2*N*M*O*(C/g)*K flops; backward twice that, once
 without dX), and the fraction of the sgemm ceiling measured in the same run: the better of
 graft's own MatMul (the OpenBLAS path graft's GEMMs take) and torch.mm on 2048x2048x2048 fp32.
-The ratio column is graft's time over eager's. Absolute times depend on the machine; compare
+The ratio column is graft's time over eager's. Two non-conv cases (resnet18's stem
+BatchNormalization in training mode and its MaxPool) are timed the same way, ratio only. Absolute times depend on the machine; compare
 ratios and ceiling fractions.
 """
 import argparse
@@ -31,6 +32,12 @@ CASES = {
     "mobilenet_dw3": (8, 144, 56, 56, 144, 3, 1, 1, 144, True, "mobilenet_v2 depthwise 3x3"),
     "mobilenet_dw3s2": (8, 96, 112, 112, 96, 3, 2, 1, 96, True, "mobilenet_v2 depthwise 3x3/2"),
     "vit_patch": (8, 3, 224, 224, 768, 16, 16, 0, 1, False, "vit_b_16 patch embedding 16x16/16 (image: no dX)"),
+}
+# Not convolutions, timed the same way (memory-bound: only the time ratio is reported).
+# name: (N, C, H, W, op, which model it comes from)
+OTHER = {
+    "resnet_bn": (8, 64, 112, 112, "BatchNormalization", "resnet18 stem BatchNorm (training mode)"),
+    "resnet_maxpool": (8, 64, 112, 112, "MaxPool", "resnet18 stem MaxPool 3x3/2 pad 1"),
 }
 SGEMM = 2048
 
@@ -194,6 +201,110 @@ def bench_case(_graft, tmp, name, case, reps):
     return row
 
 
+def other_model(case):
+    from onnx import TensorProto, helper
+    n, c, h, w, op, _ = case
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, h, w])
+    if op == "BatchNormalization":
+        node = helper.make_node(op, ["x", "scale", "B", "mean", "var"], ["y"], training_mode=1)
+        ins = [x] + [helper.make_tensor_value_info(p, TensorProto.FLOAT, [c]) for p in ("scale", "B", "mean", "var")]
+        out = [n, c, h, w]
+    else:
+        node = helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+        ins, out = [x], [n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1]
+    graph = helper.make_graph([node], op, ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def bench_other(_graft, tmp, name, case, reps):
+    import torch
+    import torch.nn.functional as F
+    n, c, h, w, op, what = case
+    torch.manual_seed(0)
+    x = torch.randn(n, c, h, w)
+    xg = x.clone().requires_grad_()
+    bn = op == "BatchNormalization"
+    params = {"scale": torch.rand(c) + 0.5, "B": torch.randn(c), "mean": torch.zeros(c), "var": torch.ones(c)}
+    for k in ("scale", "B"):
+        params[k].requires_grad_(bn)
+
+    def eager(inp):
+        if bn:
+            return F.batch_norm(inp, params["mean"].clone(), params["var"].clone(), params["scale"], params["B"],
+                                training=True)
+        return F.max_pool2d(inp, 3, 2, 1)
+
+    dy = torch.randn_like(eager(x))
+    names = list(params) if bn else []
+    sess = _graft.Session(_save(other_model(case), tmp, f"{name}.onnx"), {}, ["y"], ["mean", "var"] if bn else [],
+                          ["x"], names, "hold")
+    for k in names:
+        sess.bind_param(k, params[k].data_ptr(), [c], "float32")
+    trainable = ["scale", "B"] if bn else []
+    inputs, grads = {"x": _spec(x)}, {"y": _spec(dy)}
+
+    def g_fwd():
+        step, outs = sess.forward(inputs, 0, False)
+        del outs
+        sess.release(step)
+
+    def g_bwd():
+        step, outs = sess.forward(inputs, 0, True)
+        del outs
+        for k in trainable:
+            sess.bind_grad(k, None, [], "")
+        t0 = time.perf_counter()
+        sess.backward(step, grads)
+        t = time.perf_counter() - t0
+        for k in trainable:
+            sess.take_grad(k)
+        sess.release(step)
+        return t
+
+    def t_fwd():
+        with torch.no_grad():
+            eager(x)
+
+    def t_bwd():
+        xg.grad = None
+        for k in trainable:
+            params[k].grad = None
+        yy = eager(xg)
+        t0 = time.perf_counter()
+        yy.backward(dy)
+        return time.perf_counter() - t0
+
+    step, outs = sess.forward(inputs, 0, True)
+    for k in trainable:
+        sess.bind_grad(k, None, [], "")
+    sess.backward(step, grads)
+    gx = torch.from_numpy(step.input_grads()[0])
+    y = torch.from_numpy(outs[0])
+    xg.grad = None
+    yy = eager(xg)
+    yy.backward(dy)
+    err = max(float((y - yy.detach()).abs().max() / yy.detach().abs().max()),
+              float((gx - xg.grad).abs().max() / xg.grad.abs().max()))
+    for k in trainable:
+        sess.take_grad(k)
+    del outs, gx, y
+    sess.release(step)
+    if err > 1e-3:
+        raise BenchError(f"{name}: graft and eager differ (max relative error {err:.2e})")
+
+    def best(fn):
+        for _ in range(2):
+            fn()
+        return min(fn() for _ in range(reps))
+
+    row = {"case": name, "what": what, "shape": [n, c, h, w], "op": op, "max_rel_err": err,
+           "eager_fwd_s": _best_time(t_fwd, reps), "graft_fwd_s": _best_time(g_fwd, reps),
+           "eager_bwd_s": best(t_bwd), "graft_bwd_s": best(g_bwd)}
+    row["fwd_ratio"] = row["graft_fwd_s"] / row["eager_fwd_s"]
+    row["bwd_ratio"] = row["graft_bwd_s"] / row["eager_bwd_s"]
+    return row
+
+
 def print_table(doc):
     c = doc["config"]
     ceil = c["sgemm_ceiling_gflops"]
@@ -206,6 +317,9 @@ def print_table(doc):
     print(fmt.format(*hdr))
     for r in doc["rows"]:
         for ps in ("fwd", "bwd"):
+            if "op" in r:  # not a convolution: the time ratio only
+                print(fmt.format(r["case"], ps, "-", "-", "-", "-", "-", f"{r[ps + '_ratio']:.2f}x"))
+                continue
             e, g = r[f"eager_{ps}_gflops"], r[f"graft_{ps}_gflops"]
             print(fmt.format(r["case"], ps, f"{r[ps + '_gflop']:.2f}", f"{e:.1f}", f"{g:.1f}",
                              f"{100 * e / ceil:.0f}%", f"{100 * g / ceil:.0f}%", f"{r[ps + '_ratio']:.2f}x"))
@@ -217,14 +331,15 @@ def main(argv=None):
                                 description="graft's Conv / ConvGrad vs PyTorch eager on zoo conv layers")
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: os.cpu_count())")
     p.add_argument("--reps", type=int, default=5, help="timed runs per measurement (the best is reported)")
-    p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    p.add_argument("--cases", default=",".join([*CASES, *OTHER]),
+                   help="comma-separated: " + ", ".join([*CASES, *OTHER]))
     p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
     a = p.parse_args(argv)
     try:
         cases = [c for c in a.cases.split(",") if c]
-        bad = [c for c in cases if c not in CASES]
+        bad = [c for c in cases if c not in CASES and c not in OTHER]
         if bad or not cases:
-            raise BenchError(f"unknown case(s) {', '.join(bad) or '(none)'}; known: {', '.join(CASES)}")
+            raise BenchError(f"unknown case(s) {', '.join(bad) or '(none)'}; known: {', '.join([*CASES, *OTHER])}")
         if a.reps <= 0:
             raise BenchError("--reps must be positive")
         threads = a.threads or os.cpu_count() or 1
@@ -234,11 +349,14 @@ def main(argv=None):
         _graft.set_num_threads(threads)
         with tempfile.TemporaryDirectory(prefix="graft_bench_conv_") as tmp:
             ceil = sgemm_ceiling(_graft, tmp, a.reps)
-            rows = [bench_case(_graft, tmp, c, CASES[c], a.reps) for c in cases]
+            rows = [bench_case(_graft, tmp, c, CASES[c], a.reps) if c in CASES
+                    else bench_other(_graft, tmp, c, OTHER[c], a.reps) for c in cases]
         cfg = {"threads": threads, "reps": a.reps, "dtype": "float32", "torch_version": torch.__version__,
                "sgemm_size": SGEMM, **ceil,
                "sgemm_ceiling_gflops": max(ceil["graft_matmul_gflops"], ceil["torch_mm_gflops"])}
         for r in rows:
+            if "op" in r:
+                continue
             for sys_ in ("eager", "graft"):
                 for ps in ("fwd", "bwd"):
                     r[f"{sys_}_{ps}_ceiling_frac"] = r[f"{sys_}_{ps}_gflops"] / cfg["sgemm_ceiling_gflops"]

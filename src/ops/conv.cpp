@@ -9,7 +9,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <thread>
 
 #include "util.h"
 
@@ -131,28 +130,7 @@ void infer_conv(InferCtx& c) {
   c.set_out(0, c.dtype(0), out);
 }
 
-// ---- parallel loops, im2col / col2im
-// ------------------------------------------------------------- Splits [0, n) into up to
-// num_threads() contiguous ranges and runs f(thread, begin, end) on each, the calling thread taking
-// the first. Used where OpenBLAS is not: per-channel and per-plane loops. (GEMMs run between them,
-// never inside, so the two thread pools do not compete.)
-int max_threads() { return std::max(1, num_threads()); }
-template <class F>
-void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
-  // Below ~64k element operations a thread costs more than it saves.
-  int t = static_cast<int>(
-      std::min<int64_t>({max_threads(), n, std::max<int64_t>(1, n * work_per_item / 65536)}));
-  if (t <= 1) {
-    if (n > 0) f(0, int64_t{0}, n);
-    return;
-  }
-  std::vector<std::thread> th;
-  th.reserve(t - 1);
-  for (int i = 1; i < t; ++i) th.emplace_back([&f, i, n, t] { f(i, n * i / t, n * (i + 1) / t); });
-  f(0, int64_t{0}, n / t);
-  for (auto& x : th) x.join();
-}
-
+// ---- im2col / col2im ------------------------------------------------------------------------
 // The layout of im2col for one channel: per kernel offset k (a row block of O columns) and per
 // output row (every output dim but the last), the range [lo, hi) of last-dim outputs whose input
 // is inside the image; the rest of the row is padding. Computed once per kernel call.
@@ -651,8 +629,11 @@ void pool_kernel(KernelCtx& c) {
     const bool is_max = c.node.op == "MaxPool";
     const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
-    for (int64_t p = 0; p < planes; ++p)
-      pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O, nullptr);
+    parallel_for(planes, O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
+                      nullptr);
+    });
   });
 }
 // PoolGrad(dY, X; the pool's attributes, op = MaxPool | AveragePool) -> dX.
@@ -667,26 +648,29 @@ void pool_grad_kernel(KernelCtx& c) {
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
     T* dx = c.out(0).data<T>();
     std::fill(dx, dx + x.numel(), T(0));
-    std::vector<int64_t> arg(O, -1);
-    std::vector<T> y(O), ones(I, T(1));
-    for (int64_t p = 0; p < planes; ++p) {
-      const T* dyp = dy.data<T>() + p * O;
-      T* dxp = dx + p * I;
-      if (is_max) {
-        pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
-        for (int64_t o = 0; o < O; ++o)
-          if (arg[o] >= 0) dxp[arg[o]] += dyp[o];
-      } else {
-        // Each output's divisor, from pooling ones: avg(1) * count = 1, so divisor = count / avg.
+    const std::vector<T> ones(is_max ? 0 : I, T(1));
+    std::vector<int64_t> cnt(is_max ? 0 : O, 0);
+    if (!is_max) for_each_tap(w, [&](int64_t o, int64_t, int64_t) { ++cnt[o]; });
+    parallel_for(planes, 2 * O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
+      std::vector<int64_t> arg(O, -1);
+      std::vector<T> y(O);
+      if (!is_max)  // each output's divisor, from pooling ones: y[o] = cnt / divisor
         pool_plane<T>(w, false, count_pad, ones.data(), y.data(), nullptr);
-        std::vector<int64_t> cnt(O, 0);
-        for_each_tap(w, [&](int64_t o, int64_t, int64_t) { ++cnt[o]; });
-        for_each_tap(w, [&](int64_t o, int64_t, int64_t i) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* dyp = dy.data<T>() + p * O;
+        T* dxp = dx + p * I;
+        if (is_max) {
+          pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
+          for (int64_t o = 0; o < O; ++o)
+            if (arg[o] >= 0) dxp[arg[o]] += dyp[o];
+        } else {
           // y[o] = cnt / divisor when pooling ones, so 1 / divisor = y[o] / cnt.
-          dxp[i] += dyp[o] * y[o] / static_cast<T>(cnt[o]);
-        });
+          for_each_tap(w, [&](int64_t o, int64_t, int64_t i) {
+            dxp[i] += dyp[o] * y[o] / static_cast<T>(cnt[o]);
+          });
+        }
       }
-    }
+    });
   });
 }
 void grad_pool(GradBuilder& g) {

@@ -453,25 +453,34 @@ BnView bn_view(const Shape& s) {
   for (size_t i = 2; i < s.size(); ++i) v.S *= s[i];
   return v;
 }
+// Per channel: the batch mean and biased variance (two passes, in double). Parallel over channels.
 template <class T>
 void bn_batch_stats(const T* x, BnView v, std::vector<double>& mean, std::vector<double>& var) {
   mean.assign(v.C, 0.0);
   var.assign(v.C, 0.0);
   const double n = static_cast<double>(v.N * v.S);
-  for (int64_t ch = 0; ch < v.C; ++ch) {
-    double m = 0, q = 0;
-    for (int64_t b = 0; b < v.N; ++b)
-      for (int64_t i = 0; i < v.S; ++i) m += x[(b * v.C + ch) * v.S + i];
-    m /= n ? n : 1;
-    for (int64_t b = 0; b < v.N; ++b)
-      for (int64_t i = 0; i < v.S; ++i) {
-        double d = x[(b * v.C + ch) * v.S + i] - m;
-        q += d * d;
+  parallel_for(v.C, 2 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      double m = 0, q = 0;
+      for (int64_t b = 0; b < v.N; ++b) {
+        const T* xp = x + (b * v.C + ch) * v.S;
+        m += sum8(v.S, [&](int64_t i) { return static_cast<double>(xp[i]); });
       }
-    mean[ch] = m;
-    var[ch] = q / (n ? n : 1);
-  }
+      m /= n ? n : 1;
+      for (int64_t b = 0; b < v.N; ++b) {
+        const T* xp = x + (b * v.C + ch) * v.S;
+        q += sum8(v.S, [&](int64_t i) {
+          const double d = xp[i] - m;
+          return d * d;
+        });
+      }
+      mean[ch] = m;
+      var[ch] = q / (n ? n : 1);
+    }
+  });
 }
+// y = (x - mean) * a + B per channel, a = scale / sqrt(var + eps) (in T: vectorizable; x - mean
+// first, so a large mean does not cost precision).
 void batchnorm_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
@@ -489,15 +498,20 @@ void batchnorm_kernel(KernelCtx& c) {
         var[ch] = rv[ch];
       }
     }
+    std::vector<T> a(v.C), mu(v.C);
+    for (int64_t ch = 0; ch < v.C; ++ch) {
+      a[ch] = static_cast<T>(sc[ch] / std::sqrt(var[ch] + eps));
+      mu[ch] = static_cast<T>(mean[ch]);
+    }
     T* y = c.out(0).data<T>();
-    for (int64_t b = 0; b < v.N; ++b)
-      for (int64_t ch = 0; ch < v.C; ++ch) {
-        const double inv = 1.0 / std::sqrt(var[ch] + eps);
-        for (int64_t i = 0; i < v.S; ++i) {
-          const int64_t j = (b * v.C + ch) * v.S + i;
-          y[j] = static_cast<T>((px[j] - mean[ch]) * inv * sc[ch] + bi[ch]);
-        }
+    parallel_for(v.N * v.C, v.S, [&](int, int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ch = p % v.C;
+        const T ac = a[ch], mc = mu[ch], bc = bi[ch], *xp = px + p * v.S;
+        T* yp = y + p * v.S;
+        for (int64_t i = 0; i < v.S; ++i) yp[i] = (xp[i] - mc) * ac + bc;
       }
+    });
     if (!train) return;
     const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
     for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -514,6 +528,10 @@ void infer_batchnorm_grad(InferCtx& c) {
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), c.shape(2));
 }
+// Per channel, with xh = (x - mean) * inv: dB = sum dy, dscale = sum dy * xh, and
+// dx = scale * inv / n * (n * dy - dB - xh * dscale) (training) or dy * scale * inv, written as
+// dx = k1 * dy + k2 * (x - mean) + k0 with per-channel constants (in T: vectorizable). Parallel
+// over channels; the sums are in double.
 void batchnorm_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(1);
@@ -531,27 +549,32 @@ void batchnorm_grad_kernel(KernelCtx& c) {
       }
     }
     const double n = static_cast<double>(v.N * v.S);
-    for (int64_t ch = 0; ch < v.C; ++ch) {
-      const double inv = 1.0 / std::sqrt(var[ch] + eps);
-      double sdy = 0, sdyx = 0;
-      for (int64_t b = 0; b < v.N; ++b)
-        for (int64_t i = 0; i < v.S; ++i) {
-          const int64_t j = (b * v.C + ch) * v.S + i;
-          sdy += dy[j];
-          sdyx += dy[j] * (px[j] - mean[ch]) * inv;
+    T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
+    parallel_for(v.C, 3 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
+        double sdy = 0, sdyx = 0;
+        for (int64_t b = 0; b < v.N; ++b) {
+          const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+          sdy += sum8(v.S, [&](int64_t i) { return static_cast<double>(d[i]); });
+          sdyx += sum8(v.S, [&](int64_t i) { return d[i] * (xp[i] - m); });
         }
-      if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
-      if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
-      if (!c.has_out(0)) continue;
-      T* dx = c.out(0).data<T>();
-      for (int64_t b = 0; b < v.N; ++b)
-        for (int64_t i = 0; i < v.S; ++i) {
-          const int64_t j = (b * v.C + ch) * v.S + i;
-          const double xh = (px[j] - mean[ch]) * inv;
-          dx[j] = static_cast<T>(train ? sc[ch] * inv / n * (n * dy[j] - sdy - xh * sdyx)
-                                       : dy[j] * sc[ch] * inv);
+        sdyx *= inv;
+        if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
+        if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
+        if (!dx) continue;
+        const double k1 = sc[ch] * inv;
+        const double k2 = train && n ? -k1 * inv * sdyx / n : 0.0;
+        const double k0 = train && n ? -k1 * sdy / n : 0.0;
+        const T t1 = static_cast<T>(k1), t2 = static_cast<T>(k2), t0 = static_cast<T>(k0);
+        const T tm = static_cast<T>(m);
+        for (int64_t b = 0; b < v.N; ++b) {
+          const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+          T* o = dx + (b * v.C + ch) * v.S;
+          for (int64_t i = 0; i < v.S; ++i) o[i] = t1 * d[i] + t2 * (xp[i] - tm) + t0;
         }
-    }
+      }
+    });
   });
 }
 void grad_batchnorm(GradBuilder& g) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "graft/ops.h"
 
@@ -120,6 +121,39 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A
 template <class T>
 void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
              const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+
+// Threads for the op families' own loops (per channel, per plane): num_threads(), at least one.
+inline int max_threads() { return std::max(1, num_threads()); }
+// Splits [0, n) into up to max_threads() contiguous ranges and runs f(thread, begin, end) on each,
+// the calling thread taking the first; fewer threads when n * work_per_item (element operations)
+// is small (below ~64k a thread costs more than it saves). For loops between GEMMs, never around
+// them: OpenBLAS runs its own threads inside each GEMM.
+template <class F>
+void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
+  const int t = static_cast<int>(
+      std::min<int64_t>({max_threads(), n, std::max<int64_t>(1, n * work_per_item / 65536)}));
+  if (t <= 1) {
+    if (n > 0) f(0, int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> th;
+  th.reserve(t - 1);
+  for (int i = 1; i < t; ++i) th.emplace_back([&f, i, n, t] { f(i, n * i / t, n * (i + 1) / t); });
+  f(0, int64_t{0}, n / t);
+  for (auto& x : th) x.join();
+}
+
+// Sums f(i) over [0, n) in double with 8 independent partial sums (vectorizable; the order is
+// fixed, so results do not depend on the thread count).
+template <class F>
+double sum8(int64_t n, F&& f) {
+  double acc[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += f(i + j);
+  for (; i < n; ++i) acc[0] += f(i);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
 
 // Calls f.template operator()<T>() for a numeric dtype: int64, int32, float32 or float64 (bool is
 // an Unsupported error naming the node).

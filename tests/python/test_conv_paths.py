@@ -1,7 +1,7 @@
-"""Every Conv / ConvGrad kernel path against PyTorch in float64: im2col + GEMM (one image or several
-side by side per GEMM), the pointwise path that skips im2col, and the direct depthwise kernels
-(forward; dW; dX as a flipped forward for unit strides, as a scatter for other strides or channel
-multipliers), 1-D, 2-D and 3-D. Plus a smoke run of `python3 -m graft.bench_conv` (no timing
+"""Every Conv / ConvGrad kernel path, BatchNormalization and pooling (threaded) against PyTorch in
+float64. Conv paths: im2col + GEMM (one image or several side by side per GEMM), the pointwise
+path that skips im2col, and the direct depthwise kernels (forward; dW; dX as a flipped forward
+for unit strides, as a scatter for other strides or channel multipliers), 1-D, 2-D and 3-D. Plus a smoke run of `python3 -m graft.bench_conv` (no timing
 assertions). Needs graft._graft on PYTHONPATH (build/python).
 """
 import json
@@ -122,3 +122,72 @@ def test_bench_conv_runs():
         for key in ("eager_fwd_gflops", "graft_fwd_gflops", "eager_bwd_gflops", "graft_bwd_gflops"):
             assert r[key] > 0
     assert doc["config"]["sgemm_ceiling_gflops"] > 0
+
+
+def _run_single(model, inputs, params, freeze, input_grads, dy_seed=2):
+    """Runs a one-node model forward and backward in float64: (outputs, input grads, param grads)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.onnx")
+        onnx.save(model, path)
+        sess = _graft.Session(path, {}, ["y"], freeze, input_grads, list(params), "hold")
+    for k, t in params.items():
+        sess.bind_param(k, t.data_ptr(), list(t.shape), "float64")
+    step, outs = sess.forward({k: _spec(t) for k, t in inputs.items()}, 0, True)
+    y = torch.from_numpy(outs[0]).clone()
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(dy_seed))
+    trainable = [k for k in params if k not in freeze]
+    for k in trainable:
+        sess.bind_grad(k, None, [], "")
+    sess.backward(step, {"y": _spec(dy)})
+    pg = {k: torch.from_numpy(sess.take_grad(k)) for k in trainable}
+    ig = [torch.from_numpy(a).clone() for a in step.input_grads()]
+    sess.release(step)
+    return y, dy, ig, pg
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape,offset", [((3, 4, 5, 6), 0.0), ((2, 3, 37), 100.0), ((2, 16, 40, 40), 0.5)])
+def test_batchnorm_matches_torch(training, shape, offset):
+    c = shape[1]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, dtype=torch.float64, generator=gen) * 0.1 + offset
+    p = {"scale": torch.rand(c, dtype=torch.float64, generator=gen) + 0.5,
+         "B": torch.randn(c, dtype=torch.float64, generator=gen),
+         "mean": torch.randn(c, dtype=torch.float64, generator=gen) * 0.1 + offset,
+         "var": torch.rand(c, dtype=torch.float64, generator=gen) + 0.5}
+    node = helper.make_node("BatchNormalization", ["x", "scale", "B", "mean", "var"], ["y"],
+                            training_mode=int(training), epsilon=1e-5)
+    graph = helper.make_graph(
+        [node], "bn", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))] +
+        [helper.make_tensor_value_info(k, TensorProto.DOUBLE, [c]) for k in p],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, list(shape))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    y, dy, ig, pg = _run_single(model, {"x": x}, p, ["mean", "var"], ["x"])
+    xr = x.clone().requires_grad_()
+    sr, br = p["scale"].clone().requires_grad_(), p["B"].clone().requires_grad_()
+    yr = torch.nn.functional.batch_norm(xr, p["mean"].clone(), p["var"].clone(), sr, br, training=training, eps=1e-5)
+    yr.backward(dy)
+    tol = dict(rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(y, yr.detach(), **tol)
+    torch.testing.assert_close(ig[0], xr.grad, **tol)
+    torch.testing.assert_close(pg["scale"], sr.grad, **tol)
+    torch.testing.assert_close(pg["B"], br.grad, **tol)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_pool_over_many_planes_matches_torch(op):  # enough planes for the per-plane threads
+    shape = (4, 16, 30, 30)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    node = helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [4, 16, 15, 15])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    y, dy, ig, _ = _run_single(model, {"x": x}, {}, [], ["x"])
+    xr = x.clone().requires_grad_()
+    if op == "MaxPool":
+        yr = torch.nn.functional.max_pool2d(xr, 3, 2, 1)
+    else:
+        yr = torch.nn.functional.avg_pool2d(xr, 3, 2, 1, count_include_pad=False)
+    yr.backward(dy)
+    torch.testing.assert_close(y, yr.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ig[0], xr.grad, rtol=1e-12, atol=1e-12)
