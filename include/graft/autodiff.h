@@ -44,4 +44,15 @@ struct BackwardGraph {
 // gradient rule on the path to a trainable parameter (names op, node and parameter).
 BackwardGraph build_backward(Graph& g, const AutodiffOptions& opt);
 
+// Rewrites that make the backward keep what PyTorch's autograd keeps and no more (rewrite.cpp).
+// Before build_backward, on an inferred graph: MatMul(A, Transpose(W)) with W 2-D becomes graft's
+// FusedMatMul(A, W, transB = 1), so the backward keeps W instead of a transposed copy; a Dropout
+// that drops nothing (ratio 0, or not training) becomes an Identity view. Returns nodes changed.
+int rewrite_for_training(Graph& g);
+// After build_backward: a backward node that reads a forward value made from parameters and
+// constants alone by copy-like ops (Transpose, Concat, Slice, Unsqueeze, ...: the reordered
+// weights of an exported LSTM) reads a recomputation emitted in the backward instead, so the
+// forward's copy is freed at its last forward use. Returns the number of reads redirected.
+int rematerialize_param_copies(Graph& g, const BackwardGraph& bg);
+
 }  // namespace graft

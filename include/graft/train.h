@@ -133,6 +133,14 @@ class TrainSession {
   // The step's planned memory: parameters, one gradient set, the given optimizer state, the graph
   // inputs and the planned activation peak.
   PlannedMemory planned_memory(int64_t optimizer_state_bytes = 0) const;
+  // What the forward leaves alive for the backward: every intermediate made by a forward node and
+  // read by a backward node, one entry per buffer (views and in-place results share their root's),
+  // biggest first. Parameters and graph inputs are not counted (the caller holds those anyway).
+  struct SavedValue {
+    std::string value, op, node;  // the buffer's root value, and the node that made it
+    int64_t bytes = 0;
+  };
+  std::vector<SavedValue> saved_for_backward() const;
 
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive);

@@ -362,6 +362,16 @@ class GraftModule(torch.nn.Module):
                                 "cache_size.")
             return entry
 
+    def saved_for_backward(self) -> List[Tuple[str, str, str, int]]:
+        """What graft's forward keeps for the backward, for the most recently called graph:
+        (value, op, node, bytes) per buffer, biggest first. Parameters and inputs are not counted
+        (the caller holds them anyway), as PyTorch's autograd saves those by reference."""
+        with self._lock:
+            if not self._cache:
+                return []
+            entry = next(reversed(self._cache.values()))
+        return list(entry.session.saved_for_backward())
+
     def forward(self, *args, **kwargs):
         name = self._name()
         if _autocast_cpu():

@@ -1,5 +1,5 @@
 // Elementwise ops: unary math, broadcasting binary ops, comparisons and logic, Abs, Sign, Clip,
-// Max, Min, HardSigmoid, HardSwish, Where, Sum, Cast, and their gradients.
+// Max, Min, HardSigmoid, HardSwish, Gelu, graft's Silu, Where, Sum, Cast, and their gradients.
 //
 // Every op's schema, shape function, kernel and gradient rule are in the table at the bottom.
 #include <cmath>
@@ -443,23 +443,33 @@ void minmax_kernel(KernelCtx& c) {
   };
   dispatch_numeric(c.in(0).dtype(), c, run);
 }
-// MinMaxGrad(dy, y, x_0, ..., x_n-1; index = i) -> dx_i of the broadcast shape: dy where x_i is
-// the extreme, split evenly between the inputs that tie (PyTorch's maximum / minimum).
+// MinMaxGrad(dy, x_0, ..., x_n-1; index = i, is_min) -> dx_i of the broadcast shape: dy where x_i
+// is the extreme, split evenly between the inputs that tie (PyTorch's maximum / minimum). The
+// extreme is recomputed from the inputs, so the forward's output is not kept (as in PyTorch).
 void infer_minmax_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
 void minmax_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const int idx = static_cast<int>(c.attr_int("index", 0));
     const Shape& os = c.out(0).shape();
-    const int n = static_cast<int>(c.ins.size()) - 2;
+    const bool is_min = c.attr_int("is_min", 0) != 0;
+    const int n = static_cast<int>(c.ins.size()) - 1;
     std::vector<std::vector<int64_t>> st(n);
-    for (int k = 0; k < n; ++k) st[k] = bcast_strides(c.in(2 + k).shape(), os);
-    const T *dy = c.in(0).data<T>(), *y = c.in(1).data<T>();
+    for (int k = 0; k < n; ++k) st[k] = bcast_strides(c.in(1 + k).shape(), os);
+    const T* dy = c.in(0).data<T>();
+    std::vector<T> y(numel(os));
+    for (int k = 0; k < n; ++k) {
+      const T* xk = c.in(1 + k).data<T>();
+      for_each_bcast<1>(os, {st[k]}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        const T v = xk[o[0]];
+        if (k == 0 || (is_min ? v < y[i] : v > y[i])) y[i] = v;
+      });
+    }
     T* dx = c.out(0).data<T>();
     // Offsets per input for each output element, one input at a time.
     std::vector<int64_t> ties(numel(os), 0);
     std::vector<char> mine(numel(os), 0);
     for (int k = 0; k < n; ++k) {
-      const T* xk = c.in(2 + k).data<T>();
+      const T* xk = c.in(1 + k).data<T>();
       for_each_bcast<1>(os, {st[k]}, [&](int64_t i, const std::array<int64_t, 1>& o) {
         bool hit = xk[o[0]] == y[i];
         ties[i] += hit;
@@ -474,10 +484,11 @@ void grad_minmax(GradBuilder& g) {
   const Node& n = g.node();
   for (int i = 0; i < static_cast<int>(n.inputs.size()); ++i) {
     if (!g.needs(i)) continue;
-    std::vector<int> ins{g.dy(0), g.y(0)};
+    std::vector<int> ins{g.dy(0)};
     ins.insert(ins.end(), n.inputs.begin(), n.inputs.end());
     Attrs a;
     a.set_int("index", i);
+    a.set_int("is_min", n.op == "Min");
     g.set_dx(i, g.emit1("MinMaxGrad", ins, a, "graft"));
   }
 }
@@ -537,6 +548,73 @@ void infer_grad_same1(InferCtx& c) {
   c.check(c.shape(0) == c.shape(1), "dy and x differ in shape");
   infer_same(c);
 }
+
+// ---- Gelu, Silu ---------------------------------------------------------------------------------
+// Gelu as ONNX opset 20 defines it (approximate "none" | "tanh"); graft's Silu = x * sigmoid(x).
+// Exported graphs spell them as 5 and 2 nodes; the training rewrite (autodiff/rewrite.cpp) fuses
+// them so that the backward keeps only x, as PyTorch's GeluBackward and SiluBackward do.
+bool gelu_tanh(const Node& n) {
+  const std::string a = n.attrs.get_string("approximate", "none", n.label());
+  if (a != "none" && a != "tanh")
+    fail_at(ErrorKind::InvalidModel, n.name, n.label() + ": approximate must be none or tanh");
+  return a == "tanh";
+}
+constexpr double kSqrt2Pi = 0.7978845608028654;  // sqrt(2 / pi)
+void gelu_kernel(KernelCtx& c) {
+  const bool th = gelu_tanh(c.node);
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    const int64_t n = c.in(0).numel();
+    if (th)
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = T(0.5) * x[i] *
+               (T(1) + std::tanh(T(kSqrt2Pi) * (x[i] + T(0.044715) * x[i] * x[i] * x[i])));
+    else
+      for (int64_t i = 0; i < n; ++i) y[i] = T(0.5) * x[i] * (T(1) + std::erf(x[i] * T(M_SQRT1_2)));
+  });
+}
+// GeluGrad(dy, x) -> dx (the Gelu's approximate attribute).
+void gelu_grad_kernel(KernelCtx& c) {
+  const bool th = gelu_tanh(c.node);
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    const int64_t n = c.in(0).numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const T v = x[i];
+      T d;
+      if (th) {
+        const T t = std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v));
+        d = T(0.5) * (T(1) + t) +
+            T(0.5) * v * (T(1) - t * t) * T(kSqrt2Pi) * (T(1) + T(3 * 0.044715) * v * v);
+      } else {
+        d = T(0.5) * (T(1) + std::erf(v * T(M_SQRT1_2))) +
+            v * std::exp(T(-0.5) * v * v) * T(0.3989422804014327);  // 1 / sqrt(2 pi)
+      }
+      dx[i] = dy[i] * d;
+    }
+  });
+}
+void grad_gelu(GradBuilder& g) {
+  Attrs a;
+  a.set_string("approximate", gelu_tanh(g.node()) ? "tanh" : "none");
+  g.set_dx(0, g.emit1("GeluGrad", {g.dy(0), g.x(0)}, a, "graft"));
+}
+struct SiluF {
+  template <class T>
+  static T f(T x) {
+    return x * SigmoidF::f(x);
+  }
+};
+struct SiluGradF {
+  template <class T>
+  static T f(T dy, T x) {
+    const T s = SigmoidF::f(x);
+    return dy * s * (T(1) + x * (T(1) - s));
+  }
+};
+void grad_silu(GradBuilder& g) { g.set_dx(0, g.emit1("SiluGrad", {g.dy(0), g.x(0)}, {}, "graft")); }
 
 // ---- fused gradient kernels ---------------------------------------------------------------------
 // (dy, t) -> dx, elementwise.
@@ -827,7 +905,7 @@ const OpDef kOps[] = {
      .inplace_input = 0},
     {.name = "MinMaxGrad",
      .domain = "graft",
-     .min_in = 3,
+     .min_in = 2,
      .max_in = 1 << 20,
      .infer = infer_minmax_grad,
      .kernel = minmax_grad_kernel},
@@ -852,6 +930,26 @@ const OpDef kOps[] = {
      .max_in = 2,
      .infer = infer_grad2,
      .kernel = grad2_kernel<SigmoidGradF>,
+     .inplace_input = 0},
+    {.name = "Gelu", .infer = infer_unary_float, .kernel = gelu_kernel, .grad = grad_gelu},
+    {.name = "GeluGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = gelu_grad_kernel,
+     .inplace_input = 0},
+    {.name = "Silu",
+     .domain = "graft",
+     .infer = infer_unary_float,
+     .kernel = unary_kernel<SiluF>,
+     .grad = grad_silu},
+    {.name = "SiluGrad",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_grad2,
+     .kernel = grad2_kernel<SiluGradF>,
      .inplace_input = 0},
     {.name = "TanhGrad",
      .domain = "graft",

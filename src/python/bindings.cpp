@@ -253,5 +253,12 @@ PYBIND11_MODULE(_graft, m) {
            })
       .def("memory", [](PySession& p) { return memory_stats(*p.alloc); })
       .def("reset_peak", [](PySession& p) { p.alloc->reset_peak(); })
-      .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; });
+      .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; })
+      // [(value, op, node, bytes)]: what the forward keeps for the backward (saved_for_backward).
+      .def("saved_for_backward", [](PySession& p) {
+        std::vector<std::tuple<std::string, std::string, std::string, int64_t>> r;
+        for (const auto& s : p.s->saved_for_backward())
+          r.emplace_back(s.value, s.op, s.node, s.bytes);
+        return r;
+      });
 }

@@ -72,10 +72,12 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
   }
   // ---- shapes: bind input shapes, infer every node, fold constants ----
   infer_shapes(g_, input_shapes, alloc_);
-  // ---- autodiff ----
+  // ---- autodiff: keep for backward what eager PyTorch keeps, no copies of weights ----
+  rewrite_for_training(g_);
   AutodiffOptions ao = opt;
   ao.alloc = alloc_;
   bg_ = build_backward(g_, ao);
+  rematerialize_param_copies(g_, bg_);
 
   // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
@@ -194,6 +196,31 @@ PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const 
   for (int o : outs)
     if (g_.values[o].kind == ValueKind::Intermediate) m.activations += bytes(o);
   return m;
+}
+
+std::vector<TrainSession::SavedValue> TrainSession::saved_for_backward() const {
+  const Plan& p = exec_->plan();
+  std::vector<int> step_of_node(g_.nodes.size(), -1);
+  for (size_t k = 0; k < p.steps.size(); ++k) step_of_node[p.steps[k].node] = static_cast<int>(k);
+  std::vector<bool> seen(g_.values.size(), false);
+  std::vector<SavedValue> out;
+  for (size_t v = 0; v < g_.values.size(); ++v) {
+    const Value& val = g_.values[v];
+    if (val.kind != ValueKind::Intermediate || val.producer < 0) continue;
+    const int made = step_of_node[val.producer];
+    if (made < 0 || made >= p.barrier_step || p.last_use[v] < p.barrier_step) continue;
+    const int root = p.buffer[v] >= 0 ? p.buffer[v] : static_cast<int>(v);
+    if (seen[root]) continue;
+    seen[root] = true;
+    const Value& rv = g_.values[root];
+    if (rv.kind != ValueKind::Intermediate || rv.producer < 0) continue;  // a view of an input
+    const Node& n = g_.nodes[val.producer];
+    out.push_back(
+        {val.name, n.op, n.name, numel(rv.shape) * static_cast<int64_t>(dtype_size(rv.dtype))});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
+  return out;
 }
 
 int64_t TrainSession::gradient_bytes() const {

@@ -43,6 +43,7 @@ struct Case {
   std::function<void(Attrs&)> attrs;
   int n_out = 1;
   double step = 1e-6, tol = 1e-6;
+  std::string domain = "";  // "graft" for graft's own ops
 };
 
 // gtest prints a case by its name (instead of its bytes).
@@ -55,6 +56,7 @@ void check(const Case& c) {
   std::mt19937_64 rng(42);
   Node n;
   n.op = c.op;
+  n.domain = c.domain;
   n.name = c.name;
   if (c.attrs) c.attrs(n.attrs);
   int pi = 0;
@@ -311,6 +313,11 @@ std::vector<Case> cases() {
        })},
       {"global_average_pool", "GlobalAveragePool", {In::f({2, 3, 4, 4})}},
       {"global_max_pool", "GlobalMaxPool", {In::f({2, 3, 3})}},
+      {"gelu", "Gelu", {In::f({3, 4}, -3, 3)}},
+      {"gelu_tanh", "Gelu", {In::f({3, 4}, -3, 3)}, A([](Attrs& a) {
+         a.set_string("approximate", "tanh");
+       })},
+      {"silu", "Silu", {In::f({3, 4}, -4, 4)}, nullptr, 1, 1e-6, 1e-6, "graft"},
       // LSTM / GRU: X [T=3, B=2, I=3], hidden 2; every output feeds the loss.
       {"lstm",
        "LSTM",

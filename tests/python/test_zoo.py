@@ -193,3 +193,58 @@ def test_padded_batch_parity(name, masked):
         check_buffers(mg, me, step)
         opt_g.step()
         opt_e.step()
+
+
+# --- memory: what the forward keeps for the backward --------------------------------------------
+def eager_saved(model, batch):
+    """What eager autograd saves for backward over one forward of `model`: every tensor packed by
+    autograd (torch.autograd.graph.saved_tensors_hooks), counted once per storage, leaving out the
+    storages of parameters, buffers and the inputs, which graft's count leaves out too. Returns
+    (bytes, {grad_fn name: bytes})."""
+    skip = {t.storage().data_ptr() for t in [*model.parameters(), *model.buffers(),
+                                              *(b for b in batch if isinstance(b, torch.Tensor))]}
+    seen = {}
+
+    def pack(t):
+        st = t.storage()
+        if st.data_ptr() not in skip:
+            seen.setdefault(st.data_ptr(), (st.nbytes(), t.grad_fn.name() if t.grad_fn else "leaf"))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*batch)
+    by = {}
+    for b, op in seen.values():
+        by[op] = by.get(op, 0) + b
+    return sum(by.values()), by
+
+
+def seed_stack():
+    """The seed's Linear + ReLU stack (small), with its loss outside the module."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    return zoo.Zoo(torch.nn.Sequential(*layers), lambda seed: (x,), lambda out, batch: out.square().mean())
+
+
+@pytest.mark.parametrize("name", [*zoo.MODELS, "seed_stack"])
+def test_saved_for_backward_at_most_eager(name):
+    """graft keeps for backward no more bytes than eager's autograd saves, per model (the plan's
+    buffers alive across the forward/backward boundary vs autograd's saved tensors)."""
+    z = seed_stack() if name == "seed_stack" else zoo.build(name, dropout=False)
+    batch = z.make_batch(0)
+    eager, by_op = eager_saved(copy.deepcopy(z.model), batch)
+    g = graft.GraftModule(z.model)
+    graft_call(g, batch, 0)
+    saved = g.saved_for_backward()
+    total = sum(s[3] for s in saved)
+    assert total > 0 and eager > 0
+    if total > eager:
+        mine = {}
+        for _, op, _, b in saved:
+            mine[op] = mine.get(op, 0) + b
+        fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
+        pytest.fail(f"graft keeps {total} bytes for backward, eager {eager}\n  graft by op: {fmt(mine)}\n"
+                    f"  eager by grad_fn: {fmt(by_op)}")

@@ -1,0 +1,251 @@
+// Graph rewrites that make the backward keep less (see autodiff.h).
+//
+// PyTorch's autograd saves views and parameters by reference: a Linear saves its weight (no
+// copy) and its input; a Dropout with p = 0 returns its input. An exported graph spells these as
+// copies (Transpose of the weight, Dropout, the LSTM's reordered weight matrices), and a gradient
+// rule that reads such a copy keeps it alive from forward to backward: for ViT-B/16 that was
+// 300 MB of transposed weights. These rewrites remove the copies or recompute them in backward.
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "graft/autodiff.h"
+#include "graft/ops.h"
+
+namespace graft {
+namespace {
+
+bool is_onnx(const Node& n, const char* op) { return n.domain.empty() && n.op == op; }
+
+// A constant scalar's value, or false.
+bool const_scalar(const Graph& g, int v, double& out) {
+  if (v < 0) return false;
+  const Value& val = g.values[v];
+  if (val.kind != ValueKind::Constant || !val.data.defined() || val.data.numel() != 1) return false;
+  out = val.data.at(0);
+  return true;
+}
+
+// A Dropout that provably passes its input through: ratio 0, or training_mode absent or a
+// constant false, and no mask output anyone reads.
+bool inactive_dropout(const Graph& g, const Node& n, const std::vector<std::vector<int>>& cons) {
+  if (!is_onnx(n, "Dropout")) return false;
+  if (n.outputs.size() > 1 && n.outputs[1] >= 0 && !cons[n.outputs[1]].empty()) return false;
+  for (int o : g.outputs)
+    if (n.outputs.size() > 1 && o == n.outputs[1]) return false;
+  double ratio = 0.5, train = 0;
+  const bool has_ratio = n.inputs.size() > 1 && n.inputs[1] >= 0;
+  const bool has_train = n.inputs.size() > 2 && n.inputs[2] >= 0;
+  if (has_ratio && !const_scalar(g, n.inputs[1], ratio)) return false;
+  if (has_train && !const_scalar(g, n.inputs[2], train)) return false;
+  return train == 0 || ratio == 0;
+}
+
+// A Cast to the dtype its input already has.
+bool same_type_cast(const Graph& g, const Node& n) {
+  if (!is_onnx(n, "Cast") || n.inputs.empty() || n.inputs[0] < 0) return false;
+  DType to;
+  return dtype_of_onnx_elem(n.attrs.get_int("to", 0, n.label()), to) &&
+         to == g.values[n.inputs[0]].dtype;
+}
+
+// Transpose that swaps the two axes of a 2-D value.
+int transposed_2d(const Graph& g, int v) {
+  const Value& val = g.values[v];
+  if (val.producer < 0) return -1;
+  const Node& t = g.nodes[val.producer];
+  if (!is_onnx(t, "Transpose") || t.inputs.empty()) return -1;
+  const Value& src = g.values[t.inputs[0]];
+  if (src.shape.size() != 2) return -1;
+  const auto perm = t.attrs.get_ints("perm", {1, 0}, t.label());
+  return perm == std::vector<int64_t>{1, 0} ? t.inputs[0] : -1;
+}
+
+// Ops that only move or copy data: recomputing them costs a copy, never arithmetic.
+bool copy_like(const Node& n) {
+  static const std::set<std::string> ops = {"Transpose", "Reshape", "Unsqueeze", "Squeeze",
+                                            "Flatten",   "Concat",  "Slice",     "Split",
+                                            "Identity",  "Cast",    "Expand",    "Tile"};
+  return n.domain.empty() && ops.count(n.op);
+}
+
+// The producer of v if it is the ONNX op `op` and v is read once (and is no graph output).
+Node* sole(Graph& g, int v, const char* op, const std::vector<std::vector<int>>& cons,
+           const std::set<int>& outs) {
+  if (v < 0 || g.values[v].producer < 0 || cons[v].size() != 1 || outs.count(v)) return nullptr;
+  Node& n = g.nodes[g.values[v].producer];
+  return !n.dead && is_onnx(n, op) ? &n : nullptr;
+}
+bool near(double a, double b) { return std::abs(a - b) <= 1e-6 * std::abs(b); }
+
+// Mul(Mul(x, Add(Erf(Div(x, sqrt 2)), 1)), 0.5) -- torch's export of the exact GELU -- at node m2
+// (either operand order at each step). Returns x, and marks the inner nodes dead, or -1.
+int match_gelu(Graph& g, Node& m2, const std::vector<std::vector<int>>& cons,
+               const std::set<int>& outs) {
+  if (!is_onnx(m2, "Mul") || m2.inputs.size() != 2) return -1;
+  double c;
+  for (int k = 0; k < 2; ++k) {
+    if (!const_scalar(g, m2.inputs[1 - k], c) || !near(c, 0.5)) continue;
+    Node* m1 = sole(g, m2.inputs[k], "Mul", cons, outs);
+    if (!m1 || m1->inputs.size() != 2) continue;
+    for (int j = 0; j < 2; ++j) {
+      const int x = m1->inputs[j];
+      Node* add = sole(g, m1->inputs[1 - j], "Add", cons, outs);
+      if (!add || add->inputs.size() != 2) continue;
+      for (int i = 0; i < 2; ++i) {
+        if (!const_scalar(g, add->inputs[1 - i], c) || !near(c, 1.0)) continue;
+        Node* erf = sole(g, add->inputs[i], "Erf", cons, outs);
+        if (!erf) continue;
+        Node* div = sole(g, erf->inputs[0], "Div", cons, outs);
+        if (!div || div->inputs.size() != 2 || div->inputs[0] != x) continue;
+        if (!const_scalar(g, div->inputs[1], c) || !near(c, 1.4142135623730951)) continue;
+        if (g.values[x].shape != g.values[m2.outputs[0]].shape) continue;
+        m1->dead = add->dead = erf->dead = div->dead = true;
+        return x;
+      }
+    }
+  }
+  return -1;
+}
+
+// Mul(x, Sigmoid(x)) -- torch's export of SiLU -- at node m. Returns x (Sigmoid marked dead) or -1.
+int match_silu(Graph& g, Node& m, const std::vector<std::vector<int>>& cons,
+               const std::set<int>& outs) {
+  if (!is_onnx(m, "Mul") || m.inputs.size() != 2) return -1;
+  for (int k = 0; k < 2; ++k) {
+    Node* sg = sole(g, m.inputs[1 - k], "Sigmoid", cons, outs);
+    if (sg && sg->inputs[0] == m.inputs[k]) {
+      sg->dead = true;
+      return m.inputs[k];
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+int rewrite_for_training(Graph& g) {
+  auto cons = g.consumers();
+  std::set<int> outs(g.outputs.begin(), g.outputs.end());
+  int changed = 0;
+  std::set<int> touched;
+  // Activations spelled as several nodes become one op whose backward keeps only its input.
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    Node& n = g.nodes[i];
+    if (n.dead) continue;
+    int x = match_gelu(g, n, cons, outs);
+    std::string op = "Gelu", domain;
+    if (x < 0) {
+      x = match_silu(g, n, cons, outs);
+      op = "Silu";
+      domain = "graft";
+    }
+    if (x < 0) continue;
+    n.op = op;
+    n.domain = domain;
+    n.def = nullptr;
+    n.inputs = {x};
+    n.attrs = Attrs();
+    touched.insert(static_cast<int>(i));
+    ++changed;
+  }
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    Node& n = g.nodes[i];
+    if (n.dead) continue;
+    if (is_onnx(n, "MatMul") && n.inputs.size() == 2) {
+      // MatMul(A, W^T) -> FusedMatMul(A, W, transB = 1): the GEMM reads W transposed in place,
+      // and the backward keeps W (a parameter) instead of a transposed copy. Also for A^T.
+      int wb = transposed_2d(g, n.inputs[1]);
+      int wa = g.values[n.inputs[0]].shape.size() == 2 ? transposed_2d(g, n.inputs[0]) : -1;
+      if (wb < 0 && wa < 0) continue;
+      n.op = "FusedMatMul";
+      n.domain = "graft";
+      n.def = nullptr;
+      if (wa >= 0) {
+        n.attrs.set_int("transA", 1);
+        n.inputs[0] = wa;
+      }
+      if (wb >= 0) {
+        n.attrs.set_int("transB", 1);
+        n.inputs[1] = wb;
+      }
+      touched.insert(static_cast<int>(i));
+      ++changed;
+    } else if (inactive_dropout(g, n, cons) || same_type_cast(g, n)) {
+      // A Dropout that drops nothing, or a Cast to the type the value has, is a view of its
+      // input, as in PyTorch (x.type(x.dtype) and dropout(p = 0) return x): no copy is kept.
+      n.op = "Identity";
+      n.def = nullptr;
+      n.inputs.resize(1);
+      n.outputs.resize(1);
+      n.attrs = Attrs();
+      touched.insert(static_cast<int>(i));
+      ++changed;
+    }
+  }
+  if (!changed) return 0;
+  for (int i : touched) infer_node(g, i);
+  // Transposes nothing reads any more.
+  cons = g.consumers();
+  bool dead = true;  // the fused activations' inner nodes
+  for (Node& n : g.nodes) {
+    if (n.dead || !is_onnx(n, "Transpose")) continue;
+    const int o = n.outputs[0];
+    if (cons[o].empty() && !outs.count(o)) {
+      n.dead = true;
+      dead = true;
+    }
+  }
+  if (dead) g.remove_dead_nodes();
+  return changed;
+}
+
+int rematerialize_param_copies(Graph& g, const BackwardGraph& bg) {
+  const int nf = bg.n_forward_nodes;
+  const int nv = static_cast<int>(g.values.size());
+  // derived[v]: v is made by forward copy-like nodes from parameters and constants alone.
+  std::vector<char> derived(nv, 0);
+  for (int i = 0; i < nf; ++i) {
+    const Node& n = g.nodes[i];
+    if (!copy_like(n)) continue;
+    bool ok = !n.inputs.empty();
+    for (int v : n.inputs) {
+      if (v < 0) continue;
+      const Value& val = g.values[v];
+      ok = ok && (val.kind == ValueKind::Param || val.kind == ValueKind::Constant || derived[v]);
+    }
+    if (ok)
+      for (int o : n.outputs)
+        if (o >= 0) derived[o] = 1;
+  }
+  std::set<int> outs(g.outputs.begin(), g.outputs.end());
+  std::vector<int> clone(nv, -1);  // forward value -> its backward recomputation
+  // Emits the backward copy of v's producer chain (memoized); returns the new value.
+  auto remake = [&](auto&& self, int v) -> int {
+    if (v < 0 || !derived[v]) return v;
+    if (clone[v] >= 0) return clone[v];
+    const Node src = g.nodes[g.values[v].producer];  // a copy: add_op may grow the deque
+    std::vector<int> ins;
+    for (int x : src.inputs) ins.push_back(self(self, x));
+    std::vector<int> made = g.add_op(src.op, ins, src.attrs, static_cast<int>(src.outputs.size()),
+                                     src.domain, src.name + "/recompute");
+    infer_node(g, static_cast<int>(g.nodes.size()) - 1);
+    for (size_t k = 0; k < src.outputs.size(); ++k)
+      if (src.outputs[k] >= 0 && src.outputs[k] < nv) clone[src.outputs[k]] = made[k];
+    return clone[v];
+  };
+  int n_replaced = 0;
+  const int nn = static_cast<int>(g.nodes.size());
+  for (int i = nf; i < nn; ++i) {
+    for (size_t k = 0; k < g.nodes[i].inputs.size(); ++k) {
+      const int v = g.nodes[i].inputs[k];
+      if (v < 0 || v >= nv || !derived[v] || outs.count(v)) continue;
+      const int c = remake(remake, v);
+      g.nodes[i].inputs[k] = c;
+      ++n_replaced;
+    }
+  }
+  return n_replaced;
+}
+
+}  // namespace graft
