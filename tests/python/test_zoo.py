@@ -196,29 +196,6 @@ def test_padded_batch_parity(name, masked):
 
 
 # --- memory: what the forward keeps for the backward --------------------------------------------
-def eager_saved(model, batch):
-    """What eager autograd saves for backward over one forward of `model`: every tensor packed by
-    autograd (torch.autograd.graph.saved_tensors_hooks), counted once per storage, leaving out the
-    storages of parameters, buffers and the inputs, which graft's count leaves out too. Returns
-    (bytes, {grad_fn name: bytes})."""
-    skip = {t.storage().data_ptr() for t in [*model.parameters(), *model.buffers(),
-                                              *(b for b in batch if isinstance(b, torch.Tensor))]}
-    seen = {}
-
-    def pack(t):
-        st = t.storage()
-        if st.data_ptr() not in skip:
-            seen.setdefault(st.data_ptr(), (st.nbytes(), t.grad_fn.name() if t.grad_fn else "leaf"))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*batch)
-    by = {}
-    for b, op in seen.values():
-        by[op] = by.get(op, 0) + b
-    return sum(by.values()), by
-
-
 def seed_stack():
     """The seed's Linear + ReLU stack (small), with its loss outside the module."""
     torch.manual_seed(0)
@@ -235,7 +212,7 @@ def test_saved_for_backward_at_most_eager(name):
     buffers alive across the forward/backward boundary vs autograd's saved tensors)."""
     z = seed_stack() if name == "seed_stack" else zoo.build(name, dropout=False)
     batch = z.make_batch(0)
-    eager, by_op = eager_saved(copy.deepcopy(z.model), batch)
+    eager, by_op = zoo.eager_saved(copy.deepcopy(z.model), batch)
     g = graft.GraftModule(z.model)
     graft_call(g, batch, 0)
     saved = g.saved_for_backward()

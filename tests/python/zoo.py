@@ -338,3 +338,27 @@ def build(name: str, dropout: bool = False, seed: int = 0) -> Zoo:
     """The model `name` with weights drawn after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
     return BUILDERS[name](dropout)
+
+
+# --- what eager keeps for backward (tests/python/test_zoo.py, tools/zoo-report) ------------------
+def eager_saved(model, batch):
+    """What eager autograd saves for backward over one forward of `model`: every tensor packed by
+    autograd (torch.autograd.graph.saved_tensors_hooks), counted once per storage, leaving out the
+    storages of parameters, buffers and the inputs, which graft's count leaves out too. Returns
+    (bytes, {grad_fn name: bytes})."""
+    skip = {t.storage().data_ptr() for t in [*model.parameters(), *model.buffers(),
+                                              *(b for b in batch if isinstance(b, torch.Tensor))]}
+    seen = {}
+
+    def pack(t):
+        st = t.storage()
+        if st.data_ptr() not in skip:
+            seen.setdefault(st.data_ptr(), (st.nbytes(), t.grad_fn.name() if t.grad_fn else "leaf"))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*batch)
+    by = {}
+    for b, op in seen.values():
+        by[op] = by.get(op, 0) + b
+    return sum(by.values()), by
