@@ -7,6 +7,8 @@
 * ``TrainingMode.PRESERVE``: every submodule is exported in the mode it is in; the module's
   training flags, buffers and parameters are restored afterwards, whatever the exporter did.
 * Autocast is off during the export (graft computes in float32; see GraftModule).
+* A training-mode multi-layer nn.LSTM / nn.GRU with dropout, which the exporter refuses, is
+  exported one layer at a time with Dropout between the layers (_layered_rnn_forward).
 * After the export, every trainable parameter of a submodule that ran must be a graph input of
   its own shape: a graph that silently dropped or folded a parameter is refused.
 """
@@ -45,6 +47,55 @@ def _export_kwargs():
     return kw
 
 
+def _layered_rnn_forward(mod):
+    """A forward for a multi-layer nn.LSTM / nn.GRU with dropout that runs its layers one at a time
+    with F.dropout between them: what PyTorch's fused kernel computes (dropout on every layer's
+    output but the last), in a form torch.onnx.export can export (it refuses dropout inside the
+    fused RNN in training mode). Parameters are the module's own (no copy)."""
+    lstm = mod.mode == "LSTM"
+    dirs = 2 if mod.bidirectional else 1
+    per_layer = len(mod._flat_weights) // mod.num_layers
+    original = mod.forward
+
+    def forward(input, hx=None):
+        if not isinstance(input, torch.Tensor) or input.dim() != 3:
+            return original(input, hx)  # packed or unbatched input: the module's own path
+        batch = input.size(0 if mod.batch_first else 1)
+        if hx is None:
+            z = torch.zeros(mod.num_layers * dirs, batch, mod.hidden_size, dtype=input.dtype, device=input.device)
+            hx = (z, z) if lstm else z
+        out, hs, cs = input, [], []
+        for layer in range(mod.num_layers):
+            if layer > 0:
+                out = torch.nn.functional.dropout(out, mod.dropout, training=True)
+            w = mod._flat_weights[layer * per_layer:(layer + 1) * per_layer]
+            sl = slice(layer * dirs, (layer + 1) * dirs)
+            if lstm:
+                out, h, c = torch._VF.lstm(out, (hx[0][sl], hx[1][sl]), w, mod.bias, 1, 0.0, True,
+                                           mod.bidirectional, mod.batch_first)
+                cs.append(c)
+            else:
+                out, h = torch._VF.gru(out, hx[sl], w, mod.bias, 1, 0.0, True, mod.bidirectional,
+                                       mod.batch_first)
+            hs.append(h)
+        h = torch.cat(hs, 0)
+        return (out, (h, torch.cat(cs, 0))) if lstm else (out, h)
+
+    return forward
+
+
+def _patch_rnn_dropout(module):
+    """Patches every training-mode multi-layer nn.LSTM / nn.GRU with dropout for the export;
+    returns the modules patched (undo: del m.forward)."""
+    patched = []
+    for m in module.modules():
+        if (isinstance(m, (torch.nn.LSTM, torch.nn.GRU)) and m.training and m.dropout > 0 and m.num_layers > 1
+                and getattr(m, "proj_size", 0) == 0 and "forward" not in m.__dict__):
+            m.forward = _layered_rnn_forward(m)
+            patched.append(m)
+    return patched
+
+
 def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int, name: str) -> Exported:
     out_holder = {}
 
@@ -70,6 +121,7 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     param_versions = {n: (p, p._version) for n, p in params}
     called = set()
     hooks = [m.register_forward_pre_hook(lambda m, _a: called.add(id(m))) for m in module.modules()]
+    patched_rnns = _patch_rnn_dropout(module)
     try:
         with warnings.catch_warnings(record=True) as caught, torch.enable_grad(), \
                 torch.autocast("cpu", enabled=False):
@@ -94,6 +146,8 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
             f"{name}: torch.onnx.export failed ({what}). Keep this module (or the submodule that uses it) in "
             "eager mode, or rewrite it with exportable ops.", "export") from ex
     finally:
+        for m in patched_rnns:
+            del m.forward
         for h in hooks:
             h.remove()
         for m, t in modes:

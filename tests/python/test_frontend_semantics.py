@@ -564,3 +564,29 @@ def test_an_unsupported_node_is_named_in_the_error_fields():
     e = ex.value
     assert e.kind == "unsupported" and "Cast" in e.node, (e.kind, e.node)
     assert "Int16Cast" in e.message and "cast to ONNX type 5" in e.message, e.message
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_multilayer_rnn_with_dropout_is_exported_layer_by_layer(kind):
+    """torch.onnx.export refuses dropout inside a fused multi-layer LSTM / GRU in training mode;
+    graft exports such a module one layer at a time with Dropout between the layers (PyTorch's
+    semantics). With a dropout probability of 1e-12 nothing is dropped in either system, so the
+    layered graph must give eager's outputs, states and gradients: the weights, states and
+    directions are wired as in the fused kernel."""
+    torch.manual_seed(0)
+    cls = nn.LSTM if kind == "lstm" else nn.GRU
+    m = cls(5, 4, num_layers=3, batch_first=True, dropout=1e-12, bidirectional=kind == "gru")
+    e = copy.deepcopy(m)
+    g = GraftModule(m)
+    x = torch.randn(2, 6, 5)
+    h0 = torch.randn(3 * (2 if kind == "gru" else 1), 2, 4)
+    state = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+    out_g, st_g = g(x, state)
+    out_e, st_e = e(x, state)
+    close(out_g, out_e, "output")
+    for a, b in zip(st_g if kind == "lstm" else (st_g,), st_e if kind == "lstm" else (st_e,)):
+        close(a, b, "final state")
+    (out_g.square().sum() + (st_g[0] if kind == "lstm" else st_g).sum()).backward()
+    (out_e.square().sum() + (st_e[0] if kind == "lstm" else st_e).sum()).backward()
+    same_state(m, e)
+    assert "forward" not in m.__dict__, "the export's patch was not undone"
