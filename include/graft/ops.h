@@ -159,6 +159,7 @@ void register_reduce_ops(std::vector<const OpDef*>& t);
 void register_shape_ops(std::vector<const OpDef*>& t);
 void register_nn_ops(std::vector<const OpDef*>& t);
 void register_conv_ops(std::vector<const OpDef*>& t);
+void register_resize_ops(std::vector<const OpDef*>& t);
 void register_rnn_ops(std::vector<const OpDef*>& t);
 
 }  // namespace graft

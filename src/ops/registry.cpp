@@ -25,6 +25,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_shape_ops(t);
     register_nn_ops(t);
     register_conv_ops(t);
+    register_resize_ops(t);
     register_rnn_ops(t);
     static const OpDef sink{.name = "GradSink",
                             .domain = "graft",

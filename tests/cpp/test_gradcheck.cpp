@@ -376,6 +376,97 @@ std::vector<Case> cases() {
       {"pad_edge", "Pad", {In::f({3, 3}), In::i({2, 0, 1, 3})}, A([](Attrs& a) {
          a.set_string("mode", "edge");
        })},
+      // Resize: scales (float64 constants here) or sizes; roi absent.
+      {"resize_nearest_scales2",
+       "Resize",
+       {In::f({2, 3}), In::none(), In::fc({2}, 2, 2)},
+       A([](Attrs& a) {
+         a.set_string("coordinate_transformation_mode", "asymmetric");
+         a.set_string("nearest_mode", "floor");
+       })},
+      {"resize_nearest_down_round_prefer_ceil",
+       "Resize",
+       {In::f({2, 5, 7}), In::none(), In::none(), In::i({2, 3, 4})},
+       A([](Attrs& a) { a.set_string("nearest_mode", "round_prefer_ceil"); })},
+      {"resize_linear_half_pixel",
+       "Resize",
+       {In::f({1, 2, 3, 4}), In::none(), In::none(), In::i({1, 2, 5, 7})},
+       A([](Attrs& a) { a.set_string("mode", "linear"); })},
+      {"resize_linear_align_corners",
+       "Resize",
+       {In::f({1, 1, 3, 4}), In::none(), In::none(), In::i({1, 1, 5, 6})},
+       A([](Attrs& a) {
+         a.set_string("mode", "linear");
+         a.set_string("coordinate_transformation_mode", "align_corners");
+       })},
+      {"resize_linear_down_pytorch_half_pixel",
+       "Resize",
+       {In::f({1, 2, 5, 6}), In::none(), In::none(), In::i({1, 2, 3, 1})},
+       A([](Attrs& a) {
+         a.set_string("mode", "linear");
+         a.set_string("coordinate_transformation_mode", "pytorch_half_pixel");
+       })},
+      {"resize_linear_3d_all_axes",
+       "Resize",
+       {In::f({2, 3, 4}), In::none(), In::none(), In::i({3, 5, 3})},
+       A([](Attrs& a) { a.set_string("mode", "linear"); })},
+      {"resize_cubic_exclude_outside",
+       "Resize",
+       {In::f({1, 1, 4, 4}), In::none(), In::none(), In::i({1, 1, 6, 3})},
+       A([](Attrs& a) {
+         a.set_string("mode", "cubic");
+         a.set_float("cubic_coeff_a", -0.5);
+         a.set_int("exclude_outside", 1);
+       })},
+      // roi drawn in [-0.3, 1.3]: some samples fall outside and read extrapolation_value
+      {"resize_tf_crop_and_resize",
+       "Resize",
+       {In::f({3, 4}), In::fc({4}, -0.3, 1.3), In::none(), In::i({4, 5})},
+       A([](Attrs& a) {
+         a.set_string("mode", "linear");
+         a.set_string("coordinate_transformation_mode", "tf_crop_and_resize");
+         a.set_float("extrapolation_value", 0.5);
+       })},
+      // Einsum: the batched-GEMM path, the gather path, diagonals, ellipsis, broadcasting.
+      {"einsum_matmul", "Einsum", {In::f({3, 4}), In::f({4, 5})}, A([](Attrs& a) {
+         a.set_string("equation", "ij,jk->ik");
+       })},
+      {"einsum_attention_scores",
+       "Einsum",
+       {In::f({2, 2, 3, 4}), In::f({2, 2, 5, 4})},
+       A([](Attrs& a) { a.set_string("equation", "bhqd,bhkd->bhqk"); })},
+      {"einsum_batch_matmul_implicit",
+       "Einsum",
+       {In::f({2, 3, 4}), In::f({2, 4, 3})},
+       A([](Attrs& a) { a.set_string("equation", "bij,bjk"); })},
+      {"einsum_transpose", "Einsum", {In::f({3, 4})}, A([](Attrs& a) {
+         a.set_string("equation", "ij->ji");
+       })},
+      {"einsum_reduce", "Einsum", {In::f({3, 4})}, A([](Attrs& a) {
+         a.set_string("equation", "ij->i");
+       })},
+      {"einsum_outer", "Einsum", {In::f({3}), In::f({4})}, A([](Attrs& a) {
+         a.set_string("equation", "i,j->ij");
+       })},
+      {"einsum_three_operands",
+       "Einsum",
+       {In::f({2, 3}), In::f({3, 4}), In::f({4, 2})},
+       A([](Attrs& a) { a.set_string("equation", "ij,jk,kl->il"); })},
+      {"einsum_ellipsis_broadcast", "Einsum", {In::f({2, 3, 4}), In::f({4, 2})}, A([](Attrs& a) {
+         a.set_string("equation", "...ij,...jk->...ik");
+       })},
+      {"einsum_summed_alone", "Einsum", {In::f({3, 4}), In::f({4, 2})}, A([](Attrs& a) {
+         a.set_string("equation", "ij,jk->i");
+       })},
+      {"einsum_size1_broadcast", "Einsum", {In::f({3, 1}), In::f({3, 4})}, A([](Attrs& a) {
+         a.set_string("equation", "ij,ij->ij");
+       })},
+      {"einsum_trace", "Einsum", {In::f({3, 3})}, A([](Attrs& a) {
+         a.set_string("equation", "ii->");
+       })},
+      {"einsum_batch_diagonal", "Einsum", {In::f({2, 3, 3}), In::f({3})}, A([](Attrs& a) {
+         a.set_string("equation", "...ii,i->...i");
+       })},
       // a parameter used twice gets one summed gradient
       {"mul_same_input_twice", "Mul", {In::f({3}), In::f({3})}},
   };

@@ -157,6 +157,20 @@ def test_sgd_matches_torch(case, opt, tmp_path):
             np.testing.assert_allclose(params[n], p.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n)
 
 
+class _Interpolate(torch.nn.Module):
+    """conv -> F.interpolate -> conv -> MSE, so the gradient passes back through Resize."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+        self.conv1 = torch.nn.Conv2d(3, 4, 1)
+        self.conv2 = torch.nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x, target):
+        y = self.conv2(torch.nn.functional.interpolate(self.conv1(x), **self.kw))
+        return ((y - target) ** 2).mean()
+
+
 class _Einsum(torch.nn.Module):
     """Linear -> torch.einsum("bij,bjk->bik") with a batched weight -> MSE."""
 
@@ -170,6 +184,13 @@ class _Einsum(torch.nn.Module):
 
 
 _RESIZE_EINSUM = {  # name: (model kwargs or None for einsum, input shape, target shape)
+    "interpolate_nearest_scale2": (dict(scale_factor=2, mode="nearest"), (2, 3, 4, 5), (2, 2, 8, 10)),
+    "interpolate_bilinear": (dict(scale_factor=2, mode="bilinear", align_corners=False), (2, 3, 4, 5),
+                             (2, 2, 8, 10)),
+    "interpolate_bilinear_align_corners": (dict(size=(7, 9), mode="bilinear", align_corners=True), (2, 3, 4, 5),
+                                           (2, 2, 7, 9)),
+    "upsample_bilinear_down": (dict(scale_factor=0.5, mode="bilinear", align_corners=False), (2, 3, 6, 8),
+                               (2, 2, 3, 4)),
     "einsum_bij_bjk": (None, (2, 3, 5), (2, 3, 6)),
 }
 
@@ -179,7 +200,7 @@ def resize_einsum_case(request, tmp_path_factory):
     name = request.param
     kw, xs, ts = _RESIZE_EINSUM[name]
     torch.manual_seed(0)
-    model = _Einsum()
+    model = _Einsum() if kw is None else _Interpolate(**kw)
     args = (torch.randn(*xs), torch.randn(*ts))
     names = ("x", "target")
     d = tmp_path_factory.mktemp(name)
@@ -192,8 +213,9 @@ def resize_einsum_case(request, tmp_path_factory):
 
 
 def test_resize_and_einsum_gradients_match_eager(resize_einsum_case, tmp_path):
-    """Einsum (torch.einsum) exported at opset 17: graft's loss, gradients and parameters after 5
-    AdamW steps match eager's."""
+    """Resize (F.interpolate: nearest, bilinear with and without align_corners, a downsample) and
+    Einsum (torch.einsum) exported at opset 17: graft's loss, gradients and parameters after 5 AdamW
+    steps match eager's."""
     steps, got_grads, _ = graft_train(resize_einsum_case, "accumulate", 1, tmp_path / "one")
     losses, grads, _ = torch_reference(resize_einsum_case, 1)
     np.testing.assert_allclose(steps[0]["loss"], losses[0], rtol=RTOL, atol=ATOL)
