@@ -217,7 +217,13 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     for init in m.graph.initializer:  # exported anyway (a constant the exporter made): graft keeps it
         pass
     e.output_names = [o.name for o in m.graph.output]
-    e.output_template = out_holder.get("template")
+    # The structure of the outputs, with empty tensors where the tensors were: the traced outputs
+    # themselves would hold the trace's autograd graph, and with it every activation it saved, as
+    # long as the export is cached.
+    template = out_holder.pop("template", None)
+    e.output_template = _flatten.rebuild(
+        template, iter([torch.empty(0) for _ in _flatten.flatten_outputs(template)]))
+    del template
     e.has_dropout = any(n.op_type == "Dropout" for n in m.graph.node)
 
     # Every trainable parameter of a submodule that ran must be in the graph with its own shape.

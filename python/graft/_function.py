@@ -203,13 +203,14 @@ class GraftFunction(torch.autograd.Function):
                 continue
             summed[name] = summed[name] + out_grad if name in summed else out_grad
         grads = {}
+        held = []  # the output gradients, alive until graft's backward returns (not after: see below)
         for name, (oname, dt, shape) in zip(entry.output_names, entry.outputs_info):
             if name not in entry.float_outputs or name in grads:
                 continue
             g = summed.get(name)
             g = (g if g is not None else torch.zeros(shape, dtype=getattr(torch, dt))).detach().contiguous()
             grads[name] = (g.data_ptr(), list(g.shape), DTYPES[g.dtype])
-            ctx.tensors.append(g)  # alive until graft's backward returns
+            held.append(g)
         trainable = entry.trainable_params()
         targets = _targets(entry, trainable, dummy, ctx.in_graph) if entry.mode != "hold" else ["return"] * len(trainable)
         returned = {}
@@ -280,8 +281,10 @@ class GraftFunction(torch.autograd.Function):
                 if t == "deliver":  # graft returns None for it (see _hide_hooks_from_none)
                     _hide_hooks_from_none(p, entry.acc_node(p))
         arrays = step.input_grads()
-        igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors)))
-        del arrays
+        igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors + held)))
+        # The output gradients are not kept with the graph (ctx lives as long as the outputs do):
+        # eager frees them when backward ends, and holding one pins freed heap below it.
+        del arrays, held
         input_grads = [igrads.get(name) for name in entry.input_names]
         param_grads = [returned.get(name) for name, _ in entry.trainable] if ctx.in_graph else []
         return (None, None, None, *input_grads, *param_grads)

@@ -13,7 +13,9 @@ in a fresh process with the same thread count: PyTorch as ``python3 -m graft.ben
 and graft as ``graft bench --mode M --json``. Each does one warm-up step, then N timed steps, and
 measures the peak resident-memory delta of a step the same way: write "5" to /proc/self/clear_refs
 (VmHWM := VmRSS) at the step's start, read VmHWM after the optimizer step, subtract VmRSS at the
-start. Children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set), so that glibc returns freed
+start. peak_total_bytes is the whole process's peak RSS during the timed steps minus its RSS before
+the model was created (parameters, gradients, optimizer state, activations, framework overhead:
+what a user pays). Children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set), so that glibc returns freed
 large blocks and the RSS delta reflects live memory at small sizes too. Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
 allocator statistics), the peak RSS delta (max over the timed steps), seconds per step (median),
 and the ratios of RSS delta and time to PyTorch eager.
@@ -68,6 +70,9 @@ def torch_worker(a):
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    if a.worker == "graftmodule":
+        from . import _graft  # noqa: F401  (loaded before the baseline, as torch is)
+    rss_before_model = _status_bytes("VmRSS")
     layers = []
     for _ in range(a.layer):
         layers += [nn.Linear(a.hidden, a.hidden), nn.ReLU()]
@@ -82,7 +87,7 @@ def torch_worker(a):
         model = GraftModule(model, gradients=a.gm_mode)
         system, mode = "graftmodule", a.gm_mode
     hwm_ok = _reset_hwm()
-    secs, rss = [], []
+    secs, rss, total = [], [], []
     loss = None
     for k in range(a.steps + 1):  # k = 0: warm-up
         t0 = time.perf_counter()
@@ -99,6 +104,7 @@ def torch_worker(a):
             continue
         secs.append(t1 - t0)
         rss.append(hwm - rss0 if hwm_ok and hwm >= 0 and rss0 >= 0 else -1)
+        total.append(hwm - rss_before_model if hwm_ok and hwm >= 0 and rss_before_model >= 0 else -1)
     sec = statistics.median(secs)
     return {
         "system": system,
@@ -107,6 +113,7 @@ def torch_worker(a):
         "max_ma_bytes": None,
         "peak_rss_delta_bytes": max(rss),
         "peak_rss_delta_bytes_per_step": rss,
+        "peak_total_bytes": max(total),
         "step_seconds": sec,
         "step_seconds_per_step": secs,
         "gflops": flops_per_step(a.batch, a.hidden, a.layer) / sec / 1e9 if sec > 0 else 0.0,
@@ -218,14 +225,15 @@ def print_table(doc):
     print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} fp32, SGD lr 0.01, "
           f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
           f"{c['threads']} thread(s), each row its own process")
-    hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "s/step", "GFLOP/s", "RSS ratio", "time ratio")
-    fmt = "{:<12} {:<11} {:>11} {:>11} {:>15} {:>10} {:>8} {:>10} {:>10}"
+    hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "peak total", "s/step", "GFLOP/s", "RSS ratio",
+           "total ratio", "time ratio")
+    fmt = "{:<12} {:<11} {:>11} {:>11} {:>15} {:>11} {:>10} {:>8} {:>10} {:>11} {:>10}"
     print(fmt.format(*hdr))
     for r in doc["rows"]:
         print(fmt.format(r["system"], r["mode"], _human(r["ma_bytes"]), _human(r["max_ma_bytes"]),
-                         _human(r["peak_rss_delta_bytes"]), f"{r['step_seconds']:.4f}",
-                         f"{r.get('gflops', 0.0):.1f}", _fmt_ratio(r.get("rss_ratio")),
-                         _fmt_ratio(r.get("time_ratio"))))
+                         _human(r["peak_rss_delta_bytes"]), _human(r.get("peak_total_bytes")),
+                         f"{r['step_seconds']:.4f}", f"{r.get('gflops', 0.0):.1f}", _fmt_ratio(r.get("rss_ratio")),
+                         _fmt_ratio(r.get("total_ratio")), _fmt_ratio(r.get("time_ratio"))))
     if c.get("sgemm_gflops") is not None:
         print(f"ceiling: sgemm {c['batch']}x{c['hidden']}x{c['hidden']} {c['sgemm_gflops']:.1f} GFLOP/s "
               f"(timed in the graft processes)")
@@ -347,8 +355,10 @@ def main(argv=None):
         if a.frontend == "torch":
             rows += [run_graftmodule(a, m) for m in a.modes]
         ref_rss, ref_sec = torch_row["peak_rss_delta_bytes"], torch_row["step_seconds"]
+        ref_total = torch_row.get("peak_total_bytes")
         for r in rows:
             r["rss_ratio"] = _ratio(r["peak_rss_delta_bytes"], ref_rss)
+            r["total_ratio"] = _ratio(r.get("peak_total_bytes"), ref_total)
             r["time_ratio"] = _ratio(r["step_seconds"], ref_sec)
         sg = [s for s in sgemm if s is not None]
         out = {

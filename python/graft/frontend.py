@@ -17,6 +17,7 @@ Gradient delivery ("accumulate", "hook", "hold") and what autograd asks for: gra
 """
 import collections
 import dataclasses
+import gc
 import os
 import sys
 import tempfile
@@ -351,6 +352,12 @@ class GraftModule(torch.nn.Module):
                 self._cache.move_to_end(key)
                 return entry
             entry = self._build(args, kwargs, tensors)
+            # The exporter's trace ran the forward with autograd on; its traced modules, graph
+            # and outputs form reference cycles that hold every activation of that forward until
+            # Python's cyclic collector happens to run (many steps later: a training loop makes
+            # few Python objects). Collect them now, once per export, so that the first step
+            # does not hold the activations twice.
+            gc.collect()
             self._cache[key] = entry
             self._exports += 1
             while len(self._cache) > self.cache_size:

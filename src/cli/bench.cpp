@@ -123,6 +123,9 @@ struct ModeResult {
   std::array<int64_t, kNumCategories> at_peak{};
   int64_t rss_delta = -1;
   std::vector<int64_t> rss_deltas;
+  // Whole-process peak RSS during the timed steps minus the RSS before the model was created:
+  // parameters, gradients, optimizer state, activations and overhead, what a user pays.
+  int64_t peak_total = -1;
   std::vector<double> secs;
   double loss = 0;
   int64_t planned_peak = 0, param_bytes = 0, grad_bytes = 0, input_bytes = 0, const_bytes = 0,
@@ -139,6 +142,7 @@ struct ModeResult {
 ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool record) {
   ModeResult r;
   r.mode = mode;
+  const int64_t rss_before_model = vm_rss();
   Allocator alloc;
   SessionOptions so;
   so.loss = "loss";
@@ -212,6 +216,8 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     int64_t d = hwm_ok && hwm >= 0 && rss0 >= 0 ? hwm - rss0 : -1;
     r.rss_deltas.push_back(d);
     r.rss_delta = std::max(r.rss_delta, d);
+    if (hwm_ok && hwm >= 0 && rss_before_model >= 0)
+      r.peak_total = std::max(r.peak_total, hwm - rss_before_model);
     if (last) {
       r.start = start;
       r.start_cats = start_cats;
@@ -406,6 +412,7 @@ json row_json(const ModeResult& r, const Sizes& sz) {
           {"max_ma_by_category", cats},
           {"peak_rss_delta_bytes", r.rss_delta},
           {"peak_rss_delta_bytes_per_step", r.rss_deltas},
+          {"peak_total_bytes", r.peak_total},
           {"step_seconds", sec},
           {"step_seconds_per_step", r.secs},
           {"gflops", sec > 0 ? sz.flops / sec / 1e9 : 0.0},

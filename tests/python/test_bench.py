@@ -157,6 +157,9 @@ def test_graft_bench_json_schema():
         assert isinstance(r["step_seconds"], float) and r["step_seconds"] > 0
         assert isinstance(r["gflops"], float)
         assert len(r["step_seconds_per_step"]) == 2 and len(r["peak_rss_delta_bytes_per_step"]) == 2
+        # The whole process above the RSS before the model existed: at least the parameters and
+        # the step's own rise.
+        assert r["peak_total_bytes"] >= max(r["peak_rss_delta_bytes"], 0)
 
 
 def test_human_table():
@@ -238,6 +241,7 @@ def test_python_bench_json_and_plot(tmp_path):
         for k in ("system", "mode", "ma_bytes", "max_ma_bytes", "peak_rss_delta_bytes", "step_seconds"):
             assert k in r, k
         assert isinstance(r["peak_rss_delta_bytes"], int) and not isinstance(r["peak_rss_delta_bytes"], bool)
+        assert isinstance(r["peak_total_bytes"], int) and r["peak_total_bytes"] >= max(r["peak_rss_delta_bytes"], 0)
         assert isinstance(r["step_seconds"], float)
         if r["system"] == "pytorch":
             assert r["ma_bytes"] is None and r["max_ma_bytes"] is None
