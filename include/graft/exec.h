@@ -29,6 +29,10 @@ struct OpTime {
 // Called for each gradient-sink node (OpDef::sink) with the node's index, the gradient, and whether
 // the executor holds the only reference to its storage (then the sink may adopt the buffer).
 using SinkFn = std::function<void(int sink_node, Tensor grad, bool exclusive)>;
+// Where a gradient sink's gradient may be accumulated directly: the tensor (a parameter's .grad)
+// the node feeding the sink adds its result into, or an undefined tensor for a fresh buffer. The
+// sink then receives that same tensor (its storage is the .grad's).
+using SinkTargetFn = std::function<Tensor(int sink_node)>;
 
 // The state of one execution of a plan: the values it has computed and not yet released, and how
 // far it got. Several runs of one Executor may be in flight at once, on several threads (each
@@ -48,6 +52,7 @@ class Run {
   std::vector<OpTime> times_;
   RunOptions opt_;
   SinkFn sink_;
+  SinkTargetFn target_;
   int next_ = 0;
   bool active_ = false;
 };
@@ -61,7 +66,8 @@ class Executor {
   // Starts a run over `bindings` (graph inputs and parameters, by value id; constants come from the
   // graph). Checks each binding's dtype and shape against the plan. Nothing is computed yet.
   std::unique_ptr<Run> start(const std::vector<std::pair<int, Tensor>>& bindings,
-                             const RunOptions& opt = {}, SinkFn sink = nullptr) const;
+                             const RunOptions& opt = {}, SinkFn sink = nullptr,
+                             SinkTargetFn target = nullptr) const;
   // Runs steps [r.next_step(), end_step). On an error the run is aborted (its values released).
   void run_to(Run& r, int end_step) const;
   // Sets a graph input during a run (e.g. output gradients that arrive after forward).
@@ -82,6 +88,9 @@ class Executor {
   Plan plan_;
   Allocator& alloc_;
   std::vector<const OpDef*> defs_;  // per node, resolved once
+  // Per node: the sink its output 0 feeds when it may accumulate straight into that sink's
+  // target (an accumulate_out op whose output 0 is read by that sink alone), else -1.
+  std::vector<int> feeds_sink_;
   std::map<int, Tensor> bound_;
   std::vector<OpTime> last_times_;
 };

@@ -59,6 +59,9 @@ struct KernelCtx {
   std::vector<Tensor*> outs;       // nullptr = absent optional output
   Allocator& alloc;                // for workspace only
   uint64_t seed = 0;               // the run's random stream (RunOptions::seed)
+  // Output 0 already holds values to add to (a parameter's .grad): the kernel adds its result
+  // into it instead of overwriting (only for ops with OpDef::accumulate_out).
+  bool accumulate = false;
   const Tensor& in(int i) const { return *ins[i]; }
   bool has_in(int i) const { return i < static_cast<int>(ins.size()) && ins[i]; }
   Tensor& out(int i) const { return *outs[i]; }
@@ -121,6 +124,9 @@ struct OpDef {
   std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
   bool sink = false;  // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
   bool shape_only = false;  // reads only its input's shape (Shape): folded once shapes are known
+  // The kernel can add into output 0 (KernelCtx::accumulate): a weight-gradient GEMM then writes
+  // straight into an existing .grad (beta = 1) instead of into a temporary that is added after.
+  bool accumulate_out = false;
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");

@@ -15,6 +15,20 @@ Executor::Executor(const Graph& g, Plan plan, Allocator& alloc)
     : g_(g), plan_(std::move(plan)), alloc_(alloc) {
   defs_.assign(g_.nodes.size(), nullptr);
   for (const PlanStep& st : plan_.steps) defs_[st.node] = &op_for(g_.nodes[st.node]);
+  feeds_sink_.assign(g_.nodes.size(), -1);
+  auto cons = g_.consumers();
+  std::vector<bool> kept(g_.values.size(), false);
+  for (int v : plan_.keep) kept[v] = true;
+  for (const PlanStep& st : plan_.steps) {
+    const Node& n = g_.nodes[st.node];
+    const OpDef& d = *defs_[st.node];
+    if (!d.accumulate_out || st.inplace_in >= 0 || n.outputs.empty() || n.outputs[0] < 0) continue;
+    if (n.inputs.size() > 2 && n.inputs[2] >= 0) continue;  // a Gemm's C
+    const int o = n.outputs[0];
+    if (kept[o] || cons[o].size() != 1) continue;
+    const int s = cons[o][0];
+    if (defs_[s] && defs_[s]->sink) feeds_sink_[st.node] = s;
+  }
 }
 
 void Executor::check_binding(int v, const Tensor& t) const {
@@ -61,10 +75,12 @@ std::vector<Tensor> Executor::run(const RunOptions& opt, const SinkFn& sink) {
 }
 
 std::unique_ptr<Run> Executor::start(const std::vector<std::pair<int, Tensor>>& bindings,
-                                     const RunOptions& opt, SinkFn sink) const {
+                                     const RunOptions& opt, SinkFn sink,
+                                     SinkTargetFn target) const {
   auto r = std::make_unique<Run>();
   r->opt_ = opt;
   r->sink_ = std::move(sink);
+  r->target_ = std::move(target);
   r->vals_.assign(g_.values.size(), Tensor());
   for (const auto& [v, t] : bindings) {
     check_binding(v, t);
@@ -128,11 +144,18 @@ void Executor::run_to(Run& r, int end_step) const {
         for (size_t i = 0; i < n.inputs.size(); ++i)
           if (n.inputs[i] >= 0) ins[i] = &vals[n.inputs[i]];
         outs.assign(n.outputs.size(), nullptr);
+        bool accumulate = false;
         for (size_t i = 0; i < n.outputs.size(); ++i) {
           int o = n.outputs[i];
           if (o < 0) continue;
           const Value& ov = g_.values[o];
-          if (d.alias)
+          Tensor target;
+          if (i == 0 && feeds_sink_[st.node] >= 0 && r.target_)
+            target = r.target_(feeds_sink_[st.node]);
+          if (target.defined() && target.dtype() == ov.dtype && target.numel() == numel(ov.shape)) {
+            vals[o] = target.reshaped(ov.shape);  // the .grad itself: the kernel adds into it
+            accumulate = true;
+          } else if (d.alias)
             vals[o] = vals[n.inputs[0]].reshaped(ov.shape);
           else if (i == 0 && st.inplace_in >= 0)
             vals[o] = vals[st.inplace_in];
@@ -147,7 +170,7 @@ void Executor::run_to(Run& r, int end_step) const {
           outs[i] = &vals[o];
         }
         if (!d.alias) {
-          KernelCtx ctx{n, ins, outs, alloc_, r.opt_.seed};
+          KernelCtx ctx{n, ins, outs, alloc_, r.opt_.seed, accumulate};
           d.kernel(ctx);
         }
         if (r.opt_.check_finite)
@@ -173,6 +196,7 @@ std::vector<Tensor> Executor::finish(Run& r) const {
   for (int v : plan_.keep) out.push_back(r.vals_[v]);
   r.vals_.assign(r.vals_.size(), Tensor());
   r.sink_ = nullptr;
+  r.target_ = nullptr;
   r.active_ = false;
   return out;
 }

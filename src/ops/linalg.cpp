@@ -76,7 +76,8 @@ void gemm_kernel(KernelCtx& c) {
     Tensor& Y = c.out(0);
     int64_t M = Y.dim(0), N = Y.dim(1), K = A.dim(ta ? 0 : 1);
     T* y = Y.data<T>();
-    T b = T(0);
+    T b = c.accumulate ? T(1) : T(0);
+    if (c.accumulate && c.has_in(2)) c.error(ErrorKind::Internal, "accumulating a Gemm with C");
     if (c.has_in(2) && beta != T(0)) {
       const Tensor& C = c.in(2);
       const T* pc = C.data<T>();
@@ -160,13 +161,14 @@ void matmul_kernel(KernelCtx& c) {
     auto r = mm_shapes(A.shape(), B.shape(), ta, tb,
                        [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
     T* y = c.out(0).data<T>();
+    const T beta = c.accumulate ? T(1) : T(0);  // add into an existing .grad
     const T *pa = A.data<T>(), *pb = B.data<T>();
     const int64_t nb = numel(r.batch), MK = r.M * r.K, KN = r.K * r.N, MN = r.M * r.N;
     const bool a_batched = A.rank() > 2, b_batched = B.rank() > 2;
     // A batch of [M,K] against one [K,N]: a single GEMM with M' = batch*M.
     if (!b_batched && !ta &&
         (A.rank() <= 2 || numel(Shape(A.shape().begin(), A.shape().end() - 2)) == nb)) {
-      gemm<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, pb, T(0), y);
+      gemm<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, pb, beta, y);
       return;
     }
     Shape sa = A.shape(), sb = B.shape();
@@ -176,7 +178,7 @@ void matmul_kernel(KernelCtx& c) {
     auto sta = bcast_strides(bsa, r.batch), stb = bcast_strides(bsb, r.batch);
     (void)a_batched;
     for_each_bcast<2>(r.batch, {sta, stb}, [&](int64_t i, const std::array<int64_t, 2>& o) {
-      gemm<T>(ta, tb, r.M, r.N, r.K, T(1), pa + o[0] * MK, pb + o[1] * KN, T(0), y + i * MN);
+      gemm<T>(ta, tb, r.M, r.N, r.K, T(1), pa + o[0] * MK, pb + o[1] * KN, beta, y + i * MN);
     });
     (void)nb;
   });
@@ -218,7 +220,15 @@ void grad_matmul(GradBuilder& g) {
           "graft");
     g.set_dx(0, d);
   }
-  if (g.needs(1)) {
+  if (g.needs(1) && sb.size() == 2 && sa.size() > 2 && !ta) {
+    // A batch of rows against one weight (a Linear on [batch, seq, features]): one GEMM over all
+    // rows gives the weight's gradient directly, with no per-batch partial products to sum.
+    const int64_t k = sa.back(), rows = numel(sa) / std::max<int64_t>(k, 1);
+    const int64_t n = g.shape(dy).back();
+    int a2 = g.emit1("Reshape", {A, g.ints({rows, k})});
+    int d2 = g.emit1("Reshape", {dy, g.ints({rows, n})});
+    g.set_dx(1, tb ? fmm(d2, a2, true, false) : fmm(a2, d2, true, false));
+  } else if (g.needs(1)) {
     int d = tb ? fmm(dy, A, true, ta) : fmm(A, dy, !ta, false);
     if (b1)
       d = g.emit1(
@@ -764,20 +774,23 @@ const OpDef kOps[] = {
      .infer = infer_gemm,
      .kernel = gemm_kernel,
      .grad = grad_gemm,
-     .inplace_input = 2},
+     .inplace_input = 2,
+     .accumulate_out = true},
     {.name = "MatMul",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_matmul,
      .kernel = matmul_kernel,
-     .grad = grad_matmul},
+     .grad = grad_matmul,
+     .accumulate_out = true},
     {.name = "FusedMatMul",
      .domain = "graft",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_matmul,
      .kernel = matmul_kernel,
-     .grad = grad_matmul},
+     .grad = grad_matmul,
+     .accumulate_out = true},
     {.name = "Einsum",
      .max_in = 1 << 20,
      .infer = infer_einsum,

@@ -288,6 +288,7 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
         "parameter '" + p.name + "': its .grad is " + dtype_name(p.grad.dtype()) + " " +
             shape_str(p.grad.shape()) + " but its gradient is " + dtype_name(grad.dtype()) + " " +
             shape_str(p.data.shape()) + " (assign a .grad of the parameter's shape, or None)");
+  if (p.grad.defined() && grad.storage() == p.grad.storage()) return;  // added in place already
   if (!p.grad.defined()) {
     if (exclusive && grad.storage()->owner == alloc_) {
       alloc_->recategorize(*grad.storage(), Category::Gradient);  // adopt: no copy
@@ -341,9 +342,20 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   st->seed = seed ? *seed : next_dropout_seed();
   RunOptions ro = opt_;
   ro.seed = st->seed;
-  st->run = exec_->start(bind, ro, [this](int node, Tensor grad, bool exclusive) {
-    deliver(params_[param_of_sink_[node]], std::move(grad), exclusive);
-  });
+  // Accumulate mode: a weight-gradient GEMM that feeds a sink adds straight into an existing
+  // .grad (beta = 1), so no temporary of the weight's size exists (deliver sees its own .grad).
+  SinkTargetFn target;
+  if (opt_.mode == GradMode::Accumulate)
+    target = [this](int node) -> Tensor {
+      const Parameter& p = params_[param_of_sink_[node]];
+      return p.grad.defined() ? p.grad : Tensor();
+    };
+  st->run = exec_->start(
+      bind, ro,
+      [this](int node, Tensor grad, bool exclusive) {
+        deliver(params_[param_of_sink_[node]], std::move(grad), exclusive);
+      },
+      std::move(target));
   exec_->run_to(*st->run, exec_->plan().barrier_step);
   for (int o : g_.outputs) {
     Tensor t = st->run->value(o);

@@ -59,13 +59,13 @@ StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
 }
 }  // namespace
 
-TEST(GradDelivery, AccumulateHoldsOneGradientTemporaryAtMost) {
+TEST(GradDelivery, AccumulateWritesWeightGradientsStraightIntoGrad) {
   StepRun r = one_step(GradMode::Accumulate, /*set_to_none=*/false);
-  // Peak = all L activations + one weight-gradient temporary. (The loss scalar of the previous
-  // step, counted in `start`, is released before the new one is allocated.)
-  EXPECT_EQ(r.peak - r.start, L * A + W);
-  // At the peak, gradient bytes are the persistent buffers plus at most one temporary.
-  EXPECT_LE(r.grad_at_peak, G + W);
+  // Each weight-gradient GEMM adds into its .grad (beta = 1): no weight-sized temporary exists.
+  // Peak = all L activations + one dZ. (The loss scalar of the previous step, counted in `start`,
+  // is released before the new one is allocated.)
+  EXPECT_EQ(r.peak - r.start, (L + 1) * A);
+  EXPECT_EQ(r.grad_at_peak, G);  // the .grad buffers, and nothing else of gradient kind
   EXPECT_EQ(r.end - r.start, 0);
 }
 
@@ -75,14 +75,16 @@ TEST(GradDelivery, HoldKeepsEveryGradientUntilBackwardEnds) {
   // Peak = all held gradients + the first layer's dZ.
   EXPECT_EQ(hold.peak - hold.start, G + A);
   // The seed's regression: hold exceeds accumulate by (almost) a full gradient set.
-  EXPECT_EQ(hold.peak - acc.peak, G - W - (L - 1) * A);
+  EXPECT_EQ(hold.peak - acc.peak, G - L * A);
   EXPECT_EQ(hold.end - hold.start, 0);
 }
 
-TEST(GradDelivery, HookModePeaksLikeAccumulate) {
-  StepRun acc = one_step(GradMode::Accumulate, false);
+TEST(GradDelivery, HookModeHandsOneGradientAtATime) {
   StepRun hook = one_step(GradMode::Hook, false);
-  EXPECT_EQ(hook.peak - hook.start, acc.peak - acc.start);
+  // The hook receives each weight gradient as a tensor of its own (as PyTorch's hooks and DDP do):
+  // peak = all L activations + that one weight gradient, never more.
+  EXPECT_EQ(hook.peak - hook.start, L * A + W);
+  EXPECT_EQ(hook.grad_at_peak, W);  // (this test's hook keeps its copies outside the allocator)
 }
 
 TEST(GradDelivery, SetToNoneAdoptsBuffersWithoutCopies) {
@@ -120,7 +122,7 @@ TEST(GradDelivery, FailedAllocationLeavesSessionUsable) {
   s.step();
   s.zero_grad(false);
   const int64_t before = alloc.current();
-  alloc.set_limit(before + L * A + W / 2);  // enough for the forward, not for a weight gradient
+  alloc.set_limit(before + L * A + A / 2);  // enough for the forward, not for a dZ in backward
   try {
     s.step();
     FAIL() << "expected OutOfMemory";
