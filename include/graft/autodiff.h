@@ -14,7 +14,10 @@
 
 namespace graft {
 
-enum class GradMode { Hold, Accumulate, Hook };
+// Step: the optimizer's update is applied to each parameter the moment its gradient is complete,
+// inside backward (TrainSession::set_step_optimizer), and the gradient is freed: no .grad set is
+// ever held. The graph is the same as accumulate's (each gradient ends in a sink).
+enum class GradMode { Hold, Accumulate, Hook, Step };
 const char* grad_mode_name(GradMode m);
 GradMode parse_grad_mode(const std::string& s);  // InvalidArgument on an unknown name
 
@@ -54,5 +57,9 @@ int rewrite_for_training(Graph& g);
 // weights of an exported LSTM) reads a recomputation emitted in the backward instead, so the
 // forward's copy is freed at its last forward use. Returns the number of reads redirected.
 int rematerialize_param_copies(Graph& g, const BackwardGraph& bg);
+// Step mode: each parameter's sink (where its update is applied) gets, as extra ordering inputs,
+// an output of every backward node that reads the parameter, so the update never runs before a
+// backward read of the old value (the input-gradient GEMM dX = dY W of the same layer).
+void order_updates_after_reads(Graph& g, const BackwardGraph& bg);
 
 }  // namespace graft

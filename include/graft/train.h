@@ -51,6 +51,8 @@ struct SessionOptions : AutodiffOptions, RunOptions {
 // One training step in flight: a forward, and then its backward. Several may be in flight at once
 // (each keeps what its own backward needs, like PyTorch's autograd graphs); destroying one releases
 // what it holds. Create with TrainSession::begin().
+class Optimizer;
+
 struct StepState {
   std::unique_ptr<Run> run;
   std::vector<Tensor> inputs;   // bound for this step only (kept alive until it ends)
@@ -59,6 +61,7 @@ struct StepState {
   std::vector<Tensor> input_grads;  // after backward: per requested input (SessionOptions order)
   uint64_t seed = 0;                // the random stream it used (replayable)
   bool forward_done = false, backward_done = false;
+  bool defer_step = false;  // step mode: this step's backward accumulates (set_defer_step)
 };
 
 // What a training step needs, by kind, in bytes (TrainSession::planned_memory).
@@ -112,6 +115,15 @@ class TrainSession {
 
   void zero_grad(bool set_to_none = true);
   void set_hook(GradHook h) { hook_ = std::move(h); }
+  // Step mode (SessionOptions::mode = Step): the optimizer whose update is applied to each
+  // parameter inside backward, the moment its gradient is complete; the gradient is then freed.
+  // Each backward counts one optimizer step. Required before the first step in that mode; its
+  // parameters must be this session's.
+  void set_step_optimizer(Optimizer* opt);
+  // Step mode with micro-batches: while deferred, backward accumulates into .grad as accumulate
+  // mode does; the first backward that is not deferred adds its gradient to the accumulated .grad,
+  // applies the update and frees .grad (the unfused loop: k backward()s, one optimizer.step()).
+  void set_defer_step(bool defer) { defer_step_ = defer; }
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -143,7 +155,7 @@ class TrainSession {
   std::vector<SavedValue> saved_for_backward() const;
 
  private:
-  void deliver(Parameter& p, Tensor grad, bool exclusive);
+  void deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step);
   void check_budget(const Plan& plan) const;
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
   Graph& g_;
@@ -160,6 +172,9 @@ class TrainSession {
   std::shared_ptr<StepState> cur_;                // the simple loop's step
   std::vector<OpTime> last_times_;
   GradHook hook_;
+  Optimizer* step_opt_ = nullptr;
+  std::vector<int> step_index_;  // per params_ entry: its index in step_opt_'s parameters, -1
+  bool defer_step_ = false;
 };
 
 // Adds `src` into `dst` elementwise (same shape and dtype).
@@ -198,7 +213,15 @@ const OptimizerKind* find_optimizer_kind(const std::string& name);
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
-  virtual void step() = 0;
+  // One step over every parameter that has a .grad (PyTorch's optimizer.step()).
+  void step();
+  // The update of parameter i (params() order) with `grad`, alone: what step() does for each
+  // parameter, and what the step-in-backward mode does the moment a gradient is complete. A step
+  // made of per-parameter updates counts itself with count_step().
+  virtual void update(size_t i, const Tensor& grad) = 0;
+  void count_step() { ++t_; }
+  // Index of p in params(), or -1.
+  int index_of(const Parameter& p) const;
   void zero_grad(bool set_to_none = true);
   int64_t steps() const { return t_; }
   // The parameters updated, in order (OptimizerState's per-parameter order).
@@ -237,7 +260,7 @@ struct SGDOptions {
 class SGD final : public Optimizer {
  public:
   SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc = nullptr);
-  void step() override;
+  void update(size_t i, const Tensor& grad) override;
   const char* kind() const override { return "sgd"; }
   OptimizerState state() const override;
   void load_state(const OptimizerState& st) override;
@@ -260,7 +283,7 @@ struct AdamWOptions {
 class AdamW final : public Optimizer {
  public:
   AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc = nullptr);
-  void step() override;
+  void update(size_t i, const Tensor& grad) override;
   const char* kind() const override { return "adamw"; }
   OptimizerState state() const override;
   void load_state(const OptimizerState& st) override;

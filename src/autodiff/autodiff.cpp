@@ -17,6 +17,8 @@ const char* grad_mode_name(GradMode m) {
       return "accumulate";
     case GradMode::Hook:
       return "hook";
+    case GradMode::Step:
+      return "step";
   }
   return "?";
 }
@@ -25,8 +27,9 @@ GradMode parse_grad_mode(const std::string& s) {
   if (s == "hold") return GradMode::Hold;
   if (s == "accumulate") return GradMode::Accumulate;
   if (s == "hook") return GradMode::Hook;
+  if (s == "step") return GradMode::Step;
   fail(ErrorKind::InvalidArgument,
-       "unknown gradient mode '" + s + "' (use hold, accumulate or hook)");
+       "unknown gradient mode '" + s + "' (use hold, accumulate, hook or step)");
 }
 
 namespace {

@@ -248,4 +248,28 @@ int rematerialize_param_copies(Graph& g, const BackwardGraph& bg) {
   return n_replaced;
 }
 
+void order_updates_after_reads(Graph& g, const BackwardGraph& bg) {
+  std::vector<int> sink_of(g.values.size(), -1);
+  for (size_t i = 0; i < bg.params.size(); ++i)
+    if (bg.sinks[i] >= 0) sink_of[bg.params[i]] = bg.sinks[i];
+  const int nn = static_cast<int>(g.nodes.size());
+  std::vector<std::set<int>> after(nn);  // per sink: values it must wait for
+  for (int i = bg.n_forward_nodes; i < nn; ++i) {
+    const Node& n = g.nodes[i];
+    if (op_for(n).sink) continue;
+    int out = -1;
+    for (int o : n.outputs)
+      if (o >= 0) {
+        out = o;
+        break;
+      }
+    if (out < 0) continue;
+    for (int v : n.inputs)
+      if (v >= 0 && sink_of[v] >= 0) after[sink_of[v]].insert(out);
+  }
+  for (int s = 0; s < nn; ++s)
+    for (int v : after[s])
+      if (v != g.nodes[s].inputs[0]) g.nodes[s].inputs.push_back(v);
+}
+
 }  // namespace graft

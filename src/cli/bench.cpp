@@ -111,6 +111,7 @@ Sizes sizes(int64_t B, int64_t H, int64_t L) {
 // set_to_none adopts the produced gradients as .grad) + (L + 2) activations + 64 KiB.
 int64_t estimate_peak(const Sizes& s, GradMode m, bool set_to_none) {
   int64_t transient = set_to_none ? 0 : (m == GradMode::Hold ? s.P : s.W);
+  if (m == GradMode::Step) return s.P + s.A + s.W + (s.L + 2) * s.A + (64 << 10);  // no .grad set
   return s.P + s.P + s.A + transient + (s.L + 2) * s.A + (64 << 10);
 }
 
@@ -189,6 +190,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   SGDOptions o;
   o.lr = 0.01;
   SGD opt(s.trainable(), o, &alloc);
+  if (mode == GradMode::Step) s.set_step_optimizer(&opt);  // SGD inside backward: no .grad kept
 
   const bool hwm_ok = reset_hwm();
   for (int k = 0; k <= a.steps; ++k) {  // k = 0: warm-up
@@ -208,7 +210,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     auto t1 = clock_t_::now();
     r.loss = s.step();
     auto t2 = clock_t_::now();
-    opt.step();
+    if (mode != GradMode::Step) opt.step();
     auto t3 = clock_t_::now();
     int64_t hwm = vm_hwm();
     if (k == 0) continue;
@@ -439,11 +441,11 @@ int cmd_bench(const BenchArgs& a) {
   std::vector<GradMode> modes;
   if (a.mode == "all")
     modes = {GradMode::Hold, GradMode::Accumulate, GradMode::Hook};
-  else if (a.mode == "hold" || a.mode == "accumulate" || a.mode == "hook")
+  else if (a.mode == "hold" || a.mode == "accumulate" || a.mode == "hook" || a.mode == "step")
     modes = {parse_grad_mode(a.mode)};
   else
     fail(ErrorKind::InvalidArgument,
-         "unknown --mode '" + a.mode + "' (use hold, accumulate, hook or all)");
+         "unknown --mode '" + a.mode + "' (use hold, accumulate, hook, step or all)");
   const Sizes sz = sizes(a.batch, a.hidden, a.layer);
 
   // Output files: check before running anything.

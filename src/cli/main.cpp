@@ -44,7 +44,9 @@ int main(int argc, char** argv) {
   t->add_option("--beta1", tr.beta1, "AdamW beta1")->capture_default_str();
   t->add_option("--beta2", tr.beta2, "AdamW beta2")->capture_default_str();
   t->add_option("--eps", tr.eps, "AdamW epsilon")->capture_default_str();
-  t->add_option("--mode", tr.mode, "Gradient delivery: hold, accumulate or hook")
+  t->add_option("--mode", tr.mode,
+                "Gradient delivery: hold, accumulate, hook, or step (the optimizer update inside "
+                "backward, no .grad kept)")
       ->capture_default_str();
   t->add_flag("--set-to-none", tr.set_to_none, "zero_grad(set_to_none=True) before each step");
   t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
@@ -81,7 +83,7 @@ int main(int argc, char** argv) {
   b->add_option("--hidden", be.hidden, "Hidden size H")->capture_default_str();
   b->add_option("--layer", be.layer, "Number of layers L")->capture_default_str();
   b->add_option("--steps", be.steps, "Timed steps (after one warm-up step)")->capture_default_str();
-  b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook or all")
+  b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook, step or all")
       ->capture_default_str();
   b->add_flag("--set-to-none", be.set_to_none, "zero_grad(set_to_none=True) before each step");
   b->add_option("--threads", be.threads, "GEMM threads (0: library default)")

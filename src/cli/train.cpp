@@ -111,6 +111,8 @@ int cmd_train(const TrainArgs& a) {
     fail(ErrorKind::InvalidArgument,
          "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
+  if (so.mode == GradMode::Step) s.set_step_optimizer(opt.get());  // updates inside backward
+
   // Note [Memory budget]: before step 1, the whole planned need (parameters, gradients, optimizer
   // state, inputs, activations) is compared with --max-memory, or without it with the memory the
   // machine has left (MemAvailable, the cgroup's limit); then the allocator enforces the budget for
@@ -183,7 +185,7 @@ int cmd_train(const TrainArgs& a) {
         if (p.grad.defined())
           save_tensor(a.save_grads, "grad_" + std::to_string(i++) + ".pb", p.grad, p.name);
     }
-    opt->step();
+    if (so.mode != GradMode::Step) opt->step();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (a.json)
       std::printf(

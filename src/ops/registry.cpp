@@ -27,8 +27,11 @@ const std::vector<const OpDef*>& all_ops() {
     register_conv_ops(t);
     register_resize_ops(t);
     register_rnn_ops(t);
+    // Input 0 is the gradient; further inputs only order the sink after their producers (step
+    // mode: a parameter is updated only after every backward node that reads it has run).
     static const OpDef sink{.name = "GradSink",
                             .domain = "graft",
+                            .max_in = 1 << 20,
                             .min_out = 0,
                             .max_out = 0,
                             .infer = infer_sink,

@@ -42,14 +42,28 @@ SGD::SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc)
   buf_.resize(params_.size());
 }
 
-void SGD::step() {
+void Optimizer::step() {
   ++t_;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params_.size();
+       ++i)  // like PyTorch: a parameter with grad None is skipped
+    if (params_[i]->grad.defined()) update(i, params_[i]->grad);
+}
+
+int Optimizer::index_of(const Parameter& p) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i] == &p) return static_cast<int>(i);
+  return -1;
+}
+
+void SGD::update(size_t i, const Tensor& grad) {
+  {
     Parameter& p = *params_[i];
-    if (!p.grad.defined()) continue;  // like PyTorch: a parameter with grad None is skipped
+    GRAFT_CHECK(grad.dtype() == p.data.dtype() && grad.numel() == p.data.numel(),
+                ErrorKind::ShapeMismatch,
+                "SGD: the gradient of '" + p.name + "' has the wrong size");
     by_dtype(p.data, [&]<class T>() {
       T* w = p.data.data<T>();
-      const T* g = p.grad.data<T>();
+      const T* g = grad.data<T>();
       const int64_t n = p.data.numel();
       const T lr = static_cast<T>(options.lr), wd = static_cast<T>(options.weight_decay),
               mom = static_cast<T>(options.momentum), damp = static_cast<T>(1 - options.dampening);
@@ -81,11 +95,12 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc)
   steps_.assign(params_.size(), 0);
 }
 
-void AdamW::step() {
-  ++t_;
-  for (size_t i = 0; i < params_.size(); ++i) {
+void AdamW::update(size_t i, const Tensor& grad) {
+  {
     Parameter& p = *params_[i];
-    if (!p.grad.defined()) continue;
+    GRAFT_CHECK(grad.dtype() == p.data.dtype() && grad.numel() == p.data.numel(),
+                ErrorKind::ShapeMismatch,
+                "AdamW: the gradient of '" + p.name + "' has the wrong size");
     if (!m_[i].defined()) {
       m_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
                             p.name + ".exp_avg");
@@ -95,7 +110,7 @@ void AdamW::step() {
     const int64_t step = ++steps_[i];
     by_dtype(p.data, [&]<class T>() {
       T* w = p.data.data<T>();
-      const T* g = p.grad.data<T>();
+      const T* g = grad.data<T>();
       T* m = m_[i].data<T>();
       T* v = v_[i].data<T>();
       const int64_t n = p.data.numel();

@@ -78,6 +78,7 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
   ao.alloc = alloc_;
   bg_ = build_backward(g_, ao);
   rematerialize_param_copies(g_, bg_);
+  if (opt.mode == GradMode::Step) order_updates_after_reads(g_, bg_);
 
   // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
@@ -277,9 +278,39 @@ void TrainSession::set_input(const std::string& name, Tensor t) {
   default_inputs_[name] = std::move(t);
 }
 
-void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive) {
+void TrainSession::set_step_optimizer(Optimizer* opt) {
+  GRAFT_CHECK(opt_.mode == GradMode::Step, ErrorKind::InvalidArgument,
+              std::string("set_step_optimizer: the session's gradient mode is ") +
+                  grad_mode_name(opt_.mode) + "; the step-in-backward mode is 'step'");
+  std::vector<int> index(params_.size(), -1);
+  if (opt)
+    for (size_t i = 0; i < params_.size(); ++i) index[i] = opt->index_of(params_[i]);
+  if (opt)
+    for (const Parameter* q : opt->params())
+      GRAFT_CHECK(
+          std::any_of(params_.begin(), params_.end(), [&](const Parameter& p) { return &p == q; }),
+          ErrorKind::InvalidArgument,
+          "set_step_optimizer: the optimizer updates '" + q->name +
+              "', which is not a parameter of this session");
+  step_opt_ = opt;
+  step_index_ = std::move(index);
+}
+
+void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step) {
   if (opt_.mode == GradMode::Hook) {
     if (hook_) hook_(p, grad);
+    return;
+  }
+  if (opt_.mode == GradMode::Step && !defer_step) {
+    // The update, now; the gradient (and any .grad accumulated by deferred micro-batches) is
+    // freed when this returns. A parameter the optimizer does not update keeps nothing.
+    const int i = step_index_[&p - params_.data()];
+    if (p.grad.defined()) {
+      if (grad.storage() != p.grad.storage()) add_inplace(p.grad, grad);
+      grad = p.grad;
+      p.grad = Tensor();
+    }
+    if (i >= 0) step_opt_->update(static_cast<size_t>(i), grad);
     return;
   }
   if (p.grad.defined())
@@ -345,15 +376,21 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   // Accumulate mode: a weight-gradient GEMM that feeds a sink adds straight into an existing
   // .grad (beta = 1), so no temporary of the weight's size exists (deliver sees its own .grad).
   SinkTargetFn target;
-  if (opt_.mode == GradMode::Accumulate)
+  const bool defer = defer_step_;
+  if (opt_.mode == GradMode::Step)
+    GRAFT_CHECK(step_opt_, ErrorKind::InvalidArgument,
+                "gradient mode 'step' applies the optimizer inside backward: call "
+                "set_step_optimizer(&optimizer) before the first step");
+  if (opt_.mode == GradMode::Accumulate || (opt_.mode == GradMode::Step && defer))
     target = [this](int node) -> Tensor {
       const Parameter& p = params_[param_of_sink_[node]];
       return p.grad.defined() ? p.grad : Tensor();
     };
+  st->defer_step = defer;
   st->run = exec_->start(
       bind, ro,
-      [this](int node, Tensor grad, bool exclusive) {
-        deliver(params_[param_of_sink_[node]], std::move(grad), exclusive);
+      [this, defer](int node, Tensor grad, bool exclusive) {
+        deliver(params_[param_of_sink_[node]], std::move(grad), exclusive, defer);
       },
       std::move(target));
   exec_->run_to(*st->run, exec_->plan().barrier_step);
@@ -388,6 +425,7 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
     exec_->feed(*st.run, bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
   }
   st.backward_done = true;
+  if (opt_.mode == GradMode::Step && !st.defer_step) step_opt_->count_step();
   exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
   if (opt_.profile) last_times_ = st.run->op_times();
   kept = exec_->finish(*st.run);
@@ -400,7 +438,7 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
       Tensor grad = std::move(kept[held_keep_[i]]);
       kept[held_keep_[i]] = Tensor();
       bool exclusive = grad.storage().use_count() == 1;
-      deliver(params_[i], std::move(grad), exclusive);
+      deliver(params_[i], std::move(grad), exclusive, false);
     }
   }
 }

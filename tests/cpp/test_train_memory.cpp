@@ -154,3 +154,96 @@ TEST(GradDelivery, MemoryBudgetIsCheckedBeforeAnyRun) {
     EXPECT_NE(m.find("biggest live values"), std::string::npos) << m;
   }
 }
+
+// --- the optimizer step inside backward (GradMode::Step) -----------------------------------------
+namespace {
+// Parameters after `steps` training steps of the seed's model, unfused (accumulate mode, then
+// optimizer.step()) or fused (step mode); `micro` backward passes per step (micro-batches: the
+// same batch, so the gradient is `micro` times one step's).
+std::vector<std::vector<double>> train(GradMode mode, const std::string& optimizer, int steps,
+                                       int micro = 1) {
+  Allocator alloc;
+  SessionOptions o;
+  o.loss = "loss";
+  o.mode = mode;
+  o.alloc = &alloc;
+  TrainSession s(linear_stack(B, H, L, DType::F64, alloc, 7), o);
+  Tensor x = Tensor::empty({B, H}, DType::F64, alloc, Category::Workspace);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = ((i * 37 % 19) - 9) / 7.0;
+  s.set_input("x", x);
+  std::unique_ptr<Optimizer> opt;
+  if (optimizer == "sgd") {
+    SGDOptions so;
+    so.lr = 0.05;
+    so.momentum = 0.9;
+    so.nesterov = true;
+    so.weight_decay = 0.01;
+    opt = std::make_unique<SGD>(s.trainable(), so, &alloc);
+  } else {
+    AdamWOptions ao;
+    ao.lr = 0.01;
+    opt = std::make_unique<AdamW>(s.trainable(), ao, &alloc);
+  }
+  if (mode == GradMode::Step) s.set_step_optimizer(opt.get());
+  for (int k = 0; k < steps; ++k) {
+    s.zero_grad(true);
+    for (int m = 0; m < micro; ++m) {
+      if (mode == GradMode::Step) s.set_defer_step(m + 1 < micro);
+      s.step();
+    }
+    if (mode != GradMode::Step) opt->step();
+  }
+  EXPECT_EQ(opt->steps(), steps);
+  std::vector<std::vector<double>> w;
+  for (const Parameter& p : s.parameters()) {
+    w.emplace_back(p.data.data<double>(), p.data.data<double>() + p.data.numel());
+    if (mode == GradMode::Step) EXPECT_FALSE(p.grad.defined()) << p.name << " kept a .grad";
+  }
+  return w;
+}
+}  // namespace
+
+TEST(StepInBackward, MatchesTheUnfusedOptimizerBitForBit) {
+  for (const char* name : {"sgd", "adamw"}) {
+    SCOPED_TRACE(name);
+    auto fused = train(GradMode::Step, name, 5), unfused = train(GradMode::Accumulate, name, 5);
+    ASSERT_EQ(fused.size(), unfused.size());
+    for (size_t i = 0; i < fused.size(); ++i) EXPECT_EQ(fused[i], unfused[i]) << "parameter " << i;
+  }
+}
+
+TEST(StepInBackward, MicroBatchesAccumulateThenStepOnTheLast) {
+  for (const char* name : {"sgd", "adamw"}) {
+    SCOPED_TRACE(name);
+    auto fused = train(GradMode::Step, name, 3, 3),
+         unfused = train(GradMode::Accumulate, name, 3, 3);
+    for (size_t i = 0; i < fused.size(); ++i) EXPECT_EQ(fused[i], unfused[i]) << "parameter " << i;
+    // and the micro-batches changed the result (the gradient is 3x one batch's)
+    EXPECT_NE(fused, train(GradMode::Step, name, 3, 1));
+  }
+}
+
+TEST(StepInBackward, HoldsNoGradientSet) {
+  Allocator alloc;
+  SessionOptions o;
+  o.loss = "loss";
+  o.mode = GradMode::Step;
+  o.alloc = &alloc;
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+  Tensor x = Tensor::zeros({B, H}, DType::F32, alloc, Category::Workspace);
+  s.set_input("x", x);
+  SGDOptions so;
+  SGD opt(s.trainable(), so, &alloc);
+  EXPECT_THROW(s.step(), Error);  // no optimizer yet: a clear error, not a silent no-op
+  s.set_step_optimizer(&opt);
+  s.step();  // warm-up
+  alloc.reset_peak();
+  const int64_t start = alloc.current();
+  s.step();
+  // Peak = all L activations, one weight gradient (updated into the weight, then freed) and the
+  // dZ its layer's input gradient is computed from; between steps no gradient exists at all.
+  EXPECT_EQ(alloc.peak() - start, (L + 1) * A + W);
+  EXPECT_EQ(alloc.at_peak()[static_cast<int>(Category::Gradient)], W);
+  EXPECT_EQ(alloc.current(Category::Gradient), 0);
+  EXPECT_EQ(alloc.current(), start);
+}

@@ -108,7 +108,7 @@ def reference(models, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mode", ["accumulate", "hold", "hook"])
+@pytest.mark.parametrize("mode", ["accumulate", "hold", "hook", "step"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_resume_is_bit_identical(models, reference, tmp_path, opt, mode):
     losses, want = reference(opt, mode)
@@ -124,6 +124,13 @@ def test_resume_is_bit_identical(models, reference, tmp_path, opt, mode):
     assert [l["loss"] for l in json_lines(first.stdout)] + [s["loss"] for s in steps] == losses
     assert params(tmp_path / "p") == want
     assert [c.name for c in ckpts(d)] == ["ckpt-00000006.graft", "ckpt-00000007.graft"]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_step_in_backward_trains_as_the_unfused_loop(reference, opt):
+    """--mode step applies the optimizer inside backward: the same losses and parameters, bit for
+    bit, as accumulate mode followed by optimizer.step()."""
+    assert reference(opt, "step") == reference(opt, "accumulate")
 
 
 def test_format_is_as_documented(models, tmp_path):
