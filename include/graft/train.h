@@ -117,8 +117,9 @@ class TrainSession {
   void set_hook(GradHook h) { hook_ = std::move(h); }
   // Step mode (SessionOptions::mode = Step): the optimizer whose update is applied to each
   // parameter inside backward, the moment its gradient is complete; the gradient is then freed.
-  // Each backward counts one optimizer step. Required before the first step in that mode; its
-  // parameters must be this session's.
+  // Each backward counts one optimizer step. Required before the first step in that mode (or a
+  // hook, set_hook, which then receives each complete gradient to apply its own update, as
+  // GraftModule does with a torch.optim optimizer); its parameters must be this session's.
   void set_step_optimizer(Optimizer* opt);
   // Step mode with micro-batches: while deferred, backward accumulates into .grad as accumulate
   // mode does; the first backward that is not deferred adds its gradient to the accumulated .grad,

@@ -11,7 +11,8 @@ AccumulateGrad node):
 * it will accumulate it (``loss.backward()``): graft delivers the gradient the moment it is
   complete, per mode ("accumulate": in place into ``.grad``; "hook": through PyTorch's own
   AccumulateGrad, so tensor hooks and DDP's allreduce hooks fire during graft's backward;
-  "hold": returned when graft's backward ends), and returns None for it;
+  "hold": returned when graft's backward ends; "step": the user's optimizer updates the parameter
+  with it at once, and no ``.grad`` is kept), and returns None for it;
 * it captures it (``torch.autograd.grad(loss, params)``): graft returns the gradient and touches
   no ``.grad``;
 * it does not need it (``backward(inputs=[x])``, ``autograd.grad(loss, x)``): nothing is written.
@@ -76,6 +77,31 @@ class _Deliver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         return ctx.box.pop(), None
+
+
+def _step_one(opt, p, g):
+    """Step mode: applies `opt`'s update to parameter p alone, with gradient g, the moment graft
+    completes g: the optimizer's step() over a one-parameter copy of p's group (its current
+    hyperparameters: schedulers act on the real groups), so its per-parameter state is PyTorch's
+    own. .grad is None before and after. A parameter the optimizer does not hold accumulates into
+    .grad, as eager's AccumulateGrad would."""
+    for group in opt.param_groups:
+        if any(q is p for q in group["params"]):
+            one = dict(group)
+            one["params"] = [p]
+            groups, p.grad = opt.param_groups, g
+            try:
+                opt.param_groups = [one]
+                with torch.no_grad():
+                    opt.step()
+            finally:
+                opt.param_groups, p.grad = groups, None
+            return
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.add_(g)
 
 
 def _accumulate_grad_node(p):
@@ -263,6 +289,18 @@ class GraftFunction(torch.autograd.Function):
                                 torch.autograd.backward(_Deliver.apply(by_name[name], box))
 
                 sess.backward(step, grads, deliver)
+            elif entry.mode == "step":
+                by_name = dict(entry.trainable)
+                target = {name: t for (name, _), t in zip(entry.trainable, targets)}
+
+                def update(name, array, exclusive):
+                    t = target.get(name, "skip")
+                    if t == "return":  # torch.autograd.grad asked for it: no update
+                        returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
+                    elif t == "deliver":
+                        _step_one(entry.optimizer, by_name[name], torch.from_numpy(array))
+
+                sess.backward(step, grads, update)
             else:  # hold
                 for name, _ in entry.trainable:
                     sess.bind_grad(name, None, [], "")

@@ -33,7 +33,8 @@ import subprocess
 import sys
 import time
 
-MODES = ("hold", "accumulate", "hook")
+MODES = ("hold", "accumulate", "hook")  # the default rows
+ALL_MODES = MODES + ("step",)  # step: the optimizer inside backward (--modes ...,step)
 PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -84,20 +85,23 @@ def torch_worker(a):
         from . import _graft
         from .frontend import GraftModule
         _graft.set_num_threads(a.threads)
-        model = GraftModule(model, gradients=a.gm_mode)
+        step_mode = a.gm_mode == "step"
+        model = GraftModule(model, gradients=a.gm_mode, optimizer=opt if step_mode else None)
         system, mode = "graftmodule", a.gm_mode
     hwm_ok = _reset_hwm()
     secs, rss, total = [], [], []
     loss = None
     for k in range(a.steps + 1):  # k = 0: warm-up
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=a.set_to_none)
+        if mode != "step":  # step mode: SGD runs inside backward, no .grad exists
+            opt.zero_grad(set_to_none=a.set_to_none)
         rss0 = _status_bytes("VmRSS")
         if hwm_ok:
             _reset_hwm()
         loss = model(x).mean()
         loss.backward()
-        opt.step()
+        if mode != "step":
+            opt.step()
         t1 = time.perf_counter()
         hwm = _status_bytes("VmHWM")
         if k == 0:
@@ -306,11 +310,12 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
     p.add_argument("--plot", metavar="FILE.png", help="draw graft's memory over a step against PyTorch's peak")
     p.add_argument("--graft-bin", metavar="PATH", help="the graft binary (else $GRAFT_BIN, install prefix, PATH)")
-    p.add_argument("--modes", default=",".join(MODES), help="graft modes to run (comma-separated)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="graft modes to run (comma-separated: hold, accumulate, hook, step)")
     p.add_argument("--frontend", choices=["torch"],
                    help="also run graft.GraftModule (the PyTorch front end) in each mode, each in its own process")
     p.add_argument("--worker", choices=["torch", "graftmodule"], help=argparse.SUPPRESS)
-    p.add_argument("--gm-mode", choices=list(MODES), default="hook", help=argparse.SUPPRESS)
+    p.add_argument("--gm-mode", choices=list(ALL_MODES), default="hook", help=argparse.SUPPRESS)
     return p
 
 
@@ -323,9 +328,9 @@ def validate(a):
     if a.threads <= 0:
         raise BenchError(f"--threads must be positive (got {a.threads})")
     modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
-        raise BenchError(f"--modes takes hold, accumulate, hook (got {a.modes!r})")
+        raise BenchError(f"--modes takes hold, accumulate, hook, step (got {a.modes!r})")
     a.modes = modes
     if a.plot:
         d = os.path.dirname(os.path.abspath(a.plot))

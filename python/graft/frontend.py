@@ -36,7 +36,7 @@ from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftUnsu
 # ("graft_backward_start" | "graft_backward_end", time.monotonic()) around graft's backward.
 TRACE = None
 
-MODES = ("hook", "accumulate", "hold")
+MODES = ("hook", "accumulate", "hold", "step")
 
 
 def _dtype_ok(t: torch.Tensor, what: str, module_name: str):
@@ -78,6 +78,7 @@ class _Entry:
     outputs_info: list = dataclasses.field(default_factory=list)
     output_template: Any = None
     has_dropout: bool = False
+    optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
     state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)  # BatchNorm statistics
     counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
     lock: Any = dataclasses.field(default_factory=threading.Lock)
@@ -187,13 +188,18 @@ def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys,
 class GraftModule(torch.nn.Module):
     """Wraps `module` so that its forward and backward run in graft (see the module docstring).
 
-    gradients: "hook" (default), "accumulate" or "hold"; opset: 13..17; check_finite: stop at the
-    first op producing NaN/Inf; max_memory: refuse a plan above this many bytes (0: no limit);
-    cache_size: how many exports (input signatures) to keep, least recently used dropped first.
+    gradients: "hook" (default), "accumulate", "hold", or "step" with optimizer= a torch.optim
+    optimizer over the module's parameters: each parameter is updated by that optimizer inside
+    backward, the moment its gradient is complete, and no .grad is kept (the loop is
+    ``loss = f(model(x)); loss.backward()`` with no optimizer.step() and no zero_grad(); learning-rate
+    schedulers work as usual). opset: 13..17; check_finite: stop at the first op producing NaN/Inf;
+    max_memory: refuse a plan above this many bytes (0: no limit); cache_size: how many exports
+    (input signatures) to keep, least recently used dropped first.
     """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
-                 check_finite: bool = False, max_memory: int = 0, cache_size: int = 8):
+                 check_finite: bool = False, max_memory: int = 0, cache_size: int = 8,
+                 optimizer: "torch.optim.Optimizer" = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise GraftArgumentError(f"GraftModule wraps a torch.nn.Module, not {type(module).__name__}",
@@ -202,7 +208,14 @@ class GraftModule(torch.nn.Module):
             raise GraftArgumentError(f"{type(module.module).__name__} is already wrapped in a GraftModule; wrap it once",
                                      "invalid argument")
         if gradients not in MODES:
-            raise GraftArgumentError(f"gradients must be 'hook', 'accumulate' or 'hold', not {gradients!r}",
+            raise GraftArgumentError(f"gradients must be 'hook', 'accumulate', 'hold' or 'step', not {gradients!r}",
+                                     "invalid argument")
+        if (gradients == "step") != (optimizer is not None):
+            raise GraftArgumentError("gradients='step' needs optimizer= (the torch.optim optimizer graft applies "
+                                     "inside backward), and optimizer= is only for gradients='step'",
+                                     "invalid argument")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise GraftArgumentError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}",
                                      "invalid argument")
         for what, v, lo in (("opset", opset, 13), ("max_memory", max_memory, 0), ("cache_size", cache_size, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -216,6 +229,7 @@ class GraftModule(torch.nn.Module):
             _device_ok(p, f"parameter '{n}'", name)
         self.module = module
         self.gradients = gradients
+        self.optimizer = optimizer
         self.opset = opset
         self.check_finite = check_finite
         self.max_memory = max_memory
@@ -255,6 +269,11 @@ class GraftModule(torch.nn.Module):
     # every parameter unused, then ready a second time when graft delivers its gradient.
     @property
     def _ddp_params_and_buffers_to_ignore(self):
+        if self.gradients == "step":
+            raise GraftError(
+                f"{self._name()}: DistributedDataParallel does not work with gradients='step': each update "
+                "would run before the gradient is averaged across processes. Use gradients='hook'.",
+                "invalid argument")
         if self.gradients == "accumulate":
             raise GraftError(
                 f"{self._name()}: DistributedDataParallel needs gradients='hook' (or 'hold'): with "
@@ -298,7 +317,7 @@ class GraftModule(torch.nn.Module):
         name = self._name()
         ex = _export.export(self.module, args, kwargs, tensors, path, self.opset, name)
         e = _Entry()
-        e.module_name, e.mode = name, self.gradients
+        e.module_name, e.mode, e.optimizer = name, self.gradients, self.optimizer
         e.input_names, e.input_index = ex.input_names, ex.input_index
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         module = self.module

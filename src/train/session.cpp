@@ -304,13 +304,17 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer
   if (opt_.mode == GradMode::Step && !defer_step) {
     // The update, now; the gradient (and any .grad accumulated by deferred micro-batches) is
     // freed when this returns. A parameter the optimizer does not update keeps nothing.
-    const int i = step_index_[&p - params_.data()];
     if (p.grad.defined()) {
       if (grad.storage() != p.grad.storage()) add_inplace(p.grad, grad);
       grad = p.grad;
       p.grad = Tensor();
     }
-    if (i >= 0) step_opt_->update(static_cast<size_t>(i), grad);
+    if (step_opt_) {
+      const int i = step_index_[&p - params_.data()];
+      if (i >= 0) step_opt_->update(static_cast<size_t>(i), grad);
+    } else if (hook_) {
+      hook_(p, grad);  // a front end's own optimizer (GraftModule's torch.optim, per parameter)
+    }
     return;
   }
   if (p.grad.defined())
@@ -378,7 +382,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   SinkTargetFn target;
   const bool defer = defer_step_;
   if (opt_.mode == GradMode::Step)
-    GRAFT_CHECK(step_opt_, ErrorKind::InvalidArgument,
+    GRAFT_CHECK(step_opt_ || hook_, ErrorKind::InvalidArgument,
                 "gradient mode 'step' applies the optimizer inside backward: call "
                 "set_step_optimizer(&optimizer) before the first step");
   if (opt_.mode == GradMode::Accumulate || (opt_.mode == GradMode::Step && defer))
@@ -425,7 +429,7 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
     exec_->feed(*st.run, bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
   }
   st.backward_done = true;
-  if (opt_.mode == GradMode::Step && !st.defer_step) step_opt_->count_step();
+  if (opt_.mode == GradMode::Step && !st.defer_step && step_opt_) step_opt_->count_step();
   exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
   if (opt_.profile) last_times_ = st.run->op_times();
   kept = exec_->finish(*st.run);

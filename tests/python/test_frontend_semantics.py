@@ -590,3 +590,46 @@ def test_multilayer_rnn_with_dropout_is_exported_layer_by_layer(kind):
     (out_e.square().sum() + (st_e[0] if kind == "lstm" else st_e).sum()).backward()
     same_state(m, e)
     assert "forward" not in m.__dict__, "the export's patch was not undone"
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_step_mode_updates_inside_backward_as_the_eager_loop(opt_name):
+    """gradients='step': loss.backward() alone updates every parameter with the user's optimizer
+    the moment its gradient is complete, and no .grad is kept. After 5 steps (a learning-rate
+    scheduler included, one parameter frozen) the parameters match the eager loop
+    zero_grad / backward / step / scheduler.step."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    m[2].bias.requires_grad_(False)
+    e = copy.deepcopy(m)
+
+    def make(model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        if opt_name == "sgd":
+            o = torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+        else:
+            o = torch.optim.AdamW(params, lr=0.01)
+        return o, torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+
+    opt_g, sched_g = make(m)
+    opt_e, sched_e = make(e)
+    g = GraftModule(m, gradients="step", optimizer=opt_g)
+    for k in range(5):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k))
+        g(x).square().mean().backward()
+        sched_g.step()
+        assert all(p.grad is None for p in m.parameters()), "step mode kept a .grad"
+        opt_e.zero_grad()
+        e(x).square().mean().backward()
+        opt_e.step()
+        sched_e.step()
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        close(a, b, n)
+    assert torch.equal(m[2].bias, e[2].bias)  # frozen: untouched in both
+
+
+def test_step_mode_needs_an_optimizer():
+    with pytest.raises(graft.GraftArgumentError, match="optimizer"):
+        GraftModule(Net(), gradients="step")
+    with pytest.raises(graft.GraftArgumentError, match="optimizer"):
+        GraftModule(Net(), gradients="hook", optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
