@@ -146,6 +146,10 @@ void infer_node(Graph& g, int node);
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
               Allocator& alloc);
 
+// dst[i] += src[i] over two float32 or float64 tensors of one dtype and element count (the
+// accumulation into .grad), on the op families' threads.
+void add_elements(Tensor& dst, const Tensor& src);
+
 // Threads used by GEMMs (OpenBLAS); <= 0 leaves the library default.
 void set_num_threads(int n);
 int num_threads();

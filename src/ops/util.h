@@ -3,8 +3,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstring>
-#include <thread>
 
 #include "graft/ops.h"
 
@@ -124,23 +124,132 @@ void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
 
 // Threads for the op families' own loops (per channel, per plane): num_threads(), at least one.
 inline int max_threads() { return std::max(1, num_threads()); }
-// Splits [0, n) into up to max_threads() contiguous ranges and runs f(thread, begin, end) on each,
-// the calling thread taking the first; fewer threads when n * work_per_item (element operations)
-// is small (below ~64k a thread costs more than it saves). For loops between GEMMs, never around
-// them: OpenBLAS runs its own threads inside each GEMM.
+
+// Runs fn(ctx, task, slot) for every task in [0, n) on a small persistent pool of max_threads() - 1
+// workers plus the calling thread, and returns when all have finished. Threads claim tasks as they
+// come free (a descheduled worker on a busy machine leaves its share to the others), so which
+// thread runs which task is not fixed and tasks must be independent; `slot` (< max_threads()) is
+// the running thread's, distinct among tasks running at once. Runs all tasks inline, in order, in
+// slot 0 when called from a pool task (nesting), while another thread has the pool, or in a
+// forked child (util.cpp).
+void run_tasks(int n, void (*fn)(void*, int, int), void* ctx);
+
+// Below this many element operations a loop runs on the calling thread: waking a worker costs a
+// few microseconds, which ~32k float operations (~10 us) pay for.
+constexpr int64_t kParallelGrain = 32768;
+
+// Splits [0, n) into contiguous ranges, up to 4 per thread and none under kParallelGrain element
+// operations (n * work_per_item), and runs f(slot, begin, end) on each, slot < max_threads() being
+// the running thread's (an index into per-thread scratch). For loops between GEMMs, never around
+// them: OpenBLAS runs its own threads inside each GEMM. Callers split over independent items only,
+// so results do not depend on the number of threads or on which thread ran what.
 template <class F>
 void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
-  const int t = static_cast<int>(
-      std::min<int64_t>({max_threads(), n, std::max<int64_t>(1, n * work_per_item / 65536)}));
+  if (n <= 0) return;
+  const int64_t work = n * std::max<int64_t>(1, work_per_item);
+  const int threads = max_threads();
+  const int t = threads <= 1 ? 1
+                             : static_cast<int>(std::min<int64_t>(
+                                   {4 * threads, n, std::max<int64_t>(1, work / kParallelGrain)}));
   if (t <= 1) {
-    if (n > 0) f(0, int64_t{0}, n);
+    f(0, int64_t{0}, n);
     return;
   }
-  std::vector<std::thread> th;
-  th.reserve(t - 1);
-  for (int i = 1; i < t; ++i) th.emplace_back([&f, i, n, t] { f(i, n * i / t, n * (i + 1) / t); });
-  f(0, int64_t{0}, n / t);
-  for (auto& x : th) x.join();
+  struct Ctx {
+    F* f;
+    int64_t n;
+    int t;
+  } ctx{&f, n, t};
+  run_tasks(
+      t,
+      [](void* p, int i, int slot) {
+        auto* c = static_cast<Ctx*>(p);
+        (*c->f)(slot, c->n * i / c->t, c->n * (i + 1) / c->t);
+      },
+      &ctx);
+}
+// parallel_for over [0, n) in blocks of `block` items (begin a multiple of block): for
+// vectorized loops over flat arrays, so that no thread's range starts mid-vector.
+template <class F>
+void parallel_blocks(int64_t n, int64_t work_per_item, F&& f, int64_t block = 64) {
+  const int64_t nb = (n + block - 1) / block;
+  parallel_for(nb, block * work_per_item,
+               [&](int t, int64_t b0, int64_t b1) { f(t, b0 * block, std::min(n, b1 * block)); });
+}
+
+// Runs f(begin, end) over [0, n) elements in parallel (f: a plain, vectorizable loop).
+template <class F>
+void parallel_elems(int64_t n, int64_t work_per_item, F&& f) {
+  parallel_blocks(n, work_per_item, [&](int, int64_t b, int64_t e) { f(b, e); });
+}
+
+// Broadcasting by rows: the output's dims collapsed (size-1 dims dropped, neighbours merged where
+// every input is contiguous across them) into outer dims and one inner dim, along which each
+// input's stride is 0 (broadcast) or 1. Kernels then run plain loops over row segments.
+template <int N>
+struct BcastRows {
+  int64_t total = 0, inner = 1;
+  std::vector<int64_t> dims;               // collapsed outer dims (outermost first)
+  std::array<std::vector<int64_t>, N> st;  // per input, stride of each outer dim
+  std::array<int64_t, N> ist{};            // per input, stride along the inner dim (0 or 1)
+};
+template <int N>
+BcastRows<N> bcast_rows(const Shape& out, const std::array<const Shape*, N>& in) {
+  BcastRows<N> p;
+  p.total = numel(out);
+  std::array<std::vector<int64_t>, N> full;
+  for (int k = 0; k < N; ++k) full[k] = bcast_strides(*in[k], out);
+  std::vector<int64_t> dims;  // innermost first while collecting
+  std::array<std::vector<int64_t>, N> st;
+  for (int d = static_cast<int>(out.size()) - 1; d >= 0; --d) {
+    if (out[d] == 1) continue;
+    bool merge = !dims.empty();
+    for (int k = 0; k < N && merge; ++k) merge = full[k][d] == st[k].back() * dims.back();
+    if (merge) {
+      dims.back() *= out[d];
+    } else {
+      dims.push_back(out[d]);
+      for (int k = 0; k < N; ++k) st[k].push_back(full[k][d]);
+    }
+  }
+  if (dims.empty()) return p;  // one element
+  p.inner = dims.front();
+  for (int k = 0; k < N; ++k) {
+    p.ist[k] = st[k].front();
+    p.st[k].assign(st[k].rbegin(), st[k].rend() - 1);
+  }
+  p.dims.assign(dims.rbegin(), dims.rend() - 1);
+  return p;
+}
+// Calls seg(out_offset, in_offsets, len) over row segments covering the output, in parallel
+// (work: element operations per output element); inputs advance by ist[k] along a segment.
+template <int N, class F>
+void for_each_row(const BcastRows<N>& p, int64_t work, F&& seg) {
+  parallel_blocks(p.total, work, [&](int, int64_t b, int64_t e) {
+    const int nd = static_cast<int>(p.dims.size());
+    int64_t row = b / p.inner, j = b % p.inner;
+    std::vector<int64_t> idx(nd);
+    std::array<int64_t, N> off{};
+    for (int d = nd - 1; d >= 0; --d) {
+      idx[d] = row % p.dims[d];
+      row /= p.dims[d];
+      for (int k = 0; k < N; ++k) off[k] += idx[d] * p.st[k][d];
+    }
+    for (int64_t pos = b; pos < e;) {
+      const int64_t len = std::min(p.inner - j, e - pos);
+      std::array<int64_t, N> o;
+      for (int k = 0; k < N; ++k) o[k] = off[k] + j * p.ist[k];
+      seg(pos, o, len);
+      pos += len;
+      j = 0;
+      for (int d = nd - 1; d >= 0; --d) {
+        for (int k = 0; k < N; ++k) off[k] += p.st[k][d];
+        if (++idx[d] < p.dims[d]) break;
+        for (int k = 0; k < N; ++k) off[k] -= idx[d] * p.st[k][d];
+        idx[d] = 0;
+      }
+    }
+  });
 }
 
 // Sums f(i) over [0, n) in double with 8 independent partial sums (vectorizable; the order is

@@ -24,18 +24,8 @@ void add_inplace(Tensor& dst, const Tensor& src) {
               "add_inplace: cannot add " + std::string(dtype_name(src.dtype())) + " " +
                   shape_str(src.shape()) + " into " + dtype_name(dst.dtype()) + " " +
                   shape_str(dst.shape()));
-  const int64_t n = dst.numel();
-  if (dst.dtype() == DType::F32) {
-    float* d = dst.data<float>();
-    const float* s = src.data<float>();
-    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-  } else if (dst.dtype() == DType::F64) {
-    double* d = dst.data<double>();
-    const double* s = src.data<double>();
-    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-  } else {
-    fail(ErrorKind::Internal, "add_inplace on a non-float tensor");
-  }
+  if (!is_float(dst.dtype())) fail(ErrorKind::Internal, "add_inplace on a non-float tensor");
+  add_elements(dst, src);  // threaded, vectorized (src/ops/util.cpp)
 }
 
 void accumulate_grad(Parameter& p, const Tensor& grad) {
