@@ -12,64 +12,89 @@ namespace {
 using namespace opsutil;
 
 // ---- unary --------------------------------------------------------------------------------------
+// Element operations per element, for the parallel split: a libm call costs ~16 adds.
+constexpr int64_t kCheap = 1, kMath = 16;
+
+// y[i] = f(x[i]) over n elements, threaded; a plain loop the compiler can vectorize.
+template <class T, class U, class F>
+void map1(const T* x, U* y, int64_t n, int64_t work, F f) {
+  parallel_elems(n, work, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) y[i] = f(x[i]);
+  });
+}
+// z[i] = f(x[i], y[i]) over n elements, threaded.
+template <class T, class U, class F>
+void map2(const T* x, const T* y, U* z, int64_t n, int64_t work, F f) {
+  parallel_elems(n, work, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) z[i] = f(x[i], y[i]);
+  });
+}
+
 template <class Op>
 void unary_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const T* x = c.in(0).data<T>();
-    T* y = c.out(0).data<T>();
-    const int64_t n = c.in(0).numel();
-    for (int64_t i = 0; i < n; ++i) y[i] = Op::f(x[i]);
+    map1(c.in(0).data<T>(), c.out(0).data<T>(), c.in(0).numel(), Op::kWork,
+         [](T v) { return Op::f(v); });
   });
 }
 struct NegF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T x) {
     return -x;
   }
 };
 struct ReciprocalF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T x) {
     return T(1) / x;
   }
 };
 struct SqrtF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T x) {
     return std::sqrt(x);
   }
 };
 struct ExpF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return std::exp(x);
   }
 };
 struct LogF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return std::log(x);
   }
 };
 struct ErfF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return std::erf(x);
   }
 };
 struct TanhF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return std::tanh(x);
   }
 };
 struct SigmoidF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
   }
 };
 struct ReluF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T x) {
     return x > T(0) ? x : T(0);
@@ -85,8 +110,7 @@ void infer_unary_float(InferCtx& c) {
 void neg_kernel(KernelCtx& c) {
   if (dispatch_int(c.in(0).dtype(), [&]<class T>() {
         const T* x = c.in(0).data<T>();
-        T* y = c.out(0).data<T>();
-        for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = -x[i];
+        map1(x, c.out(0).data<T>(), c.in(0).numel(), kCheap, [](T v) -> T { return -v; });
       }))
     return;
   unary_kernel<NegF>(c);
@@ -97,26 +121,41 @@ void infer_neg(InferCtx& c) {
 }
 
 // ---- binary with broadcasting -------------------------------------------------------------------
+// out = f(a, b) with numpy broadcasting, threaded. Same shapes and a scalar side are flat loops;
+// anything else runs by rows (bcast_rows): each side is contiguous or one value along a row (a
+// bias add, a per-row mean), so the row loops are plain and vectorizable.
 template <class T, class F>
-void binary_loop(const Tensor& a, const Tensor& b, Tensor& out, F f) {
+void binary_loop(const Tensor& a, const Tensor& b, Tensor& out, F f, int64_t work = kCheap) {
   const T* pa = a.data<T>();
   const T* pb = b.data<T>();
   using O = decltype(f(T(), T()));
   O* po = out.data<O>();
   const int64_t n = out.numel();
   if (a.shape() == out.shape() && b.shape() == out.shape()) {
-    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
+    map2(pa, pb, po, n, work, f);
   } else if (a.shape() == out.shape() && b.numel() == 1) {
     const T s = pb[0];
-    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], s);
+    map1(pa, po, n, work, [&](T x) { return f(x, s); });
   } else if (b.shape() == out.shape() && a.numel() == 1) {
     const T s = pa[0];
-    for (int64_t i = 0; i < n; ++i) po[i] = f(s, pb[i]);
+    map1(pb, po, n, work, [&](T y) { return f(s, y); });
   } else {
-    std::array<std::vector<int64_t>, 2> st{bcast_strides(a.shape(), out.shape()),
-                                           bcast_strides(b.shape(), out.shape())};
-    for_each_bcast<2>(out.shape(), st, [&](int64_t i, const std::array<int64_t, 2>& o) {
-      po[i] = f(pa[o[0]], pb[o[1]]);
+    const auto p = bcast_rows<2>(out.shape(), {&a.shape(), &b.shape()});
+    for_each_row<2>(p, work, [&](int64_t o, const std::array<int64_t, 2>& off, int64_t len) {
+      const T* x = pa + off[0];
+      const T* y = pb + off[1];
+      O* z = po + o;
+      if (p.ist[0] && p.ist[1]) {
+        for (int64_t j = 0; j < len; ++j) z[j] = f(x[j], y[j]);
+      } else if (p.ist[0]) {
+        const T s = *y;
+        for (int64_t j = 0; j < len; ++j) z[j] = f(x[j], s);
+      } else if (p.ist[1]) {
+        const T s = *x;
+        for (int64_t j = 0; j < len; ++j) z[j] = f(s, y[j]);
+      } else {
+        std::fill(z, z + len, f(*x, *y));
+      }
     });
   }
 }
@@ -213,15 +252,18 @@ void pow_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& b = c.in(1);
     if (b.dtype() == c.in(0).dtype()) {
-      binary_loop<T>(c.in(0), b, c.out(0), [](T x, T y) -> T {
-        return y == T(2) ? x * x : y == T(1) ? x : std::pow(x, y);
-      });
+      binary_loop<T>(
+          c.in(0), b, c.out(0),
+          [](T x, T y) -> T { return y == T(2)   ? x * x
+                                     : y == T(1) ? x
+                                                 : std::pow(x, y); }, kMath);
       return;
     }
     // Mixed exponent dtype: convert it to T first (small: exponents are usually scalars).
     Tensor bt = Tensor::empty(b.shape(), c.in(0).dtype(), c.alloc, Category::Workspace);
     for (int64_t i = 0; i < b.numel(); ++i) bt.data<T>()[i] = static_cast<T>(b.at(i));
-    binary_loop<T>(c.in(0), bt, c.out(0), [](T x, T y) -> T { return std::pow(x, y); });
+    binary_loop<T>(
+        c.in(0), bt, c.out(0), [](T x, T y) -> T { return std::pow(x, y); }, kMath);
   });
 }
 
@@ -249,11 +291,21 @@ void where_kernel(KernelCtx& c) {
     const T* px = c.in(1).data<T>();
     const T* py = c.in(2).data<T>();
     T* po = c.out(0).data<T>();
-    std::array<std::vector<int64_t>, 3> st{bcast_strides(c.in(0).shape(), os),
-                                           bcast_strides(c.in(1).shape(), os),
-                                           bcast_strides(c.in(2).shape(), os)};
-    for_each_bcast<3>(os, st, [&](int64_t i, const std::array<int64_t, 3>& o) {
-      po[i] = pc[o[0]] ? px[o[1]] : py[o[2]];
+    const auto p = bcast_rows<3>(os, {&c.in(0).shape(), &c.in(1).shape(), &c.in(2).shape()});
+    const int64_t sc = p.ist[0], sx = p.ist[1], sy = p.ist[2];
+    for_each_row<3>(p, kCheap, [&](int64_t o, const std::array<int64_t, 3>& off, int64_t len) {
+      const bool* cc = pc + off[0];
+      const T* x = px + off[1];
+      const T* y = py + off[2];
+      T* z = po + o;
+      if (sc && sx && sy)
+        for (int64_t j = 0; j < len; ++j) z[j] = cc[j] ? x[j] : y[j];
+      else if (sc && sx)
+        for (int64_t j = 0; j < len; ++j) z[j] = cc[j] ? x[j] : *y;
+      else if (sc && sy)
+        for (int64_t j = 0; j < len; ++j) z[j] = cc[j] ? *x : y[j];
+      else
+        for (int64_t j = 0; j < len; ++j) z[j] = cc[j * sc] ? x[j * sx] : y[j * sy];
     });
   });
 }
@@ -275,9 +327,9 @@ void sum_kernel(KernelCtx& c) {
       if (k == 0 && pa == po) continue;  // in place on input 0
       if (a.shape() == out.shape()) {
         if (k == 0)
-          std::copy(pa, pa + n, po);
+          map1(pa, po, n, kCheap, [](T v) { return v; });
         else
-          for (int64_t i = 0; i < n; ++i) po[i] += pa[i];
+          map2(po, pa, po, n, kCheap, [](T x, T y) { return x + y; });
       } else {
         auto st = bcast_strides(a.shape(), out.shape());
         for_each_bcast<1>(out.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
@@ -305,21 +357,21 @@ void cast_kernel(KernelCtx& c) {
     const S* px = x.data<S>();
     dispatch(y.dtype(), [&]<class D>() {
       D* py = y.data<D>();
-      for (int64_t i = 0; i < x.numel(); ++i) {
+      map1(px, py, x.numel(), kCheap, [](S s) -> D {
         if constexpr (std::is_same_v<D, bool>) {
-          py[i] = px[i] != S(0);
+          return s != S(0);
         } else if constexpr (std::is_floating_point_v<S> && std::is_same_v<D, int64_t>) {
           // NaN or out of range is undefined in C++; give what x86 (and so numpy) gives.
-          const double v = static_cast<double>(px[i]);
-          py[i] = v >= -9.2233720368547758e18 && v < 9.2233720368547758e18 ? static_cast<int64_t>(v)
-                                                                           : INT64_MIN;
+          const double v = static_cast<double>(s);
+          return v >= -9.2233720368547758e18 && v < 9.2233720368547758e18 ? static_cast<int64_t>(v)
+                                                                          : INT64_MIN;
         } else if constexpr (std::is_floating_point_v<S> && std::is_same_v<D, int32_t>) {
-          const double v = static_cast<double>(px[i]);
-          py[i] = v > -2147483649.0 && v < 2147483648.0 ? static_cast<int32_t>(v) : INT32_MIN;
+          const double v = static_cast<double>(s);
+          return v > -2147483649.0 && v < 2147483648.0 ? static_cast<int32_t>(v) : INT32_MIN;
         } else {
-          py[i] = static_cast<D>(px[i]);
+          return static_cast<D>(s);
         }
-      }
+      });
     });
   });
 }
@@ -354,7 +406,7 @@ void logic_kernel(KernelCtx& c) {
 void not_kernel(KernelCtx& c) {
   const bool* x = c.in(0).data<bool>();
   bool* y = c.out(0).data<bool>();
-  for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = !x[i];
+  map1(x, y, c.in(0).numel(), kCheap, [](bool v) { return !v; });
 }
 
 // ---- Abs / Sign (float and int64) -------------------------------------------------------------
@@ -365,14 +417,12 @@ void infer_signed(InferCtx& c) {
 template <bool kSign>
 void abs_sign_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
-    const T* x = c.in(0).data<T>();
-    T* y = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) {
+    map1(c.in(0).data<T>(), c.out(0).data<T>(), c.in(0).numel(), kCheap, [](T v) -> T {
       if constexpr (kSign)
-        y[i] = x[i] > T(0) ? T(1) : x[i] < T(0) ? T(-1) : T(0);
+        return v > T(0) ? T(1) : v < T(0) ? T(-1) : T(0);
       else
-        y[i] = x[i] < T(0) ? -x[i] : x[i];
-    }
+        return v < T(0) ? -v : v;
+    });
   };
   dispatch_numeric(c.in(0).dtype(), c, run);
 }
@@ -396,7 +446,7 @@ void clip_kernel(KernelCtx& c) {
     const T hi = c.has_in(2) ? c.in(2).data<T>()[0] : std::numeric_limits<T>::max();
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) y[i] = std::min(std::max(x[i], lo), hi);
+    map1(x, y, c.in(0).numel(), kCheap, [&](T v) { return std::min(std::max(v, lo), hi); });
   };
   dispatch_numeric(c.in(0).dtype(), c, run);
 }
@@ -407,7 +457,8 @@ void clip_grad_kernel(KernelCtx& c) {
     const T hi = c.has_in(3) ? c.in(3).data<T>()[0] : std::numeric_limits<T>::max();
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) dx[i] = x[i] >= lo && x[i] <= hi ? dy[i] : T(0);
+    map2(dy, x, dx, c.in(0).numel(), kCheap,
+         [&](T d, T v) { return v >= lo && v <= hi ? d : T(0); });
   });
 }
 void grad_clip(GradBuilder& g) {
@@ -501,16 +552,16 @@ void hard_sigmoid_kernel(KernelCtx& c) {
             b = static_cast<T>(c.attr_float("beta", 0.5));
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i)
-      y[i] = std::min(T(1), std::max(T(0), a * x[i] + b));
+    map1(x, y, c.in(0).numel(), kCheap,
+         [&](T v) { return std::min(T(1), std::max(T(0), a * v + b)); });
   });
 }
 void hard_swish_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i)
-      y[i] = x[i] * std::min(T(1), std::max(T(0), x[i] / T(6) + T(0.5)));
+    map1(x, y, c.in(0).numel(), kCheap,
+         [](T v) { return v * std::min(T(1), std::max(T(0), v / T(6) + T(0.5))); });
   });
 }
 // HardGrad(dy, x; kind = 0 sigmoid (alpha, beta) | 1 swish) -> dx, as PyTorch's backward.
@@ -521,14 +572,15 @@ void hard_grad_kernel(KernelCtx& c) {
             b = static_cast<T>(c.attr_float("beta", 0.5));
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) {
-      if (swish)
-        dx[i] = x[i] < T(-3) ? T(0) : x[i] <= T(3) ? dy[i] * (x[i] / T(3) + T(0.5)) : dy[i];
-      else {
-        T z = a * x[i] + b;
-        dx[i] = z > T(0) && z < T(1) ? dy[i] * a : T(0);
-      }
-    }
+    if (swish)
+      map2(dy, x, dx, c.in(0).numel(), kCheap, [](T d, T v) {
+        return v < T(-3) ? T(0) : v <= T(3) ? d * (v / T(3) + T(0.5)) : d;
+      });
+    else
+      map2(dy, x, dx, c.in(0).numel(), kCheap, [&](T d, T v) {
+        const T z = a * v + b;
+        return z > T(0) && z < T(1) ? d * a : T(0);
+      });
   });
 }
 void grad_hard_sigmoid(GradBuilder& g) {
@@ -567,11 +619,11 @@ void gelu_kernel(KernelCtx& c) {
     T* y = c.out(0).data<T>();
     const int64_t n = c.in(0).numel();
     if (th)
-      for (int64_t i = 0; i < n; ++i)
-        y[i] = T(0.5) * x[i] *
-               (T(1) + std::tanh(T(kSqrt2Pi) * (x[i] + T(0.044715) * x[i] * x[i] * x[i])));
+      map1(x, y, n, kMath, [](T v) {
+        return T(0.5) * v * (T(1) + std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v)));
+      });
     else
-      for (int64_t i = 0; i < n; ++i) y[i] = T(0.5) * x[i] * (T(1) + std::erf(x[i] * T(M_SQRT1_2)));
+      map1(x, y, n, kMath, [](T v) { return T(0.5) * v * (T(1) + std::erf(v * T(M_SQRT1_2))); });
   });
 }
 // GeluGrad(dy, x) -> dx (the Gelu's approximate attribute).
@@ -581,19 +633,17 @@ void gelu_grad_kernel(KernelCtx& c) {
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
     const int64_t n = c.in(0).numel();
-    for (int64_t i = 0; i < n; ++i) {
-      const T v = x[i];
-      T d;
-      if (th) {
+    if (th)
+      map2(dy, x, dx, n, kMath, [](T g, T v) {
         const T t = std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v));
-        d = T(0.5) * (T(1) + t) +
-            T(0.5) * v * (T(1) - t * t) * T(kSqrt2Pi) * (T(1) + T(3 * 0.044715) * v * v);
-      } else {
-        d = T(0.5) * (T(1) + std::erf(v * T(M_SQRT1_2))) +
-            v * std::exp(T(-0.5) * v * v) * T(0.3989422804014327);  // 1 / sqrt(2 pi)
-      }
-      dx[i] = dy[i] * d;
-    }
+        return g * (T(0.5) * (T(1) + t) +
+                    T(0.5) * v * (T(1) - t * t) * T(kSqrt2Pi) * (T(1) + T(3 * 0.044715) * v * v));
+      });
+    else
+      map2(dy, x, dx, n, 2 * kMath, [](T g, T v) {
+        return g * (T(0.5) * (T(1) + std::erf(v * T(M_SQRT1_2))) +
+                    v * std::exp(T(-0.5) * v * v) * T(0.3989422804014327));  // 1 / sqrt(2 pi)
+      });
   });
 }
 void grad_gelu(GradBuilder& g) {
@@ -602,12 +652,14 @@ void grad_gelu(GradBuilder& g) {
   g.set_dx(0, g.emit1("GeluGrad", {g.dy(0), g.x(0)}, a, "graft"));
 }
 struct SiluF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T x) {
     return x * SigmoidF::f(x);
   }
 };
 struct SiluGradF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T dy, T x) {
     const T s = SigmoidF::f(x);
@@ -621,31 +673,33 @@ void grad_silu(GradBuilder& g) { g.set_dx(0, g.emit1("SiluGrad", {g.dy(0), g.x(0
 template <class Op>
 void grad2_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const T* dy = c.in(0).data<T>();
-    const T* t = c.in(1).data<T>();
-    T* dx = c.out(0).data<T>();
-    for (int64_t i = 0; i < c.in(0).numel(); ++i) dx[i] = Op::f(dy[i], t[i]);
+    map2(c.in(0).data<T>(), c.in(1).data<T>(), c.out(0).data<T>(), c.in(0).numel(), Op::kWork,
+         [](T d, T t) { return Op::f(d, t); });
   });
 }
 struct ReluGradF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T dy, T y) {
     return y > T(0) ? dy : T(0);
   }
 };
 struct SigmoidGradF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T dy, T y) {
     return dy * y * (T(1) - y);
   }
 };
 struct TanhGradF {
+  static constexpr int64_t kWork = kCheap;
   template <class T>
   static T f(T dy, T y) {
     return dy * (T(1) - y * y);
   }
 };
 struct ErfGradF {
+  static constexpr int64_t kWork = kMath;
   template <class T>
   static T f(T dy, T x) {
     return dy * T(1.1283791670955126) * std::exp(-x * x);  // 2/sqrt(pi)

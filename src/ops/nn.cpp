@@ -34,22 +34,29 @@ void softmax_kernel(KernelCtx& c) {
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T* px = x.data<T>();
     T* py = c.out(0).data<T>();
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t i = 0; i < inner; ++i) {
+    // Parallel over the (outer, inner) lines; each line's sums run in a fixed order.
+    parallel_for(outer * inner, 24 * n, [&](int, int64_t l0, int64_t l1) {
+      std::vector<double> e(kLog ? 0 : n);  // exp(x - max), computed once per element
+      for (int64_t l = l0; l < l1; ++l) {
+        const int64_t o = l / inner, i = l % inner;
         const T* p = px + o * n * inner + i;
         T* q = py + o * n * inner + i;
         T mx = n ? p[0] : T(0);
         for (int64_t k = 1; k < n; ++k) mx = std::max(mx, p[k * inner]);
         double sum = 0;
-        for (int64_t k = 0; k < n; ++k) sum += std::exp(static_cast<double>(p[k * inner] - mx));
         if constexpr (kLog) {
+          for (int64_t k = 0; k < n; ++k) sum += std::exp(static_cast<double>(p[k * inner] - mx));
           T lse = static_cast<T>(std::log(sum)) + mx;
           for (int64_t k = 0; k < n; ++k) q[k * inner] = p[k * inner] - lse;
         } else {
-          for (int64_t k = 0; k < n; ++k)
-            q[k * inner] = static_cast<T>(std::exp(static_cast<double>(p[k * inner] - mx)) / sum);
+          for (int64_t k = 0; k < n; ++k) {
+            e[k] = std::exp(static_cast<double>(p[k * inner] - mx));
+            sum += e[k];
+          }
+          for (int64_t k = 0; k < n; ++k) q[k * inner] = static_cast<T>(e[k] / sum);
         }
       }
+    });
   });
 }
 // SoftmaxGrad: dx = y * (dy - sum(dy*y)); LogSoftmaxGrad: dx = dy - exp(y) * sum(dy).
@@ -62,13 +69,23 @@ void softmax_grad_kernel(KernelCtx& c) {
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     const T *pd = dy.data<T>(), *py = c.in(1).data<T>();
     T* px = c.out(0).data<T>();
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t i = 0; i < inner; ++i) {
-        const int64_t b = o * n * inner + i;
+    parallel_for(outer * inner, (kLog ? 20 : 4) * n, [&](int, int64_t l0, int64_t l1) {
+      for (int64_t l = l0; l < l1; ++l) {
+        const int64_t b = (l / inner) * n * inner + l % inner;
         double s = 0;
         for (int64_t k = 0; k < n; ++k)
           s += kLog ? static_cast<double>(pd[b + k * inner])
                     : static_cast<double>(pd[b + k * inner]) * py[b + k * inner];
+        if (inner == 1) {  // contiguous: a plain loop
+          const T *d = pd + b, *y = py + b;
+          T* o = px + b;
+          if constexpr (kLog)
+            for (int64_t k = 0; k < n; ++k)
+              o[k] = static_cast<T>(d[k] - std::exp(static_cast<double>(y[k])) * s);
+          else
+            for (int64_t k = 0; k < n; ++k) o[k] = static_cast<T>(y[k] * (d[k] - s));
+          continue;
+        }
         for (int64_t k = 0; k < n; ++k) {
           const int64_t j = b + k * inner;
           if constexpr (kLog)
@@ -77,6 +94,7 @@ void softmax_grad_kernel(KernelCtx& c) {
             px[j] = static_cast<T>(py[j] * (pd[j] - s));
         }
       }
+    });
   });
 }
 void infer_softmax_grad(InferCtx& c) {
@@ -121,10 +139,13 @@ void infer_layernorm(InferCtx& c) {
 }
 template <class T>
 void ln_stats(const T* x, int64_t n, double eps, double& mean, double& inv) {
-  double m = 0, v = 0;
-  for (int64_t k = 0; k < n; ++k) m += x[k];
+  // 8 partial sums in a fixed order (sum8): vectorizable, and the same for any thread count.
+  double m = sum8(n, [&](int64_t k) { return static_cast<double>(x[k]); });
   m /= static_cast<double>(n ? n : 1);
-  for (int64_t k = 0; k < n; ++k) v += (x[k] - m) * (x[k] - m);
+  double v = sum8(n, [&](int64_t k) {
+    const double d = x[k] - m;
+    return d * d;
+  });
   v /= static_cast<double>(n ? n : 1);
   mean = m;
   inv = 1.0 / std::sqrt(v + eps);
@@ -140,20 +161,28 @@ void layernorm_kernel(KernelCtx& c) {
     const T* sc = c.in(1).data<T>();
     const T* bi = c.has_in(2) ? c.in(2).data<T>() : nullptr;
     T* py = c.out(0).data<T>();
-    for (int64_t o = 0; o < outer; ++o) {
-      double m, inv;
-      ln_stats(px + o * n, n, eps, m, inv);
-      for (int64_t k = 0; k < n; ++k)
-        py[o * n + k] = static_cast<T>((px[o * n + k] - m) * inv * sc[k] + (bi ? bi[k] : T(0)));
-      for (int j = 1; j <= 2; ++j)
-        if (c.has_out(j)) {
-          double v = j == 1 ? m : inv;
-          if (c.out(j).dtype() == DType::F32)
-            c.out(j).data<float>()[o] = static_cast<float>(v);
-          else
-            c.out(j).data<double>()[o] = v;
-        }
-    }
+    Tensor* stat[3] = {nullptr, c.has_out(1) ? &c.out(1) : nullptr,
+                       c.has_out(2) ? &c.out(2) : nullptr};
+    parallel_for(outer, 8 * n, [&](int, int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1; ++o) {
+        double m, inv;
+        ln_stats(px + o * n, n, eps, m, inv);
+        const T* xr = px + o * n;
+        T* yr = py + o * n;
+        if (bi)
+          for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<T>((xr[k] - m) * inv * sc[k] + bi[k]);
+        else
+          for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<T>((xr[k] - m) * inv * sc[k]);
+        for (int j = 1; j <= 2; ++j)
+          if (stat[j]) {
+            double v = j == 1 ? m : inv;
+            if (stat[j]->dtype() == DType::F32)
+              stat[j]->data<float>()[o] = static_cast<float>(v);
+            else
+              stat[j]->data<double>()[o] = v;
+          }
+      }
+    });
   });
 }
 // LayerNormGrad(dy, x, scale) -> dx, dscale, dbias. Statistics are recomputed from x (cheaper in
@@ -172,32 +201,55 @@ void layernorm_grad_kernel(KernelCtx& c) {
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T *pd = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
     T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
-    std::vector<double> ds(n, 0.0), db(n, 0.0);
-    for (int64_t o = 0; o < outer; ++o) {
-      const T* xr = px + o * n;
-      const T* dr = pd + o * n;
-      double m, inv;
-      ln_stats(xr, n, eps, m, inv);
-      double a = 0, b = 0;  // mean(dy*scale), mean(dy*scale*xhat)
-      for (int64_t k = 0; k < n; ++k) {
-        double xh = (xr[k] - m) * inv, g = static_cast<double>(dr[k]) * sc[k];
-        a += g;
-        b += g * xh;
-        ds[k] += dr[k] * xh;
-        db[k] += dr[k];
-      }
-      a /= static_cast<double>(n);
-      b /= static_cast<double>(n);
-      if (dx)
+    // Pass 1, parallel over rows: each row's statistics and dx. Pass 2, parallel over columns:
+    // dscale and dbias, each column summed over the rows in row order (as a single thread would).
+    std::vector<double> stats(2 * outer);
+    parallel_for(outer, 12 * n, [&](int, int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1; ++o) {
+        const T* xr = px + o * n;
+        const T* dr = pd + o * n;
+        double m, inv;
+        ln_stats(xr, n, eps, m, inv);
+        stats[2 * o] = m;
+        stats[2 * o + 1] = inv;
+        if (!dx) continue;
+        double a = 0, b = 0;  // mean(dy*scale), mean(dy*scale*xhat)
+        for (int64_t k = 0; k < n; ++k) {
+          double xh = (xr[k] - m) * inv, g = static_cast<double>(dr[k]) * sc[k];
+          a += g;
+          b += g * xh;
+        }
+        a /= static_cast<double>(n);
+        b /= static_cast<double>(n);
+        T* dxr = dx + o * n;
         for (int64_t k = 0; k < n; ++k) {
           double xh = (xr[k] - m) * inv;
-          dx[o * n + k] = static_cast<T>(inv * (static_cast<double>(dr[k]) * sc[k] - a - xh * b));
+          dxr[k] = static_cast<T>(inv * (static_cast<double>(dr[k]) * sc[k] - a - xh * b));
         }
-    }
-    if (c.has_out(1))
-      for (int64_t k = 0; k < n; ++k) c.out(1).data<T>()[k] = static_cast<T>(ds[k]);
-    if (c.has_out(2))
-      for (int64_t k = 0; k < n; ++k) c.out(2).data<T>()[k] = static_cast<T>(db[k]);
+      }
+    });
+    T* ds = c.has_out(1) ? c.out(1).data<T>() : nullptr;
+    T* db = c.has_out(2) ? c.out(2).data<T>() : nullptr;
+    if (!ds && !db) return;
+    parallel_blocks(
+        n, 4 * outer,
+        [&](int, int64_t k0, int64_t k1) {
+          std::vector<double> s(k1 - k0, 0.0), b(k1 - k0, 0.0);
+          for (int64_t o = 0; o < outer; ++o) {
+            const T* xr = px + o * n;
+            const T* dr = pd + o * n;
+            const double m = stats[2 * o], inv = stats[2 * o + 1];
+            for (int64_t k = k0; k < k1; ++k) {
+              s[k - k0] += dr[k] * ((xr[k] - m) * inv);
+              b[k - k0] += dr[k];
+            }
+          }
+          for (int64_t k = k0; k < k1; ++k) {
+            if (ds) ds[k] = static_cast<T>(s[k - k0]);
+            if (db) db[k] = static_cast<T>(b[k - k0]);
+          }
+        },
+        16);
   });
 }
 void grad_layernorm(GradBuilder& g) {

@@ -77,23 +77,32 @@ void reduce_sum(const T* x, const Shape& s, const std::vector<int>& axes, T* y, 
   if (contiguous) {
     int64_t outer, mid, inner;
     split3(s, axes.front(), axes.back() + 1, outer, mid, inner);
-    for (int64_t o = 0; o < outer; ++o) {
-      if (inner == 1) {
-        const T* p = x + o * mid;
-        double acc = 0;
-        for (int64_t m = 0; m < mid; ++m) acc += p[m];
-        y[o] = static_cast<T>(mean ? acc / (mid ? mid : 1) : acc);
-      } else {
+    if (inner == 1) {  // over the last axes: parallel over rows
+      parallel_for(outer, mid, [&](int, int64_t o0, int64_t o1) {
+        for (int64_t o = o0; o < o1; ++o) {
+          const T* p = x + o * mid;
+          double acc = 0;
+          for (int64_t m = 0; m < mid; ++m) acc += p[m];
+          y[o] = static_cast<T>(mean ? acc / (mid ? mid : 1) : acc);
+        }
+      });
+      return;
+    }
+    // Parallel over (outer, column block); each output sums its mid values in order.
+    const int64_t nb = (inner + 63) / 64;
+    parallel_for(outer * nb, mid * 64, [&](int, int64_t q0, int64_t q1) {
+      for (int64_t qb = q0; qb < q1; ++qb) {
+        const int64_t o = qb / nb, i0 = (qb % nb) * 64, i1 = std::min(inner, i0 + 64);
         T* q = y + o * inner;
-        std::fill(q, q + inner, T(0));
+        std::fill(q + i0, q + i1, T(0));
         for (int64_t m = 0; m < mid; ++m) {
           const T* p = x + (o * mid + m) * inner;
-          for (int64_t i = 0; i < inner; ++i) q[i] += p[i];
+          for (int64_t i = i0; i < i1; ++i) q[i] += p[i];
         }
         if (mean)
-          for (int64_t i = 0; i < inner; ++i) q[i] /= static_cast<T>(mid ? mid : 1);
+          for (int64_t i = i0; i < i1; ++i) q[i] /= static_cast<T>(mid ? mid : 1);
       }
-    }
+    });
     return;
   }
   Shape kept = reduced_shape(s, axes, true);

@@ -118,6 +118,80 @@ void infer_transpose(InferCtx& c) {
   for (int64_t a : p) out.push_back(s[a]);
   c.set_out(0, c.dtype(0), out);
 }
+// y (dense, shape ys) = x read at input strides xst per output dim. Dims are collapsed first (size
+// 1 dropped, neighbours merged where the input is contiguous across them). When the output's inner
+// dim is the input's, rows are copied; else 32x32 tiles transpose between the output's inner dim
+// and the one the input is contiguous along (reads and writes both stay in a few cache lines).
+// Parallel over (batch, tile row): every output element is written once, by one thread.
+template <class T>
+void transpose_copy(const T* x, T* y, const Shape& ys, const std::vector<int64_t>& xst) {
+  std::vector<int64_t> dims, st;  // innermost first while collecting
+  for (int d = static_cast<int>(ys.size()) - 1; d >= 0; --d) {
+    if (ys[d] == 1) continue;
+    if (!dims.empty() && xst[d] == st.back() * dims.back()) {
+      dims.back() *= ys[d];
+    } else {
+      dims.push_back(ys[d]);
+      st.push_back(xst[d]);
+    }
+  }
+  std::reverse(dims.begin(), dims.end());
+  std::reverse(st.begin(), st.end());
+  const int r = static_cast<int>(dims.size());
+  int64_t total = 1;
+  for (int64_t d : dims) total *= d;
+  if (r == 0) {
+    if (total) y[0] = x[0];
+    return;
+  }
+  std::vector<int64_t> yst(r);  // output strides of the collapsed dims
+  for (int64_t d = r - 1, s = 1; d >= 0; --d) {
+    yst[d] = s;
+    s *= dims[d];
+  }
+  if (st[r - 1] == 1) {  // rows of the inner dim are contiguous in both
+    const int64_t L = dims[r - 1], rows = total / L;
+    parallel_for(rows, L, [&](int, int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        int64_t off = 0;
+        for (int64_t d = r - 2, q = row; d >= 0; --d) {
+          off += (q % dims[d]) * st[d];
+          q /= dims[d];
+        }
+        std::memcpy(y + row * L, x + off, L * sizeof(T));
+      }
+    });
+    return;
+  }
+  int a = 0;  // the output dim along which the input is contiguous
+  while (st[a] != 1) ++a;
+  const int b = r - 1;  // the output's inner dim
+  const int64_t A = dims[a], B = dims[b], xb = st[b], ya = yst[a];
+  constexpr int64_t kTile = 32;
+  const int64_t ta = (A + kTile - 1) / kTile;
+  const int64_t batches = total / (A * B);
+  parallel_for(batches * ta, kTile * B, [&](int, int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t a0 = (q % ta) * kTile, a1 = std::min(A, a0 + kTile);
+      int64_t xo = 0, yo = 0;
+      for (int64_t d = r - 1, rest = q / ta; d >= 0; --d) {
+        if (d == a || d == b) continue;
+        const int64_t i = rest % dims[d];
+        rest /= dims[d];
+        xo += i * st[d];
+        yo += i * yst[d];
+      }
+      for (int64_t b0 = 0; b0 < B; b0 += kTile) {
+        const int64_t b1 = std::min(B, b0 + kTile);
+        for (int64_t i = a0; i < a1; ++i) {
+          const T* src = x + xo + i;
+          T* dst = y + yo + i * ya;
+          for (int64_t j = b0; j < b1; ++j) dst[j] = src[j * xb];
+        }
+      }
+    }
+  });
+}
 void transpose_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   auto p = perm_of(c.node, x.rank());
@@ -129,10 +203,7 @@ void transpose_kernel(KernelCtx& c) {
   }
   for (int i = 0; i < x.rank(); ++i) pst[i] = st[p[i]];
   dispatch(x.dtype(), [&]<class T>() {
-    const T* px = x.data<T>();
-    T* py = c.out(0).data<T>();
-    for_each_bcast<1>(c.out(0).shape(), {pst},
-                      [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+    transpose_copy<T>(x.data<T>(), c.out(0).data<T>(), c.out(0).shape(), pst);
   });
 }
 void grad_transpose(GradBuilder& g) {
@@ -433,16 +504,30 @@ void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds
       c.error(ErrorKind::InvalidArgument, "index " + std::to_string(pi[j]) +
                                               " is out of range for axis " + std::to_string(ax) +
                                               " of size " + std::to_string(mid));
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t j = 0; j < ni; ++j) {
-      int64_t k = pi[j] < 0 ? pi[j] + mid : pi[j];
-      T* d = data + (o * mid + k) * inner;
-      T* s = small + (o * ni + j) * inner;
-      if constexpr (kScatter)
-        for (int64_t i = 0; i < inner; ++i) d[i] += s[i];
-      else
-        std::memcpy(s, d, inner * sizeof(T));
-    }
+  if constexpr (kScatter) {
+    // Rows may repeat (the same token twice): parallel over column blocks, each adding its rows
+    // in index order, so the sums do not depend on the thread count.
+    parallel_blocks(
+        inner, outer * ni,
+        [&](int, int64_t i0, int64_t i1) {
+          for (int64_t o = 0; o < outer; ++o)
+            for (int64_t j = 0; j < ni; ++j) {
+              const int64_t k = pi[j] < 0 ? pi[j] + mid : pi[j];
+              T* d = data + (o * mid + k) * inner;
+              const T* s = small + (o * ni + j) * inner;
+              for (int64_t i = i0; i < i1; ++i) d[i] += s[i];
+            }
+        },
+        16);
+  } else {
+    parallel_for(outer * ni, inner, [&](int, int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        const int64_t o = row / ni, j = row % ni;
+        const int64_t k = pi[j] < 0 ? pi[j] + mid : pi[j];
+        std::memcpy(small + row * inner, data + (o * mid + k) * inner, inner * sizeof(T));
+      }
+    });
+  }
 }
 void gather_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
@@ -469,7 +554,10 @@ void infer_gather_grad(InferCtx& c) {
 // Scatter-add of dy rows into a zeroed dx (embedding gradients).
 void gather_grad_kernel(KernelCtx& c) {
   Tensor& dx = c.out(0);
-  std::memset(dx.raw(), 0, dx.nbytes());
+  char* raw = static_cast<char*>(dx.raw());
+  parallel_blocks(
+      static_cast<int64_t>(dx.nbytes()), 1,
+      [&](int, int64_t b, int64_t e) { std::memset(raw + b, 0, e - b); }, 4096);
   dispatch_float(dx.dtype(), c, [&]<class T>() {
     const int axis = static_cast<int>(c.attr_int("axis", 0));
     gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(), axis);
@@ -515,12 +603,16 @@ void infer_expand(InferCtx& c) {
 void expand_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   Tensor& y = c.out(0);
-  auto st = bcast_strides(x.shape(), y.shape());
   dispatch(x.dtype(), [&]<class T>() {
     const T* px = x.data<T>();
     T* py = y.data<T>();
-    for_each_bcast<1>(y.shape(), {st},
-                      [&](int64_t i, const std::array<int64_t, 1>& o) { py[i] = px[o[0]]; });
+    const auto p = bcast_rows<1>(y.shape(), {&x.shape()});
+    for_each_row<1>(p, 1, [&](int64_t o, const std::array<int64_t, 1>& off, int64_t len) {
+      if (p.ist[0])
+        std::memcpy(py + o, px + off[0], len * sizeof(T));
+      else
+        std::fill(py + o, py + o + len, px[off[0]]);
+    });
   });
 }
 void grad_expand(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
