@@ -125,6 +125,14 @@ class TrainSession {
   // mode does; the first backward that is not deferred adds its gradient to the accumulated .grad,
   // applies the update and frees .grad (the unfused loop: k backward()s, one optimizer.step()).
   void set_defer_step(bool defer) { defer_step_ = defer; }
+  // Step mode with global-norm gradient clipping (PyTorch's clip_grad_norm_: every gradient scaled
+  // by min(1, max_norm / (norm + 1e-6)), the norm over all gradients before any update): step()
+  // then runs two passes over the batch, the first computing only the norm (each gradient is
+  // reduced to its sum of squares and freed), the second replaying the same forward (same random
+  // stream) and updating with the scaled gradients. Memory stays step mode's; time is about twice.
+  // 0: no clipping.
+  void set_clip_norm(double max_norm);
+  double last_grad_norm() const { return last_norm_; }  // the norm the last clipped step used
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -176,10 +184,16 @@ class TrainSession {
   Optimizer* step_opt_ = nullptr;
   std::vector<int> step_index_;  // per params_ entry: its index in step_opt_'s parameters, -1
   bool defer_step_ = false;
+  double clip_norm_ = 0, clip_coef_ = 1, last_norm_ = 0;
+  bool norm_pass_ = false;
+  double sumsq_ = 0;  // the norm pass's running sum of squares
 };
 
 // Adds `src` into `dst` elementwise (same shape and dtype).
 void add_inplace(Tensor& dst, const Tensor& src);
+// PyTorch's clip_grad_norm_ over the parameters' .grad: scales every gradient by
+// min(1, max_norm / (norm + 1e-6)) where norm is the 2-norm of all of them; returns the norm.
+double clip_grad_norm(const std::vector<Parameter*>& params, double max_norm);
 
 // --- optimizers ----------------------------------------------------------------------------------
 // An optimizer's hyperparameters and state as plain data: what a checkpoint holds of it

@@ -191,6 +191,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   o.lr = 0.01;
   SGD opt(s.trainable(), o, &alloc);
   if (mode == GradMode::Step) s.set_step_optimizer(&opt);  // SGD inside backward: no .grad kept
+  if (mode == GradMode::Step) s.set_clip_norm(a.clip_norm);
 
   const bool hwm_ok = reset_hwm();
   for (int k = 0; k <= a.steps; ++k) {  // k = 0: warm-up
@@ -210,6 +211,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     auto t1 = clock_t_::now();
     r.loss = s.step();
     auto t2 = clock_t_::now();
+    if (mode != GradMode::Step && a.clip_norm > 0) clip_grad_norm(opt.params(), a.clip_norm);
     if (mode != GradMode::Step) opt.step();
     auto t3 = clock_t_::now();
     int64_t hwm = vm_hwm();

@@ -31,6 +31,7 @@ struct TrainArgs {
   std::vector<std::string> input_shapes, input_files, freeze;
   int steps = 10, threads = 0;
   double lr = 0.01, momentum = 0, weight_decay = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double clip_norm = 0;  // global-norm gradient clipping (0: none)
   bool nesterov = false, set_to_none = false, check_finite = false, json = false;
   int64_t max_memory = 0;
   std::string save_grads, save_params;
@@ -44,7 +45,8 @@ int cmd_train(const TrainArgs& a);
 struct BenchArgs {
   int64_t batch = 256, hidden = 1024, layer = 4;
   int steps = 3, threads = 0;
-  std::string mode = "all";  // hold, accumulate, hook or all
+  std::string mode = "all";  // hold, accumulate, hook, step or all
+  double clip_norm = 0;      // global-norm gradient clipping (0: none)
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
 };

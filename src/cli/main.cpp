@@ -49,6 +49,10 @@ int main(int argc, char** argv) {
                 "backward, no .grad kept)")
       ->capture_default_str();
   t->add_flag("--set-to-none", tr.set_to_none, "zero_grad(set_to_none=True) before each step");
+  t->add_option("--clip-norm", tr.clip_norm,
+                "Clip the gradients' global 2-norm to this (PyTorch's clip_grad_norm_; 0: off; in "
+                "step mode: two passes per step)")
+      ->capture_default_str();
   t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
   t->add_option("--inputs", tr.input_files, "Input TensorProto .pb files (by name, else in order)");
   t->add_option("--freeze", tr.freeze, "Parameters not to train (repeatable)");
@@ -86,6 +90,8 @@ int main(int argc, char** argv) {
   b->add_option("--mode", be.mode, "Gradient delivery: hold, accumulate, hook, step or all")
       ->capture_default_str();
   b->add_flag("--set-to-none", be.set_to_none, "zero_grad(set_to_none=True) before each step");
+  b->add_option("--clip-norm", be.clip_norm, "Clip the gradients' global 2-norm (0: off)")
+      ->capture_default_str();
   b->add_option("--threads", be.threads, "GEMM threads (0: library default)")
       ->capture_default_str();
   b->add_flag("--json", be.json, "Print one JSON object (config + rows)");

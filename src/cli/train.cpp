@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -112,6 +113,9 @@ int cmd_train(const TrainArgs& a) {
          "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
   if (so.mode == GradMode::Step) s.set_step_optimizer(opt.get());  // updates inside backward
+  GRAFT_CHECK(a.clip_norm >= 0 && std::isfinite(a.clip_norm), ErrorKind::InvalidArgument,
+              "--clip-norm must be a finite number >= 0");
+  if (so.mode == GradMode::Step) s.set_clip_norm(a.clip_norm);
 
   // Note [Memory budget]: before step 1, the whole planned need (parameters, gradients, optimizer
   // state, inputs, activations) is compared with --max-memory, or without it with the memory the
@@ -185,6 +189,7 @@ int cmd_train(const TrainArgs& a) {
         if (p.grad.defined())
           save_tensor(a.save_grads, "grad_" + std::to_string(i++) + ".pb", p.grad, p.name);
     }
+    if (so.mode != GradMode::Step && a.clip_norm > 0) clip_grad_norm(opt->params(), a.clip_norm);
     if (so.mode != GradMode::Step) opt->step();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (a.json)

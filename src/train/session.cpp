@@ -10,6 +10,7 @@
 //             the buffer when the callback returns.
 // All three run the same nodes in the same order, so their gradients are bit-identical.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -286,9 +287,72 @@ void TrainSession::set_step_optimizer(Optimizer* opt) {
   step_index_ = std::move(index);
 }
 
+namespace {
+double sum_squares(const Tensor& t) {
+  double acc = 0;
+  if (t.dtype() == DType::F32) {
+    const float* d = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) acc += static_cast<double>(d[i]) * d[i];
+  } else if (t.dtype() == DType::F64) {
+    const double* d = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) acc += d[i] * d[i];
+  }
+  return acc;
+}
+void scale_inplace(Tensor& t, double c) {
+  if (t.dtype() == DType::F32) {
+    float* d = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) d[i] = static_cast<float>(d[i] * c);
+  } else if (t.dtype() == DType::F64) {
+    double* d = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) d[i] *= c;
+  }
+}
+// The sum of squares of a + b (an accumulated .grad and a new gradient), without forming it.
+double sum_squares_of_sum(const Tensor& a, const Tensor& b) {
+  double acc = 0;
+  if (a.dtype() == DType::F32) {
+    const float *x = a.data<float>(), *y = b.data<float>();
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      const double v = static_cast<double>(x[i] + y[i]);
+      acc += v * v;
+    }
+  } else if (a.dtype() == DType::F64) {
+    const double *x = a.data<double>(), *y = b.data<double>();
+    for (int64_t i = 0; i < a.numel(); ++i) acc += (x[i] + y[i]) * (x[i] + y[i]);
+  }
+  return acc;
+}
+double clip_coef(double norm, double max_norm) { return std::min(1.0, max_norm / (norm + 1e-6)); }
+}  // namespace
+
+double clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
+  double sumsq = 0;
+  for (const Parameter* p : params)
+    if (p->grad.defined()) sumsq += sum_squares(p->grad);
+  const double norm = std::sqrt(sumsq), c = clip_coef(norm, max_norm);
+  if (c < 1)
+    for (Parameter* p : params)
+      if (p->grad.defined()) scale_inplace(p->grad, c);
+  return norm;
+}
+
+void TrainSession::set_clip_norm(double max_norm) {
+  GRAFT_CHECK(max_norm >= 0 && std::isfinite(max_norm), ErrorKind::InvalidArgument,
+              "the clipping norm must be finite and >= 0 (0: no clipping)");
+  GRAFT_CHECK(max_norm == 0 || opt_.mode == GradMode::Step, ErrorKind::InvalidArgument,
+              "set_clip_norm is for the step mode; in other modes call clip_grad_norm on the "
+              "parameters before the optimizer's step");
+  clip_norm_ = max_norm;
+}
+
 void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step) {
   if (opt_.mode == GradMode::Hook) {
     if (hook_) hook_(p, grad);
+    return;
+  }
+  if (opt_.mode == GradMode::Step && norm_pass_) {  // clipping's first pass: the norm only
+    sumsq_ += p.grad.defined() ? sum_squares_of_sum(p.grad, grad) : sum_squares(grad);
     return;
   }
   if (opt_.mode == GradMode::Step && !defer_step) {
@@ -298,6 +362,11 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer
       if (grad.storage() != p.grad.storage()) add_inplace(p.grad, grad);
       grad = p.grad;
       p.grad = Tensor();
+    }
+    if (clip_coef_ < 1) {
+      if (!exclusive && grad.storage() != p.grad.storage())
+        grad = grad.clone(*alloc_, Category::Gradient);
+      scale_inplace(grad, clip_coef_);
     }
     if (step_opt_) {
       const int i = step_index_[&p - params_.data()];
@@ -419,7 +488,8 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
     exec_->feed(*st.run, bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
   }
   st.backward_done = true;
-  if (opt_.mode == GradMode::Step && !st.defer_step && step_opt_) step_opt_->count_step();
+  if (opt_.mode == GradMode::Step && !st.defer_step && step_opt_ && !norm_pass_)
+    step_opt_->count_step();
   exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
   if (opt_.profile) last_times_ = st.run->op_times();
   kept = exec_->finish(*st.run);
@@ -461,6 +531,36 @@ void TrainSession::release_outputs() {
 }
 
 double TrainSession::step() {
+  if (opt_.mode == GradMode::Step && clip_norm_ > 0 && !defer_step_) {
+    // Two passes over the batch: the norm, then the updates scaled by the clipping coefficient.
+    // The second forward replays the first's random stream, so both see the same function.
+    GRAFT_CHECK(!in_run(), ErrorKind::InvalidArgument, "step() called during a forward/backward");
+    const uint64_t seed = next_dropout_seed();
+    cur_.reset();
+    sumsq_ = 0;
+    norm_pass_ = true;
+    try {
+      cur_ = forward({}, seed, true);
+      backward(*cur_);
+    } catch (...) {
+      norm_pass_ = false;
+      throw;
+    }
+    norm_pass_ = false;
+    last_norm_ = std::sqrt(sumsq_);
+    clip_coef_ = clip_coef(last_norm_, clip_norm_);
+    cur_.reset();
+    try {
+      cur_ = forward({}, seed, true);
+      backward(*cur_);
+    } catch (...) {
+      clip_coef_ = 1;
+      throw;
+    }
+    clip_coef_ = 1;
+    if (bg_.loss < 0) return std::numeric_limits<double>::quiet_NaN();
+    return cur_->loss.at(0);
+  }
   forward();
   backward();
   if (bg_.loss < 0) return std::numeric_limits<double>::quiet_NaN();

@@ -161,7 +161,7 @@ namespace {
 // optimizer.step()) or fused (step mode); `micro` backward passes per step (micro-batches: the
 // same batch, so the gradient is `micro` times one step's).
 std::vector<std::vector<double>> train(GradMode mode, const std::string& optimizer, int steps,
-                                       int micro = 1) {
+                                       int micro = 1, double clip = 0) {
   Allocator alloc;
   SessionOptions o;
   o.loss = "loss";
@@ -185,13 +185,19 @@ std::vector<std::vector<double>> train(GradMode mode, const std::string& optimiz
     opt = std::make_unique<AdamW>(s.trainable(), ao, &alloc);
   }
   if (mode == GradMode::Step) s.set_step_optimizer(opt.get());
+  if (mode == GradMode::Step) s.set_clip_norm(clip);
   for (int k = 0; k < steps; ++k) {
     s.zero_grad(true);
     for (int m = 0; m < micro; ++m) {
       if (mode == GradMode::Step) s.set_defer_step(m + 1 < micro);
       s.step();
     }
+    if (mode != GradMode::Step && clip > 0) {
+      const double norm = clip_grad_norm(opt->params(), clip);
+      EXPECT_GT(norm, clip) << "the test's clipping norm must bind";
+    }
     if (mode != GradMode::Step) opt->step();
+    if (mode == GradMode::Step && clip > 0) EXPECT_GT(s.last_grad_norm(), clip);
   }
   EXPECT_EQ(opt->steps(), steps);
   std::vector<std::vector<double>> w;
@@ -246,4 +252,19 @@ TEST(StepInBackward, HoldsNoGradientSet) {
   EXPECT_EQ(alloc.at_peak()[static_cast<int>(Category::Gradient)], W);
   EXPECT_EQ(alloc.current(Category::Gradient), 0);
   EXPECT_EQ(alloc.current(), start);
+}
+
+TEST(StepInBackward, GlobalNormClippingMatchesClipGradNorm) {
+  // The norm of all gradients before any update (a first pass), then the scaled updates.
+  for (const char* name : {"sgd", "adamw"})
+    for (int micro : {1, 3}) {
+      SCOPED_TRACE(std::string(name) + " micro " + std::to_string(micro));
+      auto fused = train(GradMode::Step, name, 4, micro, 0.005);
+      auto unfused = train(GradMode::Accumulate, name, 4, micro, 0.005);
+      for (size_t i = 0; i < fused.size(); ++i)
+        for (size_t k = 0; k < fused[i].size(); ++k)
+          EXPECT_NEAR(fused[i][k], unfused[i][k], 1e-12 + 1e-9 * std::abs(unfused[i][k]))
+              << "parameter " << i << "[" << k << "]";
+      EXPECT_NE(fused, train(GradMode::Step, name, 4, micro, 0));  // clipping changed the run
+    }
 }
