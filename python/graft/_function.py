@@ -79,12 +79,24 @@ class _Deliver(torch.autograd.Function):
         return ctx.box.pop(), None
 
 
-def _step_one(opt, p, g):
+def _step_one(opt, p, g, defer=False):
     """Step mode: applies `opt`'s update to parameter p alone, with gradient g, the moment graft
     completes g: the optimizer's step() over a one-parameter copy of p's group (its current
     hyperparameters: schedulers act on the real groups), so its per-parameter state is PyTorch's
-    own. .grad is None before and after. A parameter the optimizer does not hold accumulates into
+    own. .grad is None afterwards; a .grad accumulated by deferred micro-batches (defer=True:
+    accumulate only) is added first. A parameter the optimizer does not hold accumulates into
     .grad, as eager's AccumulateGrad would."""
+    held = any(q is p for group in opt.param_groups for q in group["params"])
+    if defer or not held:
+        with torch.no_grad():
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
+        return
+    if p.grad is not None:
+        with torch.no_grad():
+            g = p.grad.add_(g)
     for group in opt.param_groups:
         if any(q is p for q in group["params"]):
             one = dict(group)
@@ -97,11 +109,6 @@ def _step_one(opt, p, g):
             finally:
                 opt.param_groups, p.grad = groups, None
             return
-    with torch.no_grad():
-        if p.grad is None:
-            p.grad = g.clone()
-        else:
-            p.grad.add_(g)
 
 
 def _accumulate_grad_node(p):
@@ -298,7 +305,8 @@ class GraftFunction(torch.autograd.Function):
                     if t == "return":  # torch.autograd.grad asked for it: no update
                         returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
                     elif t == "deliver":
-                        _step_one(entry.optimizer, by_name[name], torch.from_numpy(array))
+                        _step_one(entry.optimizer, by_name[name], torch.from_numpy(array),
+                                  entry.step_flags["defer"])
 
                 sess.backward(step, grads, update)
             else:  # hold

@@ -79,6 +79,7 @@ class _Entry:
     output_template: Any = None
     has_dropout: bool = False
     optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
+    step_flags: Any = None  # gradients="step": the GraftModule's {"defer": bool} (defer_step)
     state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)  # BatchNorm statistics
     counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
     lock: Any = dataclasses.field(default_factory=threading.Lock)
@@ -230,6 +231,7 @@ class GraftModule(torch.nn.Module):
         self.module = module
         self.gradients = gradients
         self.optimizer = optimizer
+        self._step_flags = {"defer": False}
         self.opset = opset
         self.check_finite = check_finite
         self.max_memory = max_memory
@@ -318,6 +320,7 @@ class GraftModule(torch.nn.Module):
         ex = _export.export(self.module, args, kwargs, tensors, path, self.opset, name)
         e = _Entry()
         e.module_name, e.mode, e.optimizer = name, self.gradients, self.optimizer
+        e.step_flags = self._step_flags
         e.input_names, e.input_index = ex.input_names, ex.input_index
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         module = self.module
@@ -387,6 +390,18 @@ class GraftModule(torch.nn.Module):
                                 "attributes) makes a new export. Pass values that vary as tensors, or raise "
                                 "cache_size.")
             return entry
+
+    @property
+    def defer_step(self) -> bool:
+        """gradients="step" with micro-batches: while True, backward accumulates each gradient into
+        .grad (as eager's backward does) instead of updating; the first backward with it False
+        adds its gradient to that .grad, updates, and sets .grad back to None. The loop:
+        ``model.defer_step = i < k - 1; loss_i.backward()`` for i in range(k)."""
+        return self._step_flags["defer"]
+
+    @defer_step.setter
+    def defer_step(self, value: bool):
+        self._step_flags["defer"] = bool(value)
 
     def saved_for_backward(self) -> List[Tuple[str, str, str, int]]:
         """What graft's forward keeps for the backward, for the most recently called graph:

@@ -633,3 +633,25 @@ def test_step_mode_needs_an_optimizer():
         GraftModule(Net(), gradients="step")
     with pytest.raises(graft.GraftArgumentError, match="optimizer"):
         GraftModule(Net(), gradients="hook", optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
+
+
+def test_step_mode_micro_batches_accumulate_then_step():
+    """defer_step: k-1 micro-batches accumulate into .grad, the k-th adds and updates; equal to the
+    eager loop of k backward()s and one optimizer.step()."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    e = copy.deepcopy(m)
+    opt_g = torch.optim.AdamW(m.parameters(), lr=0.01)
+    opt_e = torch.optim.AdamW(e.parameters(), lr=0.01)
+    g = GraftModule(m, gradients="step", optimizer=opt_g)
+    for step in range(3):
+        opt_e.zero_grad()
+        for i in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + i))
+            g.defer_step = i < 2
+            g(x).square().mean().backward()
+            assert all((p.grad is not None) == (i < 2) for p in m.parameters())
+            e(x).square().mean().backward()
+        opt_e.step()
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        close(a, b, n)
