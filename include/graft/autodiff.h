@@ -61,5 +61,11 @@ int rematerialize_param_copies(Graph& g, const BackwardGraph& bg);
 // an output of every backward node that reads the parameter, so the update never runs before a
 // backward read of the old value (the input-gradient GEMM dX = dY W of the same layer).
 void order_updates_after_reads(Graph& g, const BackwardGraph& bg);
+// Recompute in backward: for each forward value in `values`, its producer is cloned into the
+// backward (same op, attributes and inputs) and every backward read of the value reads the clone
+// instead, so the forward's copy is freed at its last forward use. Returns the clones' node
+// indices (plan them late: PlanOptions::late_nodes). The producers must be deterministic.
+std::vector<int> recompute_in_backward(Graph& g, const BackwardGraph& bg,
+                                       const std::vector<int>& values);
 
 }  // namespace graft

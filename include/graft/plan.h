@@ -23,6 +23,9 @@ struct PlanOptions {
   // Values the caller reads when the first phase (forward) ends, e.g. graph outputs: they live
   // at least until then, and no longer than their last read (the caller keeps its own reference).
   std::vector<int> forward_outputs;
+  // Nodes that run only when nothing else can (recomputations emitted into the backward: run
+  // just before their first reader, not as early as their inputs allow).
+  std::vector<int> late_nodes;
 };
 
 struct PlanStep {

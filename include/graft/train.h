@@ -46,6 +46,11 @@ struct SessionOptions : AutodiffOptions, RunOptions {
   // bind_parameter() shares memory for them. Trainable unless also listed in `freeze`.
   std::vector<std::string> param_inputs;
   int64_t max_memory = 0;  // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
+  // Recompute under a budget: the plan's activation peak (Plan::planned_peak) must not exceed this
+  // many bytes (0: no budget). The session then drops forward values from what backward keeps and
+  // recomputes them in backward (cheapest first, see Note [Recompute under a budget]); if even the
+  // most it can drop does not fit, an InvalidArgument error states the smallest peak it can reach.
+  int64_t activation_budget = 0;
 };
 
 // One training step in flight: a forward, and then its backward. Several may be in flight at once
@@ -166,6 +171,8 @@ class TrainSession {
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step);
   void check_budget(const Plan& plan) const;
+  Plan plan_under_budget(Plan plan, PlanOptions& po);
+  std::vector<int> recompute_candidates(const Plan& plan) const;
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
   Graph& g_;
   SessionOptions opt_;

@@ -194,12 +194,15 @@ class GraftModule(torch.nn.Module):
     backward, the moment its gradient is complete, and no .grad is kept (the loop is
     ``loss = f(model(x)); loss.backward()`` with no optimizer.step() and no zero_grad(); learning-rate
     schedulers work as usual). opset: 13..17; check_finite: stop at the first op producing NaN/Inf;
-    max_memory: refuse a plan above this many bytes (0: no limit); cache_size: how many exports
+    max_memory: refuse a plan above this many bytes (0: no limit); activation_budget: recompute
+    forward values in backward so that the activation peak fits this many bytes (0: none; refused,
+    naming the smallest reachable peak, when it cannot); cache_size: how many exports
     (input signatures) to keep, least recently used dropped first.
     """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
                  check_finite: bool = False, max_memory: int = 0, cache_size: int = 8,
+                 activation_budget: int = 0,
                  optimizer: "torch.optim.Optimizer" = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -218,7 +221,8 @@ class GraftModule(torch.nn.Module):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise GraftArgumentError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}",
                                      "invalid argument")
-        for what, v, lo in (("opset", opset, 13), ("max_memory", max_memory, 0), ("cache_size", cache_size, 1)):
+        for what, v, lo in (("opset", opset, 13), ("max_memory", max_memory, 0), ("cache_size", cache_size, 1),
+                            ("activation_budget", activation_budget, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise GraftArgumentError(f"{what} must be an integer >= {lo}, not {v!r}", "invalid argument")
         if opset > 17:
@@ -235,6 +239,7 @@ class GraftModule(torch.nn.Module):
         self.opset = opset
         self.check_finite = check_finite
         self.max_memory = max_memory
+        self.activation_budget = activation_budget
         self.cache_size = cache_size
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
@@ -349,7 +354,8 @@ class GraftModule(torch.nn.Module):
         from . import _graft
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
-                                       self.gradients, self.check_finite, self.max_memory)
+                                       self.gradients, self.check_finite, self.max_memory,
+                                       self.activation_budget)
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
             msg = err.message.replace(f"{path}: ", "")

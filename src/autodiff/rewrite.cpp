@@ -268,8 +268,34 @@ void order_updates_after_reads(Graph& g, const BackwardGraph& bg) {
       if (v >= 0 && sink_of[v] >= 0) after[sink_of[v]].insert(out);
   }
   for (int s = 0; s < nn; ++s)
-    for (int v : after[s])
-      if (v != g.nodes[s].inputs[0]) g.nodes[s].inputs.push_back(v);
+    for (int v : after[s]) {
+      auto& in = g.nodes[s].inputs;
+      if (std::find(in.begin(), in.end(), v) == in.end()) in.push_back(v);  // idempotent
+    }
+}
+
+std::vector<int> recompute_in_backward(Graph& g, const BackwardGraph& bg,
+                                       const std::vector<int>& values) {
+  std::vector<int> made;
+  const int nb = static_cast<int>(g.nodes.size());  // backward nodes before the clones
+  for (int v : values) {
+    const Node src = g.nodes[g.values[v].producer];  // a copy: add_op may grow the deque
+    std::vector<int> outs =
+        g.add_op(src.op, src.inputs, src.attrs, static_cast<int>(src.outputs.size()), src.domain,
+                 src.name + "/recompute");
+    const int ni = static_cast<int>(g.nodes.size()) - 1;
+    for (size_t k = 0; k < outs.size(); ++k)
+      if (src.outputs[k] < 0) g.nodes[ni].outputs[k] = -1;  // an absent optional output
+    infer_node(g, ni);
+    int clone = -1;
+    for (size_t k = 0; k < src.outputs.size(); ++k)
+      if (src.outputs[k] == v) clone = outs[k];
+    for (int i = bg.n_forward_nodes; i < nb; ++i)
+      for (int& in : g.nodes[i].inputs)
+        if (in == v) in = clone;
+    made.push_back(ni);
+  }
+  return made;
 }
 
 }  // namespace graft

@@ -34,6 +34,7 @@ struct TrainArgs {
   double clip_norm = 0;  // global-norm gradient clipping (0: none)
   bool nesterov = false, set_to_none = false, check_finite = false, json = false;
   int64_t max_memory = 0;
+  int64_t activation_budget = 0;  // recompute under this activation peak (0: none)
   std::string save_grads, save_params;
   std::string checkpoint;  // folder of checkpoints (docs/checkpoints.md)
   int checkpoint_every = 0, checkpoint_keep = 2;

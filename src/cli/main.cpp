@@ -62,6 +62,11 @@ int main(int argc, char** argv) {
       t->add_option("--max-memory", max_memory,
                     "Refuse a plan whose peak exceeds this size: bytes, or K, M, G, T (1024-based; "
                     "also KB/KiB...), e.g. 512M, 8GiB, 1.5G (0: no limit)");
+  std::string activation_budget;
+  auto* activation_budget_opt = t->add_option(
+      "--activation-budget", activation_budget,
+      "Recompute in backward so that the activation peak fits this size (same units as "
+      "--max-memory); refused, naming the smallest reachable peak, when it cannot");
   t->add_option("--threads", tr.threads, "GEMM threads (0: library default)");
   t->add_flag("--json", tr.json, "One JSON object per step");
   t->add_option("--save-grads", tr.save_grads,
@@ -112,6 +117,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (max_memory_opt->count()) tr.max_memory = parse_size("--max-memory", max_memory);
+    if (activation_budget_opt->count())
+      tr.activation_budget = parse_size("--activation-budget", activation_budget);
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
     if (*t) return cmd_train(tr);

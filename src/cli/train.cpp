@@ -86,6 +86,7 @@ int cmd_train(const TrainArgs& a) {
   so.freeze = a.freeze;
   so.mode = parse_grad_mode(a.mode);
   so.check_finite = a.check_finite;
+  so.activation_budget = a.activation_budget;
   so.alloc = &alloc;  // the budget is checked below, with the optimizer's state counted too
   TrainSession s(std::move(g), so, shapes);
   for (const auto& [n, t] : inputs) s.set_input(n, t);

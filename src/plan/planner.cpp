@@ -66,11 +66,15 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
       ++indeg[i];
     }
   }
-  // Key: (phase, class, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest.
+  // Key: (phase, class, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest, 3 = a
+  // late node (a recomputation: only when nothing else is ready, i.e. just before it is needed).
+  std::vector<bool> late(nn, false);
+  for (int i : opt.late_nodes)
+    if (i >= 0 && i < nn) late[i] = true;
   using Key = std::tuple<int, int, int>;
   auto key = [&](int i) {
     int phase = opt.phase_barrier >= 0 && i >= opt.phase_barrier ? 1 : 0;
-    int cls = !opt.sink_first ? 2 : is_sink(g.nodes[i]) ? 0 : feeds[i] ? 1 : 2;
+    int cls = late[i] ? 3 : !opt.sink_first ? 2 : is_sink(g.nodes[i]) ? 0 : feeds[i] ? 1 : 2;
     return Key{phase, cls, i};
   };
   std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;

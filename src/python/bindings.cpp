@@ -102,7 +102,7 @@ struct PySession {
             const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
             const std::vector<std::string>& input_grads,
             const std::vector<std::string>& param_inputs, const std::string& mode,
-            bool check_finite, int64_t max_memory) {
+            bool check_finite, int64_t max_memory, int64_t activation_budget) {
     SessionOptions o;
     o.output_grads = output_grads;
     o.freeze = freeze;
@@ -111,6 +111,7 @@ struct PySession {
     o.mode = parse_grad_mode(mode);
     o.check_finite = check_finite;
     o.max_memory = max_memory;
+    o.activation_budget = activation_budget;
     o.alloc = alloc.get();
     std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
     s = TrainSession::open(path, o, sh);
@@ -158,10 +159,11 @@ PYBIND11_MODULE(_graft, m) {
       .def(py::init<const std::string&, const std::map<std::string, std::vector<int64_t>>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
-                    const std::string&, bool, int64_t>(),
+                    const std::string&, bool, int64_t, int64_t>(),
            py::arg("path"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
            py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"),
-           py::arg("check_finite") = false, py::arg("max_memory") = 0)
+           py::arg("check_finite") = false, py::arg("max_memory") = 0,
+           py::arg("activation_budget") = 0)
       .def("parameters",
            [](PySession& p) {
              std::vector<std::tuple<std::string, bool>> r;

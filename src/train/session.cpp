@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <set>
 
 #include "graft/ops.h"
 #include "graft/train.h"
@@ -108,9 +109,109 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
       held_keep_[param_of_value_[bg_.params[i]]] = keep(bg_.param_grads[i]);
   for (int v : bg_.input_grads) igrad_keep_.push_back(keep(v));
   Plan plan = make_plan(g_, po);
+  if (opt.activation_budget > 0 && plan.planned_peak > opt.activation_budget)
+    plan = plan_under_budget(std::move(plan), po);
   check_budget(plan);
   // ---- executor ----
   exec_ = std::make_unique<Executor>(g_, std::move(plan), *alloc_);
+}
+
+// Note [Recompute under a budget]
+// Candidates are forward values the backward reads whose producer is cheap to run again (no GEMM,
+// convolution or recurrence), deterministic (no Dropout: replaying would need its mask) and has all
+// its inputs kept for backward anyway (parameters, inputs, constants, or other kept values that
+// are not candidates themselves): dropping one frees its bytes and costs one elementwise-class
+// kernel in backward. They are taken biggest first, each pinning its inputs (one level of
+// recompute). For k = 0, 1, ... the first k are recomputed (on a copy of the graph) and planned;
+// the chosen k is the smallest whose activation peak fits the budget. So the planned peak is <=
+// the budget whenever some k fits, and the peak is monotone in the budget: a smaller budget picks
+// a k whose peak is at most the larger budget's peak (both are the first fitting k in one fixed
+// sequence). Results are bit-identical: the recomputed kernels are deterministic and see the same
+// inputs.
+std::vector<int> TrainSession::recompute_candidates(const Plan& p) const {
+  static const std::set<std::string> costly = {
+      "MatMul", "FusedMatMul", "Gemm", "Conv", "Einsum", "LSTM", "GRU", "Dropout", "ConvGrad"};
+  const int nf = bg_.n_forward_nodes;
+  std::vector<int> step_of(g_.nodes.size(), -1);
+  for (size_t k = 0; k < p.steps.size(); ++k) step_of[p.steps[k].node] = static_cast<int>(k);
+  std::vector<bool> saved(g_.values.size(), false);
+  std::vector<int> members(g_.values.size(), 0);  // values per buffer that live past the barrier
+  for (size_t v = 0; v < g_.values.size(); ++v) {
+    const Value& val = g_.values[v];
+    if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
+    if (p.last_use[v] >= p.barrier_step) {
+      saved[v] = true;
+      ++members[p.buffer[v]];
+    }
+  }
+  std::set<int> outs(g_.outputs.begin(), g_.outputs.end());
+  std::vector<std::pair<int64_t, int>> cand;
+  for (size_t v = 0; v < g_.values.size(); ++v) {
+    if (!saved[v] || outs.count(static_cast<int>(v)) || p.buffer[v] != static_cast<int>(v) ||
+        members[v] != 1)
+      continue;
+    const Node& n = g_.nodes[g_.values[v].producer];
+    const OpDef& d = op_for(n);
+    if (d.alias || d.sink || !d.kernel || costly.count(n.op) || !n.domain.empty()) continue;
+    int n_out = 0;
+    for (int o : n.outputs) n_out += o >= 0;
+    if (n_out != 1) continue;
+    bool ok = true;
+    for (int x : n.inputs) {
+      if (x < 0) continue;
+      const Value& xv = g_.values[x];
+      if (xv.kind != ValueKind::Intermediate) continue;  // parameters, inputs, constants
+      ok = ok && saved[x];                               // must be alive in backward anyway
+    }
+    if (!ok) continue;
+    cand.push_back(
+        {numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype)),
+         static_cast<int>(v)});
+  }
+  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<int> chosen;
+  std::set<int> pinned;
+  for (const auto& [bytes, v] : cand) {
+    if (pinned.count(v)) continue;
+    chosen.push_back(v);
+    for (int x : g_.nodes[g_.values[v].producer].inputs)
+      if (x >= 0) pinned.insert(x);
+  }
+  // A chosen value that another chosen one pins (chosen earlier, pinned later) stays chosen only
+  // if nothing pins it: drop those, keeping the order.
+  std::vector<int> out;
+  for (int v : chosen)
+    if (!pinned.count(v)) out.push_back(v);
+  if (out.size() > 256) out.resize(256);  // bound the search (each trial is one plan)
+  return out;
+}
+
+Plan TrainSession::plan_under_budget(Plan plan, PlanOptions& po) {
+  const int64_t budget = opt_.activation_budget;
+  const std::vector<int> cand = recompute_candidates(plan);
+  int64_t best = plan.planned_peak;
+  for (size_t k = 1; k <= cand.size(); ++k) {
+    Graph trial = g_;
+    std::vector<int> prefix(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k));
+    PlanOptions tpo = po;
+    for (int ni : recompute_in_backward(trial, bg_, prefix)) tpo.late_nodes.push_back(ni);
+    if (opt_.mode == GradMode::Step) order_updates_after_reads(trial, bg_);
+    Plan tp = make_plan(trial, tpo);
+    best = std::min(best, tp.planned_peak);
+    if (tp.planned_peak <= budget) {
+      std::vector<int> late = recompute_in_backward(g_, bg_, prefix);
+      if (opt_.mode == GradMode::Step) order_updates_after_reads(g_, bg_);
+      po.late_nodes.insert(po.late_nodes.end(), late.begin(), late.end());
+      return make_plan(g_, po);
+    }
+  }
+  fail(ErrorKind::InvalidArgument,
+       "activation_budget " + std::to_string(budget) + " bytes cannot be met: the smallest " +
+           "activation peak recomputing in backward reaches is " + std::to_string(best) +
+           " bytes (" + std::to_string(cand.size()) +
+           " values can be recomputed); raise the budget to at least that");
 }
 
 void TrainSession::check_budget(const Plan& plan) const {

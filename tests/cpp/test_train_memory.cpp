@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "graft/models.h"
 #include "graft/train.h"
@@ -267,4 +268,91 @@ TEST(StepInBackward, GlobalNormClippingMatchesClipGradNorm) {
               << "parameter " << i << "[" << k << "]";
       EXPECT_NE(fused, train(GradMode::Step, name, 4, micro, 0));  // clipping changed the run
     }
+}
+
+// --- recompute under an activation budget --------------------------------------------------------
+namespace {
+// L blocks of x -> MatMul(W1) -> Gelu -> MatMul(W2) -> LayerNormalization, loss = mean: each
+// block keeps its GELU output for W2's gradient, which can be recomputed from the GELU's input.
+// A long batch (activations outweigh weights, as in a transformer at a long sequence).
+constexpr int64_t BM = 64, HM = 16;
+Graph mlp_blocks(Allocator& alloc, int blocks) {
+  Graph g;
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(-0.3, 0.3);
+  auto param = [&](const std::string& name, Shape s, double fill = 0) {
+    Tensor t = Tensor::empty(s, DType::F64, alloc, Category::Parameter, name);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = fill != 0 ? fill : u(rng);
+    return g.add_param(name, t);
+  };
+  int h = g.add_input("x", DType::F64, {BM, HM});
+  for (int i = 0; i < blocks; ++i) {
+    const std::string p = "b" + std::to_string(i);
+    int z = g.add_op1("MatMul", {h, param(p + ".w1", {HM, 4 * HM})});
+    z = g.add_op1("Gelu", {z});
+    z = g.add_op1("MatMul", {z, param(p + ".w2", {4 * HM, HM})});
+    Attrs a;
+    a.set_int("axis", -1);
+    h = g.add_op1("LayerNormalization",
+                  {z, param(p + ".ln.w", {HM}, 1.0), param(p + ".ln.b", {HM})}, a);
+  }
+  Attrs k;
+  k.set_int("keepdims", 0);
+  g.outputs = {g.add_op1("ReduceMean", {h}, k, "", "loss")};
+  return g;
+}
+
+struct BudgetRun {
+  int64_t planned = 0, measured = 0;
+  std::vector<std::vector<double>> grads;
+};
+BudgetRun budget_run(int64_t budget) {
+  Allocator alloc;
+  SessionOptions o;
+  o.loss = "loss";
+  o.alloc = &alloc;
+  o.activation_budget = budget;
+  TrainSession s(mlp_blocks(alloc, 3), o);
+  Tensor x = Tensor::empty({BM, HM}, DType::F64, alloc, Category::Workspace);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = std::sin(0.37 * i);
+  s.set_input("x", x);
+  s.step();
+  s.zero_grad(true);
+  BudgetRun r;
+  r.planned = s.plan().planned_peak;
+  const int64_t start = alloc.current(Category::Activation);
+  alloc.reset_peak();
+  s.step();
+  r.measured = alloc.at_peak()[static_cast<int>(Category::Activation)] - start;
+  for (const Parameter& p : s.parameters())
+    r.grads.emplace_back(p.grad.data<double>(), p.grad.data<double>() + p.grad.numel());
+  return r;
+}
+}  // namespace
+
+TEST(RecomputeUnderBudget, FitsIsBitIdenticalAndMonotone) {
+  const BudgetRun free = budget_run(0);
+  ASSERT_GT(free.planned, 0);
+  int64_t prev_peak = -1;
+  int fitted = 0;
+  // A sweep of budgets from generous to the smallest that fits: each plan fits its budget, the
+  // gradients never change, and a smaller budget never gives a higher peak.
+  for (int64_t budget = free.planned; budget > 0; budget -= free.planned / 32) {
+    BudgetRun r;
+    try {
+      r = budget_run(budget);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("smallest activation peak"), std::string::npos);
+      break;
+    }
+    ++fitted;
+    EXPECT_LE(r.planned, budget);
+    EXPECT_LE(r.measured, r.planned) << "the real activation peak exceeds the plan";
+    EXPECT_EQ(r.grads, free.grads) << "budget " << budget;
+    if (prev_peak >= 0) EXPECT_LE(r.planned, prev_peak) << "budget " << budget;
+    prev_peak = r.planned;
+  }
+  EXPECT_GE(fitted, 2);
+  EXPECT_LT(prev_peak, free.planned) << "recompute never lowered the peak";
 }

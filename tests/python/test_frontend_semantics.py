@@ -655,3 +655,30 @@ def test_step_mode_micro_batches_accumulate_then_step():
         opt_e.step()
     for (n, a), b in zip(m.named_parameters(), e.parameters()):
         close(a, b, n)
+
+
+def test_activation_budget_recomputes_and_keeps_the_gradients():
+    """activation_budget: graft recomputes forward values in backward so the planned activation peak
+    fits; the gradients are bit for bit those without a budget (and eager's to rounding), less is
+    kept for backward, and an unreachable budget is refused naming the smallest reachable peak."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16),
+                             nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))
+
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    free, tight, e = model(), model(), model()
+    g_free = GraftModule(free)
+    g_free(x).square().mean().backward()
+    kept_free = sum(s[3] for s in g_free.saved_for_backward())
+    budget = int(0.85 * max(entry.session.planned_peak() for entry in g_free._cache.values()))
+    g_tight = GraftModule(tight, activation_budget=budget)
+    g_tight(x).square().mean().backward()
+    assert max(entry.session.planned_peak() for entry in g_tight._cache.values()) <= budget
+    assert sum(s[3] for s in g_tight.saved_for_backward()) < kept_free
+    e(x).square().mean().backward()
+    for (n, a), b, c in zip(tight.named_parameters(), free.parameters(), e.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+        close(a.grad, c.grad, n)
+    with pytest.raises(graft.GraftArgumentError, match="smallest activation peak"):
+        GraftModule(model(), activation_budget=1)(x)
