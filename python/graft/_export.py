@@ -37,6 +37,7 @@ class Exported:
     output_names: List[str] = field(default_factory=list)
     output_template: Any = None
     has_dropout: bool = False
+    model: Any = None  # the exported onnx.ModelProto, read once (GraftModule edits it before graft loads it)
 
 
 def _export_kwargs():
@@ -225,6 +226,7 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
         template, iter([torch.empty(0) for _ in _flatten.flatten_outputs(template)]))
     del template
     e.has_dropout = any(n.op_type == "Dropout" for n in m.graph.node)
+    e.model = m
 
     # Every trainable parameter of a submodule that ran must be in the graph with its own shape.
     in_graph = {pname: graph_inputs[gname] for gname, pname in e.params}

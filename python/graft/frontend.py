@@ -343,7 +343,8 @@ class GraftModule(torch.nn.Module):
         in_tensors = [tensors[i] for i in e.input_index]
         e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
         import onnx  # Debian's python3-onnx
-        m = onnx.load(path, load_external_data=False)
+        m = ex.model  # read once, by the export
+        ex.model = None
         # Differentiate every float output, once each (a module may return one tensor twice).
         e.float_outputs = list(dict.fromkeys(o.name for o in m.graph.output if o.type.tensor_type.elem_type
                                              in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)))
