@@ -79,7 +79,8 @@ def torch_worker(a):
         layers += [nn.Linear(a.hidden, a.hidden), nn.ReLU()]
     model = nn.Sequential(*layers)
     x = torch.randn(a.batch, a.hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = (torch.optim.AdamW(model.parameters()) if a.optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.01))
     system, mode = "pytorch", "eager"
     if a.worker == "graftmodule":  # the same model and loop, wrapped: the PyTorch front end
         from . import _graft
@@ -147,7 +148,7 @@ def find_graft_bin(explicit):
 
 def _size_args(a):
     out = ["--batch", str(a.batch), "--hidden", str(a.hidden), "--layer", str(a.layer),
-           "--steps", str(a.steps), "--threads", str(a.threads)]
+           "--steps", str(a.steps), "--threads", str(a.threads), "--optimizer", a.optimizer]
     if a.set_to_none:
         out.append("--set-to-none")
     return out
@@ -226,7 +227,8 @@ def _fmt_ratio(r):
 
 def print_table(doc):
     c = doc["config"]
-    print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} fp32, SGD lr 0.01, "
+    opt = "SGD lr 0.01" if c.get("optimizer", "sgd") == "sgd" else "AdamW lr 1e-3"
+    print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} fp32, {opt}, "
           f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
           f"{c['threads']} thread(s), each row its own process")
     hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "peak total", "s/step", "GFLOP/s", "RSS ratio",
@@ -305,6 +307,8 @@ def build_parser():
     p.add_argument("--layer", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     p.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                   help="sgd (lr 0.01) or adamw (torch.optim.AdamW's defaults), both systems")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both systems (default: os.cpu_count())")
     p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
@@ -370,7 +374,8 @@ def main(argv=None):
             "config": {
                 "batch": a.batch, "hidden": a.hidden, "layer": a.layer, "steps": a.steps,
                 "warmup_steps": 1, "set_to_none": a.set_to_none, "threads": a.threads, "dtype": "float32",
-                "lr": 0.01, "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
+                "optimizer": a.optimizer, "lr": 0.01 if a.optimizer == "sgd" else 1e-3,
+                "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
                 "sgemm_gflops": max(sg) if sg else None, "graft_bin": graft_bin,
                 "python": sys.executable,
             },

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -109,10 +110,12 @@ Sizes sizes(int64_t B, int64_t H, int64_t L) {
 // tests/cpp/test_train_memory.cpp with slack: parameters + persistent gradients + input + the
 // step's transients (hold keeps every gradient; accumulate/hook at most one weight gradient;
 // set_to_none adopts the produced gradients as .grad) + (L + 2) activations + 64 KiB.
-int64_t estimate_peak(const Sizes& s, GradMode m, bool set_to_none) {
+int64_t estimate_peak(const Sizes& s, GradMode m, bool set_to_none, bool adamw) {
   int64_t transient = set_to_none ? 0 : (m == GradMode::Hold ? s.P : s.W);
-  if (m == GradMode::Step) return s.P + s.A + s.W + (s.L + 2) * s.A + (64 << 10);  // no .grad set
-  return s.P + s.P + s.A + transient + (s.L + 2) * s.A + (64 << 10);
+  const int64_t state = adamw ? 2 * s.P : 0;  // AdamW's exp_avg and exp_avg_sq
+  if (m == GradMode::Step)
+    return s.P + state + s.A + s.W + (s.L + 2) * s.A + (64 << 10);  // no .grad set
+  return s.P + s.P + state + s.A + transient + (s.L + 2) * s.A + (64 << 10);
 }
 
 // --- one mode
@@ -187,10 +190,16 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   if (mode == GradMode::Hook)  // what PyTorch's AccumulateGrad does: keep a fresh gradient as an
                                // empty .grad, else add
     s.set_hook(accumulate_grad);
-  SGDOptions o;
-  o.lr = 0.01;
-  SGD opt(s.trainable(), o, &alloc);
-  if (mode == GradMode::Step) s.set_step_optimizer(&opt);  // SGD inside backward: no .grad kept
+  std::unique_ptr<Optimizer> optp;
+  if (a.optimizer == "adamw") {
+    optp = std::make_unique<AdamW>(s.trainable(), AdamWOptions{}, &alloc);
+  } else {
+    SGDOptions o;
+    o.lr = 0.01;
+    optp = std::make_unique<SGD>(s.trainable(), o, &alloc);
+  }
+  Optimizer& opt = *optp;
+  if (mode == GradMode::Step) s.set_step_optimizer(&opt);  // inside backward: no .grad kept
   if (mode == GradMode::Step) s.set_clip_norm(a.clip_norm);
 
   const bool hwm_ok = reset_hwm();
@@ -464,7 +473,10 @@ int cmd_bench(const BenchArgs& a) {
 
   // Memory: refuse before allocating anything if the closed-form peak cannot fit.
   int64_t estimate = 0;
-  for (GradMode m : modes) estimate = std::max(estimate, estimate_peak(sz, m, a.set_to_none));
+  GRAFT_CHECK(a.optimizer == "sgd" || a.optimizer == "adamw", ErrorKind::InvalidArgument,
+              "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
+  for (GradMode m : modes)
+    estimate = std::max(estimate, estimate_peak(sz, m, a.set_to_none, a.optimizer == "adamw"));
   const int64_t sgemm_bytes = 2 * sz.A + sz.W;
   int64_t avail = mem_available();
   if (avail > 0 && std::max(estimate, sgemm_bytes) > avail)
@@ -501,7 +513,8 @@ int cmd_bench(const BenchArgs& a) {
                   {"set_to_none", a.set_to_none},
                   {"threads", num_threads()},
                   {"dtype", "float32"},
-                  {"lr", 0.01},
+                  {"optimizer", a.optimizer},
+                  {"lr", a.optimizer == "adamw" ? 1e-3 : 0.01},
                   {"flops_per_step", sz.flops},
                   {"estimated_peak_bytes", estimate},
                   {"sgemm_gflops", ceiling}}},

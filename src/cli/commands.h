@@ -46,8 +46,9 @@ int cmd_train(const TrainArgs& a);
 struct BenchArgs {
   int64_t batch = 256, hidden = 1024, layer = 4;
   int steps = 3, threads = 0;
-  std::string mode = "all";  // hold, accumulate, hook, step or all
-  double clip_norm = 0;      // global-norm gradient clipping (0: none)
+  std::string mode = "all";       // hold, accumulate, hook, step or all
+  double clip_norm = 0;           // global-norm gradient clipping (0: none)
+  std::string optimizer = "sgd";  // sgd (lr 0.01) or adamw (PyTorch's defaults: lr 1e-3, wd 1e-2)
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
 };

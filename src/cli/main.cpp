@@ -97,6 +97,9 @@ int main(int argc, char** argv) {
   b->add_flag("--set-to-none", be.set_to_none, "zero_grad(set_to_none=True) before each step");
   b->add_option("--clip-norm", be.clip_norm, "Clip the gradients' global 2-norm (0: off)")
       ->capture_default_str();
+  b->add_option("--optimizer", be.optimizer,
+                "sgd (lr 0.01) or adamw (lr 1e-3, weight decay 1e-2, as torch.optim.AdamW)")
+      ->capture_default_str();
   b->add_option("--threads", be.threads, "GEMM threads (0: library default)")
       ->capture_default_str();
   b->add_flag("--json", be.json, "Print one JSON object (config + rows)");

@@ -274,3 +274,18 @@ def test_python_bench_bad_input(args):
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("graft.bench"), p.stderr
+
+
+def test_step_mode_holds_no_gradients_with_adamw():
+    """--mode step --optimizer adamw: between steps graft holds parameters, AdamW's two state
+    tensors per parameter, the input and the loss, and no gradient set (accumulate holds G more)."""
+    b, h, l = SIZES[0]
+    A, W, G = closed_forms(b, h, l)
+    P = G
+    _, step = bench_json(b, h, l, "--mode", "step", "--optimizer", "adamw")
+    _, acc = bench_json(b, h, l, "--mode", "accumulate", "--optimizer", "adamw")
+    s, a = step["step"], acc["accumulate"]
+    assert s["ma_bytes"] == P + 2 * P + A + LOSS_BYTES + s["constant_bytes"]
+    assert a["ma_bytes"] - s["ma_bytes"] == G
+    assert s["max_ma_by_category"]["optimizer_state"] == 2 * P
+    assert s["max_ma_by_category"]["gradients"] <= W
