@@ -127,6 +127,24 @@ void swap01(const T* src, T* dst, int64_t A, int64_t Bn, int64_t inner) {
                 dst + (b * A + a) * inner);
 }
 
+// dst[0, n) = src[0, n), or zeros when src is absent (an optional initial state or gradient).
+template <class T>
+void copy_or_zero(const T* src, int64_t n, T* dst) {
+  if (src)
+    std::copy_n(src, n, dst);
+  else
+    std::fill_n(dst, n, T(0));
+}
+// Writes a time-major [a, b, inner] buffer to `out` in the node's layout (layout 1: [b, a, inner]).
+template <class T>
+void store_layout(const T* src, Tensor* out, int layout, int64_t a, int64_t b, int64_t inner) {
+  if (!out) return;
+  if (layout == 0)
+    std::copy_n(src, a * b * inner, out->data<T>());
+  else
+    swap01(src, out->data<T>(), a, b, inner);
+}
+
 // A tensor in time-major order: the input itself (layout 0), or a transposed workspace copy.
 // `a` and `b` are the leading dims as stored for layout 1 ([a, b, inner] -> [b, a, inner]).
 template <class T>
@@ -180,10 +198,8 @@ void prev_states(const T* y, const T* h0, const Dims& m, int64_t d, bool rev,
       T* dst = hp + (t * m.B + b) * m.H;
       if (tp >= 0 && tp < len[b])
         std::copy_n(y + ((tp * m.D + d) * m.B + b) * m.H, m.H, dst);
-      else if (h0)
-        std::copy_n(h0 + (d * m.B + b) * m.H, m.H, dst);
       else
-        std::fill_n(dst, m.H, T(0));
+        copy_or_zero(h0 ? h0 + (d * m.B + b) * m.H : nullptr, m.H, dst);
     }
 }
 
@@ -232,14 +248,8 @@ void lstm_kernel(KernelCtx& c) {
       const T* R = c.in(2).data<T>() + d * G * H;
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
       T *h = hb.data<T>() + d * B * H, *cs = cb.data<T>() + d * B * H;
-      if (h0.p)
-        std::copy_n(h0.p + d * B * H, B * H, h);
-      else
-        std::fill_n(h, B * H, T(0));
-      if (c0.p)
-        std::copy_n(c0.p + d * B * H, B * H, cs);
-      else
-        std::fill_n(cs, B * H, T(0));
+      copy_or_zero(h0.p ? h0.p + d * B * H : nullptr, B * H, h);
+      copy_or_zero(c0.p ? c0.p + d * B * H : nullptr, B * H, cs);
       gemm<T>(false, true, T_ * B, G, m.I, T(1), x.p, W, T(0), xw.data<T>());
       if (bw) {
         add_rows(xw.data<T>(), T_ * B, G, bw);
@@ -267,20 +277,9 @@ void lstm_kernel(KernelCtx& c) {
         }
       }
     }
-    if (Tensor* out = opt_out(c, 0)) {
-      if (m.layout == 0)
-        std::copy_n(y, ybuf.numel(), out->data<T>());
-      else
-        swap01(y, out->data<T>(), T_ * m.D, B, H);
-    }
-    for (int k = 1; k <= 2; ++k)
-      if (Tensor* out = opt_out(c, k)) {
-        const T* src = (k == 1 ? hb : cb).data<T>();
-        if (m.layout == 0)
-          std::copy_n(src, m.D * B * H, out->data<T>());
-        else
-          swap01(src, out->data<T>(), m.D, B, H);
-      }
+    store_layout(y, opt_out(c, 0), m.layout, T_ * m.D, B, H);
+    store_layout(hb.data<T>(), opt_out(c, 1), m.layout, m.D, B, H);
+    store_layout(cb.data<T>(), opt_out(c, 2), m.layout, m.D, B, H);
   });
 }
 
@@ -360,14 +359,8 @@ void lstm_grad_kernel(KernelCtx& c) {
       }
       // Back through time.
       T *pdh = dh.data<T>(), *pdc = dc.data<T>(), *dA = da.data<T>();
-      if (dyh.p)
-        std::copy_n(dyh.p + d * B * H, B * H, pdh);
-      else
-        std::fill_n(pdh, B * H, T(0));
-      if (dyc.p)
-        std::copy_n(dyc.p + d * B * H, B * H, pdc);
-      else
-        std::fill_n(pdc, B * H, T(0));
+      copy_or_zero(dyh.p ? dyh.p + d * B * H : nullptr, B * H, pdh);
+      copy_or_zero(dyc.p ? dyc.p + d * B * H : nullptr, B * H, pdc);
       for (int64_t s = T_ - 1; s >= 0; --s) {
         const int64_t t = rev ? T_ - 1 - s : s;
         for (int64_t b = 0; b < B; ++b) {
@@ -443,10 +436,7 @@ void gru_kernel(KernelCtx& c) {
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
       const T* br = bw ? bw + G : nullptr;
       T* h = hb.data<T>() + d * B * H;
-      if (h0.p)
-        std::copy_n(h0.p + d * B * H, B * H, h);
-      else
-        std::fill_n(h, B * H, T(0));
+      copy_or_zero(h0.p ? h0.p + d * B * H : nullptr, B * H, h);
       gemm<T>(false, true, T_ * B, G, m.I, T(1), x.p, W, T(0), xw.data<T>());
       add_rows(xw.data<T>(), T_ * B, G, bw);
       T* HR = hr.data<T>();
@@ -484,18 +474,8 @@ void gru_kernel(KernelCtx& c) {
         }
       }
     }
-    if (Tensor* out = opt_out(c, 0)) {
-      if (m.layout == 0)
-        std::copy_n(y, ybuf.numel(), out->data<T>());
-      else
-        swap01(y, out->data<T>(), T_ * m.D, B, H);
-    }
-    if (Tensor* out = opt_out(c, 1)) {
-      if (m.layout == 0)
-        std::copy_n(hb.data<T>(), m.D * B * H, out->data<T>());
-      else
-        swap01(hb.data<T>(), out->data<T>(), m.D, B, H);
-    }
+    store_layout(y, opt_out(c, 0), m.layout, T_ * m.D, B, H);
+    store_layout(hb.data<T>(), opt_out(c, 1), m.layout, m.D, B, H);
   });
 }
 
@@ -566,10 +546,7 @@ void gru_grad_kernel(KernelCtx& c) {
       // Back through time.
       T *pdh = dh.data<T>(), *dX = dxg.data<T>(), *dR = lbr ? drg.data<T>() : nullptr;
       T *pdir = direct.data<T>(), *ptmp = tmp.data<T>();
-      if (dyh.p)
-        std::copy_n(dyh.p + d * B * H, B * H, pdh);
-      else
-        std::fill_n(pdh, B * H, T(0));
+      copy_or_zero(dyh.p ? dyh.p + d * B * H : nullptr, B * H, pdh);
       for (int64_t s = T_ - 1; s >= 0; --s) {
         const int64_t t = rev ? T_ - 1 - s : s;
         for (int64_t b = 0; b < B; ++b) {
