@@ -122,6 +122,18 @@ int match_silu(Graph& g, Node& m, const std::vector<std::vector<int>>& cons,
   return -1;
 }
 
+// Appends a copy of `src` (op, domain, attributes; absent optional outputs stay absent) reading
+// `inputs`, named after it; returns its outputs (-1 where src has none). Backward's recomputations.
+std::vector<int> clone_node(Graph& g, const Node& src, const std::vector<int>& inputs) {
+  std::vector<int> outs = g.add_op(src.op, inputs, src.attrs, static_cast<int>(src.outputs.size()),
+                                   src.domain, src.name + "/recompute");
+  const int ni = static_cast<int>(g.nodes.size()) - 1;
+  for (size_t k = 0; k < outs.size(); ++k)
+    if (src.outputs[k] < 0) g.nodes[ni].outputs[k] = outs[k] = -1;
+  infer_node(g, ni);
+  return outs;
+}
+
 }  // namespace
 
 int rewrite_for_training(Graph& g) {
@@ -227,9 +239,7 @@ int rematerialize_param_copies(Graph& g, const BackwardGraph& bg) {
     const Node src = g.nodes[g.values[v].producer];  // a copy: add_op may grow the deque
     std::vector<int> ins;
     for (int x : src.inputs) ins.push_back(self(self, x));
-    std::vector<int> made = g.add_op(src.op, ins, src.attrs, static_cast<int>(src.outputs.size()),
-                                     src.domain, src.name + "/recompute");
-    infer_node(g, static_cast<int>(g.nodes.size()) - 1);
+    const std::vector<int> made = clone_node(g, src, ins);
     for (size_t k = 0; k < src.outputs.size(); ++k)
       if (src.outputs[k] >= 0 && src.outputs[k] < nv) clone[src.outputs[k]] = made[k];
     return clone[v];
@@ -280,13 +290,8 @@ std::vector<int> recompute_in_backward(Graph& g, const BackwardGraph& bg,
   const int nb = static_cast<int>(g.nodes.size());  // backward nodes before the clones
   for (int v : values) {
     const Node src = g.nodes[g.values[v].producer];  // a copy: add_op may grow the deque
-    std::vector<int> outs =
-        g.add_op(src.op, src.inputs, src.attrs, static_cast<int>(src.outputs.size()), src.domain,
-                 src.name + "/recompute");
+    const std::vector<int> outs = clone_node(g, src, src.inputs);
     const int ni = static_cast<int>(g.nodes.size()) - 1;
-    for (size_t k = 0; k < outs.size(); ++k)
-      if (src.outputs[k] < 0) g.nodes[ni].outputs[k] = -1;  // an absent optional output
-    infer_node(g, ni);
     int clone = -1;
     for (size_t k = 0; k < src.outputs.size(); ++k)
       if (src.outputs[k] == v) clone = outs[k];
