@@ -23,6 +23,9 @@ GradMode parse_grad_mode(const std::string& s);  // InvalidArgument on an unknow
 
 struct AutodiffOptions {
   std::string loss;  // scalar output to differentiate (if no output_grads)
+  // The loss's gradient seed (d loss / d loss): 1, or 1/k when the gradients of k micro-batches
+  // are summed into one step so that they average (graft train --micro-batches).
+  double loss_scale = 1;
   // Differentiate these outputs instead, with their gradients bound as new graph inputs named
   // "<output>__grad" (the PyTorch front end feeds autograd's grad_outputs through them).
   std::vector<std::string> output_grads;

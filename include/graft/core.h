@@ -27,6 +27,7 @@ enum class ErrorKind {
   OutOfMemory,      // a budget or the system refused an allocation
   Io,               // reading or writing a file failed
   NonFinite,        // a NaN / Inf was produced while checking was on
+  Communication,    // another rank failed, hung or differs (data parallelism)
   Internal,         // a graft bug
 };
 const char* error_kind_name(ErrorKind k);

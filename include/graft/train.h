@@ -120,6 +120,14 @@ class TrainSession {
 
   void zero_grad(bool set_to_none = true);
   void set_hook(GradHook h) { hook_ = std::move(h); }
+  const GradHook& hook() const { return hook_; }
+  // Called after each parameter's gradient is delivered (every mode; in accumulate mode .grad then
+  // holds it), in delivery order: what graft::DataParallel starts its all-reduces from.
+  void set_grad_ready(std::function<void(Parameter&)> f) { ready_ = std::move(f); }
+  const std::function<void(Parameter&)>& grad_ready() const { return ready_; }
+  // Indices into parameters() of the parameters that receive a gradient, in the order backward
+  // delivers them (the plan's order of their gradient sinks; hold mode: parameter order).
+  std::vector<int> delivery_order() const;
   // Step mode (SessionOptions::mode = Step): the optimizer whose update is applied to each
   // parameter inside backward, the moment its gradient is complete; the gradient is then freed.
   // Each backward counts one optimizer step. Required before the first step in that mode (or a
@@ -138,6 +146,8 @@ class TrainSession {
   // 0: no clipping.
   void set_clip_norm(double max_norm);
   double last_grad_norm() const { return last_norm_; }  // the norm the last clipped step used
+  double clip_norm() const { return clip_norm_; }
+  Optimizer* step_optimizer() const { return step_opt_; }
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -188,6 +198,7 @@ class TrainSession {
   std::shared_ptr<StepState> cur_;                // the simple loop's step
   std::vector<OpTime> last_times_;
   GradHook hook_;
+  std::function<void(Parameter&)> ready_;
   Optimizer* step_opt_ = nullptr;
   std::vector<int> step_index_;  // per params_ entry: its index in step_opt_'s parameters, -1
   bool defer_step_ = false;

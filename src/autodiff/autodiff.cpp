@@ -2,6 +2,7 @@
 #include "graft/autodiff.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -170,6 +171,8 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
         lv.shape_known && numel(lv.shape) == 1, ErrorKind::InvalidArgument,
         "the loss '" + opt.loss + "' has shape " + shape_str(lv.shape) +
             "; it must be a scalar (reduce it, e.g. with ReduceMean, or pass output gradients)");
+    GRAFT_CHECK(std::isfinite(opt.loss_scale) && opt.loss_scale != 0, ErrorKind::InvalidArgument,
+                "the loss scale must be finite and non-zero");
     bg.loss = loss;
     seeds.push_back(loss);
   } else {
@@ -244,7 +247,7 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
   // ---- seeds ----
   if (bg.loss >= 0) {
     const Value lv = g_.values[bg.loss];  // a copy: adding values below may move the vector
-    int one = scalar(1.0, lv.dtype);
+    int one = scalar(opt.loss_scale, lv.dtype);
     if (!lv.shape.empty()) one = emit1("Reshape", {one, ints(lv.shape)});
     contrib_[bg.loss].push_back(one);
   } else {

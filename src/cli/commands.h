@@ -39,6 +39,11 @@ struct TrainArgs {
   std::string checkpoint;  // folder of checkpoints (docs/checkpoints.md)
   int checkpoint_every = 0, checkpoint_keep = 2;
   bool resume = false;
+  int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
+  // Data parallelism over MPI (under mpirun; docs/data-parallel.md).
+  bool data_parallel = false;
+  int64_t bucket_bytes = 25ll << 20;  // PyTorch DDP's bucket_cap_mb
+  double dp_timeout = 300;            // seconds any rank waits for the others
 };
 int cmd_train(const TrainArgs& a);
 

@@ -83,6 +83,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_flag("--resume", tr.resume,
               "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
+  t->add_option("--micro-batches", tr.micro_batches,
+                "Split the batch into K micro-batches whose gradients are averaged into one update")
+      ->capture_default_str();
+  t->add_flag("--data-parallel", tr.data_parallel,
+              "Under mpirun: every rank trains its shard of the batch, gradients averaged during "
+              "backward (docs/data-parallel.md)");
+  std::string bucket_size;
+  auto* bucket_size_opt = t->add_option(
+      "--bucket-size", bucket_size,
+      "Data parallelism: gradients per all-reduce bucket (same units as --max-memory; 25M)");
+  t->add_option("--dp-timeout", tr.dp_timeout,
+                "Data parallelism: seconds to wait for the other ranks before failing")
+      ->capture_default_str();
 
   BenchArgs be;
   auto* b = app.add_subcommand(
@@ -122,6 +135,7 @@ int main(int argc, char** argv) {
     if (max_memory_opt->count()) tr.max_memory = parse_size("--max-memory", max_memory);
     if (activation_budget_opt->count())
       tr.activation_budget = parse_size("--activation-budget", activation_budget);
+    if (bucket_size_opt->count()) tr.bucket_bytes = parse_size("--bucket-size", bucket_size);
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
     if (*t) return cmd_train(tr);

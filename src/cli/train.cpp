@@ -6,12 +6,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
 
 #include "commands.h"
 #include "graft/checkpoint.h"
+#include "graft/distributed.h"
 #include "graft/ops.h"
 
 namespace graft::cli {
@@ -22,6 +24,42 @@ namespace {
 volatile sig_atomic_t g_stop_signal = 0;
 
 void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// Rows [begin, begin + count) of `t` along its first dimension, as a tensor of its own.
+Tensor rows(const Tensor& t, int64_t begin, int64_t count, Allocator& alloc) {
+  Shape s = t.shape();
+  const int64_t row = t.numel() / s[0] * static_cast<int64_t>(dtype_size(t.dtype()));
+  s[0] = count;
+  Tensor out = Tensor::empty(s, t.dtype(), alloc, Category::Workspace);
+  std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + begin * row, count * row);
+  return out;
+}
+
+// The inputs of one micro-batch of this rank: every input with a first dimension is cut into
+// ranks x micro-batches equal parts along it (rank r takes the r-th of `ranks` shards, and
+// micro-batch k the k-th part of that); 0-d inputs are the same everywhere.
+std::vector<std::map<std::string, Tensor>> shard_inputs(const std::map<std::string, Tensor>& in,
+                                                        int rank, int ranks, int micro,
+                                                        Allocator& alloc) {
+  std::vector<std::map<std::string, Tensor>> parts(micro);
+  for (const auto& [name, t] : in) {
+    for (int k = 0; k < micro; ++k) {
+      if (t.rank() == 0 || (ranks == 1 && micro == 1)) {
+        parts[k][name] = t;
+        continue;
+      }
+      const int64_t n = t.dim(0), cut = static_cast<int64_t>(ranks) * micro;
+      GRAFT_CHECK(n % cut == 0, ErrorKind::InvalidArgument,
+                  "input '" + name + "' has " + std::to_string(n) +
+                      " rows (its first dimension), " + "which do not split into " +
+                      std::to_string(ranks) + " ranks x " + std::to_string(micro) +
+                      " micro-batches; give a batch that is a multiple of " + std::to_string(cut));
+      const int64_t each = n / cut;
+      parts[k][name] = rows(t, (static_cast<int64_t>(rank) * micro + k) * each, each, alloc);
+    }
+  }
+  return parts;
+}
 
 struct StopSignals {
   struct sigaction old_int {
@@ -45,6 +83,8 @@ struct StopSignals {
 };
 }  // namespace
 
+int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks);
+
 int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(a.steps >= 0, ErrorKind::InvalidArgument, "--steps must be >= 0");
   GRAFT_CHECK(a.lr >= 0, ErrorKind::InvalidArgument, "--lr must be >= 0");
@@ -57,13 +97,41 @@ int cmd_train(const TrainArgs& a) {
   GRAFT_CHECK(a.checkpoint_every == 0 || !a.checkpoint.empty(), ErrorKind::InvalidArgument,
               "--checkpoint-every needs --checkpoint DIR");
   check_threads("--threads", a.threads);
+  GRAFT_CHECK(a.micro_batches >= 1, ErrorKind::InvalidArgument, "--micro-batches must be >= 1");
+  set_num_threads(a.threads);
+  // Data parallelism (docs/data-parallel.md): one process per rank under mpirun; rank 0 prints,
+  // saves and checkpoints, every rank reads (and resumes from) the same files.
+  std::unique_ptr<Communicator> comm;
+  if (a.data_parallel) {
+    GRAFT_CHECK(a.dp_timeout > 0, ErrorKind::InvalidArgument, "--dp-timeout must be > 0");
+    comm = mpi_communicator(nullptr, nullptr, a.dp_timeout);
+  }
+  const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+  try {
+    return train_loop(a, comm.get(), rank, ranks);
+  } catch (const std::exception& e) {
+    if (!comm || ranks == 1) throw;
+    // The other ranks would wait in a collective this rank never joins: say why, then end the job
+    // (MPI_Abort) instead of letting them reach their timeout.
+    // (A failed collective was reported by the communicator the moment it failed.)
+    if (!comm->failed()) std::fprintf(stderr, "graft: rank %d of %d: %s\n", rank, ranks, e.what());
+    comm->abort(1);
+  }
+  return 1;  // not reached: abort ends the process
+}
+
+int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
+  const bool lead = rank == 0;  // prints, saves, checkpoints
   // Every output is proven writable before the first step, not found unwritable after the last.
-  prepare_output_dir("--save-grads", a.save_grads);
-  prepare_output_dir("--save-params", a.save_params);
-  prepare_output_dir("--checkpoint", a.checkpoint);
+  // Only rank 0 writes (and locks the checkpoint folder); every rank reads it.
+  if (lead) {
+    prepare_output_dir("--save-grads", a.save_grads);
+    prepare_output_dir("--save-params", a.save_params);
+    prepare_output_dir("--checkpoint", a.checkpoint);
+  }
   // One run per checkpoint folder, for the whole run.
   std::optional<CheckpointDirLock> lock;
-  if (!a.checkpoint.empty()) lock.emplace(a.checkpoint);
+  if (lead && !a.checkpoint.empty()) lock.emplace(a.checkpoint);
   if (!a.checkpoint.empty() && !a.resume) {
     auto existing = list_checkpoints(a.checkpoint);
     GRAFT_CHECK(existing.empty(), ErrorKind::InvalidArgument,
@@ -72,25 +140,29 @@ int cmd_train(const TrainArgs& a) {
                     (existing.empty() ? std::string() : std::to_string(existing[0].first)) +
                     "); pass --resume to continue that run, or use an empty folder");
   }
-  set_num_threads(a.threads);
   Allocator& alloc = Allocator::global();
   ImportOptions io;
   io.alloc = &alloc;
   Graph g = load_onnx(a.model, io);
-  auto inputs = make_inputs(g, parse_shapes(a.input_shapes), a.input_files, alloc);
+  std::vector<std::map<std::string, Tensor>> micro;  // this rank's micro-batches
+  {
+    auto inputs = make_inputs(g, parse_shapes(a.input_shapes), a.input_files, alloc);
+    micro = shard_inputs(inputs, rank, ranks, a.micro_batches, alloc);
+  }
   std::map<std::string, Shape> shapes;
-  for (const auto& [n, t] : inputs) shapes[n] = t.shape();
+  for (const auto& [n, t] : micro[0]) shapes[n] = t.shape();
 
   SessionOptions so;
   so.loss = a.loss;
+  so.loss_scale = 1.0 / a.micro_batches;  // the micro-batches' gradients average
   so.freeze = a.freeze;
   so.mode = parse_grad_mode(a.mode);
   so.check_finite = a.check_finite;
   so.activation_budget = a.activation_budget;
   so.alloc = &alloc;  // the budget is checked below, with the optimizer's state counted too
   TrainSession s(std::move(g), so, shapes);
-  for (const auto& [n, t] : inputs) s.set_input(n, t);
-  if (so.mode == GradMode::Hook)  // the CLI's hook accumulates, as PyTorch's AccumulateGrad would
+  if (so.mode == GradMode::Hook &&
+      !comm)  // the CLI's hook accumulates, as PyTorch's AccumulateGrad would
     s.set_hook(accumulate_grad);
 
   std::unique_ptr<Optimizer> opt;
@@ -113,7 +185,8 @@ int cmd_train(const TrainArgs& a) {
     fail(ErrorKind::InvalidArgument,
          "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
-  if (so.mode == GradMode::Step) s.set_step_optimizer(opt.get());  // updates inside backward
+  // Updates inside backward (under data parallelism, once each bucket is averaged).
+  if (so.mode == GradMode::Step && !comm) s.set_step_optimizer(opt.get());
   GRAFT_CHECK(a.clip_norm >= 0 && std::isfinite(a.clip_norm), ErrorKind::InvalidArgument,
               "--clip-norm must be a finite number >= 0");
   if (so.mode == GradMode::Step) s.set_clip_norm(a.clip_norm);
@@ -142,6 +215,8 @@ int cmd_train(const TrainArgs& a) {
                     "--max-memory to "
                     "override");
   }
+  // Only rank 0 speaks (every rank's output would interleave); errors come from every rank.
+  if (!lead) std::fclose(stdout);
   std::printf("planned memory %lld bytes (%s)\n", static_cast<long long>(need.total()),
               need.describe().c_str());
   std::printf(
@@ -152,6 +227,8 @@ int cmd_train(const TrainArgs& a) {
   if (a.max_memory > 0)
     std::printf(", memory budget %s (%lld bytes)", human_bytes(a.max_memory).c_str(),
                 static_cast<long long>(a.max_memory));
+  if (a.micro_batches > 1) std::printf(", %d micro-batches per step", a.micro_batches);
+  if (comm) std::printf(", data-parallel over %d ranks", ranks);
   std::printf("\n");
   int start = 0;
   if (a.resume) {
@@ -175,6 +252,17 @@ int cmd_train(const TrainArgs& a) {
     }
     std::fflush(stdout);
   }
+  // Every rank holds rank 0's parameters (and the checkpoint's, when resumed) from here on.
+  std::unique_ptr<DataParallel> dp;
+  if (comm) {
+    DataParallelOptions dpo;
+    dpo.bucket_bytes = a.bucket_bytes;
+    dp = std::make_unique<DataParallel>(s, *comm, dpo);
+    if (so.mode == GradMode::Step) dp->set_step_optimizer(opt.get());
+    std::printf("data-parallel: %d ranks, %zu gradient buckets of at most %s\n", ranks,
+                dp->buckets().size(), human_bytes(a.bucket_bytes).c_str());
+    std::fflush(stdout);
+  }
   StopSignals stop_signals;
   int saved_step = a.resume ? start : -1;  // the step of the newest checkpoint on disk, if known
   // Enforced from here on (after a resume, whose staging briefly holds a second copy of the state).
@@ -183,8 +271,20 @@ int cmd_train(const TrainArgs& a) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
-    double loss = s.step();
-    if (step == a.steps && !a.save_grads.empty()) {
+    double loss = 0;  // the mean over the micro-batches (of this rank)
+    for (int k = 0; k < a.micro_batches; ++k) {
+      const bool last = k + 1 == a.micro_batches;
+      for (const auto& [n, t] : micro[k]) s.set_input(n, t);
+      if (dp) {
+        dp->set_sync(last);
+        loss += dp->step();
+      } else {
+        if (so.mode == GradMode::Step) s.set_defer_step(!last);
+        loss += s.step();
+      }
+    }
+    loss /= a.micro_batches;
+    if (lead && step == a.steps && !a.save_grads.empty()) {
       int i = 0;
       for (const Parameter& p : s.parameters())
         if (p.grad.defined())
@@ -193,23 +293,40 @@ int cmd_train(const TrainArgs& a) {
     if (so.mode != GradMode::Step && a.clip_norm > 0) clip_grad_norm(opt->params(), a.clip_norm);
     if (so.mode != GradMode::Step) opt->step();
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::string comm_json, comm_text;
+    if (dp) {
+      const DataParallelStats& st = dp->last_stats();
+      char b[256];
+      std::snprintf(b, sizeof b,
+                    ", \"allreduce_seconds\": %.6f, \"exposed_seconds\": %.6f, \"hidden\": %.4f",
+                    st.comm_seconds, st.exposed_seconds, st.hidden_fraction());
+      comm_json = b;
+      std::snprintf(b, sizeof b, "  all-reduce %.1f ms (%.0f%% hidden)", st.comm_seconds * 1e3,
+                    st.hidden_fraction() * 100);
+      comm_text = b;
+    }
     if (a.json)
       std::printf(
           "{\"step\": %d, \"loss\": %.9g, \"seconds\": %.6f, \"ma_bytes\": %lld, \"max_ma_bytes\": "
-          "%lld}\n",
+          "%lld%s}\n",
           step, loss, secs, static_cast<long long>(alloc.current()),
-          static_cast<long long>(alloc.peak()));
+          static_cast<long long>(alloc.peak()), comm_json.c_str());
     else
-      std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s\n", step, loss, secs * 1e3,
-                  human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str());
+      std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s%s\n", step, loss, secs * 1e3,
+                  human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str(),
+                  comm_text.c_str());
     std::fflush(stdout);
-    if (!a.checkpoint.empty() &&
+    if (lead && !a.checkpoint.empty() &&
         ((a.checkpoint_every > 0 && step % a.checkpoint_every == 0) || step == a.steps)) {
       save_checkpoint_in_dir(a.checkpoint, s, opt.get(), step, a.checkpoint_keep);
       saved_step = step;
     }
-    if (const int sig = g_stop_signal; sig != 0 && step < a.steps) {
+    int sig = g_stop_signal;
+    // Every rank stops after the same step (rank 0's signal decides), or the others would wait.
+    if (comm) comm->broadcast(&sig, sizeof sig, 0);
+    if (sig != 0 && step < a.steps) {
       const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+      if (!lead) return 128 + sig;
       if (!a.checkpoint.empty()) {
         std::string path =
             saved_step == step
@@ -229,7 +346,7 @@ int cmd_train(const TrainArgs& a) {
       return 128 + sig;
     }
   }
-  if (!a.save_params.empty()) {
+  if (lead && !a.save_params.empty()) {
     int i = 0;
     for (const Parameter& p : s.parameters())
       save_tensor(a.save_params, "param_" + std::to_string(i++) + ".pb", p.data, p.name);

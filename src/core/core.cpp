@@ -24,6 +24,8 @@ const char* error_kind_name(ErrorKind k) {
       return "i/o error";
     case ErrorKind::NonFinite:
       return "non-finite value";
+    case ErrorKind::Communication:
+      return "communication error";
     case ErrorKind::Internal:
       return "internal error";
   }

@@ -554,7 +554,9 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   st->run = exec_->start(
       bind, ro,
       [this, defer](int node, Tensor grad, bool exclusive) {
-        deliver(params_[param_of_sink_[node]], std::move(grad), exclusive, defer);
+        Parameter& p = params_[param_of_sink_[node]];
+        deliver(p, std::move(grad), exclusive, defer);
+        if (ready_) ready_(p);
       },
       std::move(target));
   exec_->run_to(*st->run, exec_->plan().barrier_step);
@@ -604,6 +606,7 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
       kept[held_keep_[i]] = Tensor();
       bool exclusive = grad.storage().use_count() == 1;
       deliver(params_[i], std::move(grad), exclusive, false);
+      if (ready_) ready_(params_[i]);
     }
   }
 }
@@ -684,6 +687,22 @@ Tensor TrainSession::input_grad(const std::string& name) const {
               "no gradient was requested for input '" + name + "'");
   size_t k = it - opt_.input_grads.begin();
   return cur_ && k < cur_->input_grads.size() ? cur_->input_grads[k] : Tensor();
+}
+
+std::vector<int> TrainSession::delivery_order() const {
+  std::vector<std::pair<int, int>> order;  // (when, parameter)
+  for (size_t i = 0; i < bg_.params.size(); ++i) {
+    const int p = param_of_value_[bg_.params[i]];
+    if (opt_.mode == GradMode::Hold) {
+      if (held_keep_[p] >= 0) order.emplace_back(p, p);
+    } else if (bg_.sinks[i] >= 0) {
+      order.emplace_back(exec_->plan().step_of(bg_.sinks[i]), p);
+    }
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<int> out;
+  for (const auto& [when, p] : order) out.push_back(p);
+  return out;
 }
 
 void TrainSession::zero_grad(bool set_to_none) {

@@ -1,0 +1,356 @@
+// graft::DataParallel: gradients averaged across ranks in buckets, each all-reduce started the
+// moment backward delivers the bucket's last gradient.
+//
+// Note [Buckets and gradient delivery]
+// Buckets hold gradients in the order backward delivers them (TrainSession::delivery_order, the
+// plan's order of gradient sinks), at most bucket_bytes each, one dtype each, so they fill in
+// order and every rank starts the same all-reduces in the same order.
+// - accumulate / hold: .grad is a view into its bucket (PyTorch DDP's gradient_as_bucket_view), so
+//   the weight-gradient GEMM writes (beta = 1) straight into the buffer that is all-reduced: no
+//   copy and no second gradient set. The session's gradient-ready callback counts the bucket down.
+// - hook: the same buffers; graft's hook adds the delivered gradient into the view (what
+//   AccumulateGrad does), then counts down.
+// - step: no gradient set is kept. The hook copies each gradient into its bucket, allocated when
+//   the bucket's first gradient arrives; when the bucket is averaged the optimizer updates its
+//   parameters (on the caller's thread, the next time a gradient arrives or at the end of
+//   backward) and the bucket is freed. A parameter is only delivered after every backward read of
+//   it (the session orders sinks so), so updating it while backward continues is safe.
+// Micro-batches (set_sync(false)): backward accumulates into .grad as usual and nothing is sent;
+// the next synchronized step averages the sums.
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "graft/distributed.h"
+
+namespace graft {
+
+namespace {
+uint64_t fnv(uint64_t h, const void* p, size_t n) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+uint64_t fnv(uint64_t h, const std::string& s) { return fnv(h, s.data(), s.size() + 1); }
+uint64_t fnv(uint64_t h, int64_t v) { return fnv(h, &v, sizeof v); }
+
+std::string describe(const Parameter& p) {
+  return "'" + p.name + "' (" + dtype_name(p.data.dtype()) + " " + shape_str(p.data.shape()) +
+         (p.trainable ? "" : ", frozen") + ")";
+}
+
+const char* mode_name(GradMode m) {
+  switch (m) {
+    case GradMode::Hold:
+      return "hold";
+    case GradMode::Accumulate:
+      return "accumulate";
+    case GradMode::Hook:
+      return "hook";
+    case GradMode::Step:
+      return "step";
+  }
+  return "?";
+}
+}  // namespace
+
+DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOptions o)
+    : s_(s), comm_(comm), o_(o) {
+  GRAFT_CHECK(o.bucket_bytes > 0, ErrorKind::InvalidArgument, "the bucket size must be > 0");
+  GRAFT_CHECK(s.clip_norm() == 0, ErrorKind::InvalidArgument,
+              "data parallelism with the step mode's gradient clipping is not supported (the "
+              "norm would be of this rank's gradients, not of the averaged ones); clip in "
+              "accumulate or hook mode instead");
+  auto& ps = s.parameters();
+  bucket_of_.assign(ps.size(), -1);
+  slot_of_.assign(ps.size(), -1);
+  for (int i : s.delivery_order()) {
+    const Parameter& p = ps[i];
+    const DType dt = p.data.dtype();
+    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
+                "data parallelism averages float32 and float64 gradients; parameter " +
+                    describe(p) + " is neither");
+    const int64_t bytes = p.data.numel() * static_cast<int64_t>(dtype_size(dt));
+    if (buckets_.empty() || buckets_.back().dtype != dt ||
+        (buckets_.back().count > 0 &&
+         (buckets_.back().count * static_cast<int64_t>(dtype_size(dt)) + bytes > o.bucket_bytes)))
+      buckets_.push_back(Bucket{{}, {}, 0, dt});
+    Bucket& b = buckets_.back();
+    bucket_of_[i] = static_cast<int>(buckets_.size()) - 1;
+    slot_of_[i] = static_cast<int>(b.params.size());
+    b.params.push_back(i);
+    b.offset.push_back(b.count);
+    b.count += p.data.numel();
+  }
+  check_same_model();
+  broadcast_parameters();
+
+  const size_t nb = buckets_.size();
+  storage_.resize(nb);
+  views_.resize(ps.size());
+  pending_.assign(nb, 0);
+  work_.resize(nb);
+  applied_.assign(nb, true);
+  ready_.assign(ps.size(), false);
+  if (s.mode() != GradMode::Step) {
+    // The gradient set lives in the buckets from now on (Note [Buckets and gradient delivery]).
+    for (size_t b = 0; b < nb; ++b) {
+      const Bucket& bk = buckets_[b];
+      storage_[b] = Tensor::zeros({bk.count}, bk.dtype, s.allocator(), Category::Gradient);
+      char* base = static_cast<char*>(storage_[b].raw());
+      for (size_t k = 0; k < bk.params.size(); ++k) {
+        const Parameter& p = ps[bk.params[k]];
+        views_[bk.params[k]] = Tensor::external(base + bk.offset[k] * dtype_size(bk.dtype),
+                                                p.data.shape(), bk.dtype, storage_[b].storage());
+      }
+    }
+  }
+  s.set_grad_ready([this](Parameter& p) { on_ready(p); });
+  if (s.mode() == GradMode::Hook || s.mode() == GradMode::Step)
+    s.set_hook([this](Parameter& p, const Tensor& g) { on_step_grad(p, g); });
+}
+
+DataParallel::~DataParallel() {
+  s_.set_grad_ready(nullptr);
+  if (s_.mode() == GradMode::Hook || s_.mode() == GradMode::Step) s_.set_hook(nullptr);
+  // .grad views keep their bucket alive (their storage holds it), so nothing dangles.
+}
+
+void DataParallel::check_same_model() {
+  // Per parameter a fingerprint; then everything else that must agree. Gathered from every rank
+  // and compared with rank 0's, so every rank names the same first difference.
+  const auto& ps = s_.parameters();
+  const int n = comm_.size();
+  int64_t count = static_cast<int64_t>(ps.size());
+  std::vector<int64_t> counts(n);
+  comm_.allgather(&count, sizeof count, counts.data());
+  for (int r = 1; r < n; ++r)
+    GRAFT_CHECK(counts[r] == counts[0], ErrorKind::Communication,
+                "rank " + std::to_string(r) + " has a model with " + std::to_string(counts[r]) +
+                    " parameters and rank 0 one with " + std::to_string(counts[0]) +
+                    ": every rank must train the same model");
+  std::vector<uint64_t> mine;
+  for (const Parameter& p : ps) {
+    uint64_t h = fnv(1469598103934665603ull, p.name);
+    h = fnv(h, static_cast<int64_t>(p.data.dtype()));
+    for (int64_t d : p.data.shape()) h = fnv(h, d);
+    mine.push_back(fnv(h, static_cast<int64_t>(p.trainable)));
+  }
+  uint64_t setup = fnv(1469598103934665603ull, static_cast<int64_t>(s_.mode()));
+  setup = fnv(setup, o_.bucket_bytes);
+  for (int i : s_.delivery_order()) setup = fnv(setup, static_cast<int64_t>(i));
+  mine.push_back(setup);
+  std::vector<uint64_t> all(mine.size() * n);
+  comm_.allgather(mine.data(), static_cast<int64_t>(mine.size() * sizeof(uint64_t)), all.data());
+  for (int r = 1; r < n; ++r) {
+    const uint64_t* theirs = all.data() + r * mine.size();
+    for (size_t i = 0; i < ps.size(); ++i)
+      GRAFT_CHECK(theirs[i] == all[i], ErrorKind::Communication,
+                  "rank " + std::to_string(r) + "'s model differs from rank 0's at parameter " +
+                      std::to_string(i) + " (" + describe(ps[i]) + " on rank " +
+                      std::to_string(comm_.rank()) +
+                      "): every rank must train the same model, with the same --freeze");
+    GRAFT_CHECK(theirs[ps.size()] == all[ps.size()], ErrorKind::Communication,
+                "rank " + std::to_string(r) +
+                    " differs from rank 0 in the gradient mode, the bucket size or the order of "
+                    "gradient delivery (this rank: mode " +
+                    mode_name(s_.mode()) + ", buckets of " + std::to_string(o_.bucket_bytes) +
+                    " bytes); every rank must use the same settings");
+  }
+}
+
+void DataParallel::broadcast_parameters() {
+  for (Parameter& p : s_.parameters())
+    if (p.data.defined()) comm_.broadcast(p.data.raw(), static_cast<int64_t>(p.data.nbytes()), 0);
+}
+
+void DataParallel::set_step_optimizer(Optimizer* opt) {
+  GRAFT_CHECK(s_.mode() == GradMode::Step, ErrorKind::InvalidArgument,
+              "set_step_optimizer is for the step mode; in other modes run the optimizer after "
+              "step()");
+  opt_ = opt;
+}
+
+void DataParallel::set_sync(bool sync) {
+  GRAFT_CHECK(!in_step_, ErrorKind::InvalidArgument, "set_sync during a step");
+  sync_ = sync;
+}
+
+void DataParallel::bind_grad_views() {
+  // .grad must be the bucket's view so backward writes where the all-reduce reads. One the user
+  // replaced (or set to None) is copied in (or zeroed) and rebound.
+  auto& ps = s_.parameters();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (bucket_of_[i] < 0) continue;
+    Parameter& p = ps[i];
+    Tensor& v = views_[i];
+    if (p.grad.defined() && p.grad.storage() == v.storage()) continue;
+    if (p.grad.defined()) {
+      GRAFT_CHECK(p.grad.dtype() == v.dtype() && p.grad.numel() == v.numel(),
+                  ErrorKind::ShapeMismatch,
+                  "parameter " + describe(p) + ": its .grad is " + dtype_name(p.grad.dtype()) +
+                      " " + shape_str(p.grad.shape()));
+      std::memcpy(v.raw(), p.grad.raw(), v.nbytes());
+    } else {
+      std::memset(v.raw(), 0, v.nbytes());
+    }
+    p.grad = v;
+  }
+}
+
+void DataParallel::on_ready(Parameter& p) {
+  if (!in_step_ || !sync_ || s_.mode() == GradMode::Step) return;  // step mode: on_step_grad
+  const int i = static_cast<int>(&p - s_.parameters().data());
+  const int b = bucket_of_[i];
+  if (b < 0 || ready_[i]) return;
+  if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) {
+    // Replaced during backward (a hook of the caller's): copy it into the bucket.
+    if (p.grad.defined())
+      std::memcpy(views_[i].raw(), p.grad.raw(), views_[i].nbytes());
+    else
+      std::memset(views_[i].raw(), 0, views_[i].nbytes());
+    p.grad = views_[i];
+  }
+  ready_[i] = true;
+  if (--pending_[b] == 0 && o_.overlap) launch(b);
+}
+
+void DataParallel::on_step_grad(Parameter& p, const Tensor& grad) {
+  const int i = static_cast<int>(&p - s_.parameters().data());
+  if (s_.mode() == GradMode::Hook) {
+    // What AccumulateGrad does, into the bucket's view (bound before the step).
+    if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) bind_grad_views();
+    add_inplace(p.grad, grad);
+    return;  // on_ready (called next by the session) counts it
+  }
+  // Step mode, synchronized step: keep the gradient in its bucket until the bucket is averaged.
+  const int b = bucket_of_[i];
+  if (b < 0 || !in_step_) return;
+  const Bucket& bk = buckets_[b];
+  if (!storage_[b].defined()) {
+    storage_[b] = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Gradient);
+    applied_[b] = false;
+  }
+  std::memcpy(static_cast<char*>(storage_[b].raw()) + bk.offset[slot_of_[i]] * dtype_size(bk.dtype),
+              grad.raw(), grad.nbytes());
+  ready_[i] = true;
+  if (--pending_[b] == 0 && o_.overlap) launch(b);
+  apply_finished_updates(false);
+}
+
+void DataParallel::launch(int b) {
+  // In order: a bucket is started only after every bucket before it (Note [Buckets ...]).
+  (void)b;
+  while (next_launch_ < static_cast<int>(buckets_.size()) && pending_[next_launch_] == 0) {
+    const Bucket& bk = buckets_[next_launch_];
+    work_[next_launch_] =
+        comm_.allreduce_async(storage_[next_launch_].raw(), bk.count, bk.dtype, 1.0 / comm_.size());
+    ++next_launch_;
+  }
+}
+
+void DataParallel::apply_finished_updates(bool wait_all) {
+  // Step mode: the optimizer's update for every averaged bucket, in bucket order.
+  auto& ps = s_.parameters();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (applied_[b]) continue;
+    if (!work_[b]) {
+      if (wait_all) continue;  // never started: the bucket received nothing
+      return;
+    }
+    if (!wait_all && !work_[b]->done()) return;
+    work_[b]->wait();
+    const Bucket& bk = buckets_[b];
+    char* base = static_cast<char*>(storage_[b].raw());
+    for (size_t k = 0; k < bk.params.size(); ++k) {
+      Parameter& p = ps[bk.params[k]];
+      if (!opt_) continue;
+      const int oi = opt_->index_of(p);
+      if (oi < 0) continue;
+      Tensor g = Tensor::external(base + bk.offset[k] * dtype_size(bk.dtype), p.data.shape(),
+                                  bk.dtype, storage_[b].storage());
+      opt_->update(static_cast<size_t>(oi), g);
+    }
+    applied_[b] = true;
+    storage_[b] = Tensor();  // freed: step mode keeps no gradient set
+  }
+}
+
+double DataParallel::step() {
+  const bool step_mode = s_.mode() == GradMode::Step;
+  GRAFT_CHECK(!step_mode || opt_, ErrorKind::InvalidArgument,
+              "data parallelism in step mode: call set_step_optimizer(&optimizer) first");
+  if (!sync_) {
+    // Micro-batch: local accumulation only (step mode defers its update).
+    if (step_mode) s_.set_defer_step(true);
+    if (!step_mode) bind_grad_views();
+    double loss = s_.step();
+    if (step_mode) s_.set_defer_step(false);
+    return loss;
+  }
+  if (!step_mode) bind_grad_views();
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    pending_[b] = static_cast<int>(buckets_[b].params.size());
+    work_[b].reset();
+  }
+  next_launch_ = 0;
+  if (step_mode) opt_->count_step();
+  in_step_ = true;
+  const double t0 = comm_.now();
+  double loss = 0;
+  try {
+    loss = s_.step();
+  } catch (...) {
+    in_step_ = false;
+    throw;  // an error mid-backward leaves collectives unmatched: the caller aborts the job
+  }
+  const double t_bwd = comm_.now();
+  in_step_ = false;
+  // A parameter that received no gradient this step (a branch not taken) still takes part, with
+  // zeros, so that every rank runs every bucket's all-reduce.
+  for (size_t i = 0; i < ready_.size(); ++i) {
+    const int b = bucket_of_[i];
+    if (b < 0 || ready_[i]) continue;
+    if (step_mode) {
+      const Bucket& bk = buckets_[b];
+      if (!storage_[b].defined()) {
+        storage_[b] = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Gradient);
+        applied_[b] = false;
+      }
+      std::memset(
+          static_cast<char*>(storage_[b].raw()) + bk.offset[slot_of_[i]] * dtype_size(bk.dtype), 0,
+          s_.parameters()[i].data.nbytes());
+    } else {
+      Parameter& p = s_.parameters()[i];
+      if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) {
+        std::memset(views_[i].raw(), 0, views_[i].nbytes());
+        p.grad = views_[i];
+      }
+    }
+    ready_[i] = true;
+    --pending_[b];
+  }
+  launch(0);  // without overlap, everything starts now; with it, whatever was left
+  if (step_mode)
+    apply_finished_updates(true);
+  else
+    wait_all();
+  const double t_end = comm_.now();
+  stats_ = DataParallelStats{};
+  stats_.buckets = static_cast<int>(buckets_.size());
+  stats_.backward_seconds = t_bwd - t0;
+  stats_.exposed_seconds = t_end - t_bwd;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    stats_.bytes += buckets_[b].count * static_cast<int64_t>(dtype_size(buckets_[b].dtype));
+    if (work_[b]) stats_.comm_seconds += work_[b]->ended() - work_[b]->started();
+  }
+  return loss;
+}
+
+void DataParallel::wait_all() {
+  for (auto& w : work_)
+    if (w) w->wait();
+}
+
+}  // namespace graft
