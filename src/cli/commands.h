@@ -56,8 +56,13 @@ struct BenchArgs {
   std::string optimizer = "sgd";  // sgd (lr 0.01) or adamw (PyTorch's defaults: lr 1e-3, wd 1e-2)
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
+  // Under mpirun: data-parallel rows, all-reduce overlapped with backward vs after it.
+  bool data_parallel = false;
+  int64_t bucket_bytes = 25ll << 20;
+  double dp_timeout = 300;
 };
 int cmd_bench(const BenchArgs& a);
+int cmd_bench_dp(const BenchArgs& a);  // src/cli/bench_dp.cpp
 
 // Shared helpers (src/cli/common.cpp).
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);

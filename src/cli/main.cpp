@@ -116,6 +116,12 @@ int main(int argc, char** argv) {
   b->add_option("--threads", be.threads, "GEMM threads (0: library default)")
       ->capture_default_str();
   b->add_flag("--json", be.json, "Print one JSON object (config + rows)");
+  b->add_flag("--data-parallel", be.data_parallel,
+              "Under mpirun: all-reduce time hidden behind backward, per mode, against "
+              "all-reducing after backward (--batch is split over the ranks)");
+  std::string bench_bucket;
+  auto* bench_bucket_opt = b->add_option(
+      "--bucket-size", bench_bucket, "With --data-parallel: gradients per all-reduce bucket (25M)");
   b->add_flag("--timeline-json", be.timeline_json,
               "JSON (as --json) with each mode's allocator timeline of the last step");
   b->add_option("--trace", be.trace,
@@ -139,7 +145,8 @@ int main(int argc, char** argv) {
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
     if (*t) return cmd_train(tr);
-    if (*b) return cmd_bench(be);
+    if (bench_bucket_opt->count()) be.bucket_bytes = parse_size("--bucket-size", bench_bucket);
+    if (*b) return be.data_parallel ? cmd_bench_dp(be) : cmd_bench(be);
   } catch (const graft::Error& e) {
     std::fprintf(stderr, "graft: %s\n", e.what());
     return 2;

@@ -39,19 +39,6 @@ std::string describe(const Parameter& p) {
          (p.trainable ? "" : ", frozen") + ")";
 }
 
-const char* mode_name(GradMode m) {
-  switch (m) {
-    case GradMode::Hold:
-      return "hold";
-    case GradMode::Accumulate:
-      return "accumulate";
-    case GradMode::Hook:
-      return "hook";
-    case GradMode::Step:
-      return "step";
-  }
-  return "?";
-}
 }  // namespace
 
 DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOptions o)
@@ -154,7 +141,7 @@ void DataParallel::check_same_model() {
                 "rank " + std::to_string(r) +
                     " differs from rank 0 in the gradient mode, the bucket size or the order of "
                     "gradient delivery (this rank: mode " +
-                    mode_name(s_.mode()) + ", buckets of " + std::to_string(o_.bucket_bytes) +
+                    grad_mode_name(s_.mode()) + ", buckets of " + std::to_string(o_.bucket_bytes) +
                     " bytes); every rank must use the same settings");
   }
 }

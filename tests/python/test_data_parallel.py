@@ -176,3 +176,17 @@ def test_refusals(data, tmp_path):
     # Clipping inside step mode's backward would use one rank's norm.
     p = mpirun([*train(data, tmp_path / "o", "sgd", "step"), "--data-parallel", "--clip-norm", "1"])
     assert p.returncode != 0 and "step mode's gradient clipping is not supported" in p.stderr, p.stderr
+
+
+def test_bench_reports_overlap_against_all_reducing_after_backward():
+    p = check_ok(mpirun(["bench", "--data-parallel", "--batch", "64", "--hidden", "256", "--layer", "4", "--steps",
+                         "2", "--threads", "1", "--bucket-size", "300K", "--json"]))
+    rows = json_lines(p.stdout)[0]["data_parallel"]
+    assert [(r["mode"], r["overlap"]) for r in rows] == [(m, o) for m in ("accumulate", "hook", "step")
+                                                         for o in (True, False)]
+    for r in rows:
+        # 4 weights of 256 KiB and their biases in 300 KiB buckets: one bucket per layer.
+        assert r["buckets"] == 4 and r["allreduce_bytes"] == 4 * (256 * 256 + 256) * 4 and r["ranks"] == 2
+        assert 0 <= r["hidden_fraction"] <= 1 and r["allreduce_seconds"] > 0
+        if not r["overlap"]:  # the baseline starts every all-reduce after backward: nothing hidden
+            assert r["hidden_fraction"] == 0 and r["exposed_seconds"] >= r["allreduce_seconds"]
