@@ -64,11 +64,14 @@ int rematerialize_param_copies(Graph& g, const BackwardGraph& bg);
 // an output of every backward node that reads the parameter, so the update never runs before a
 // backward read of the old value (the input-gradient GEMM dX = dY W of the same layer).
 void order_updates_after_reads(Graph& g, const BackwardGraph& bg);
-// Recompute in backward: for each forward value in `values`, its producer is cloned into the
-// backward (same op, attributes and inputs) and every backward read of the value reads the clone
-// instead, so the forward's copy is freed at its last forward use. Returns the clones' node
-// indices (plan them late: PlanOptions::late_nodes). The producers must be deterministic.
+// Recompute in backward: every backward read of a forward value in `values` reads a recomputation
+// instead, so the forward's copy is freed at its last forward use. `available[v]`: forward value v
+// can be read by the backward as it is (the forward keeps it and it is not in `values`); any other
+// forward value a recomputation needs is recomputed too, from what is available, parameters,
+// inputs and constants (one clone per forward node, shared). Returns the clones' node indices (plan
+// them late: PlanOptions::late_nodes). Every node cloned must be deterministic.
 std::vector<int> recompute_in_backward(Graph& g, const BackwardGraph& bg,
-                                       const std::vector<int>& values);
+                                       const std::vector<int>& values,
+                                       const std::vector<bool>& available);
 
 }  // namespace graft

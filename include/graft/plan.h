@@ -26,6 +26,10 @@ struct PlanOptions {
   // Nodes that run only when nothing else can (recomputations emitted into the backward: run
   // just before their first reader, not as early as their inputs allow).
   std::vector<int> late_nodes;
+  // Also run late the backward nodes that read no gradient (only forward values and constants),
+  // which are otherwise ready at the barrier and would hold their results from then on. Used with
+  // recomputation, whose clones they often read; the default plans keep the emission order.
+  bool late_gradient_free = false;
 };
 
 struct PlanStep {

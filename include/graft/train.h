@@ -177,12 +177,19 @@ class TrainSession {
     int64_t bytes = 0;
   };
   std::vector<SavedValue> saved_for_backward() const;
+  // The buffers alive at the plan's activation peak (Plan::peak_step), biggest first: what a
+  // budget has to remove (value, the op and node that made it, bytes).
+  std::vector<SavedValue> live_at_peak() const;
+  // Nodes the activation budget cloned into the backward (0 without a budget, or when it fit).
+  int recomputed_nodes() const { return recomputed_; }
 
  private:
   void deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step);
   void check_budget(const Plan& plan) const;
+  std::vector<SavedValue> live_at(const Plan& plan, int step) const;
   Plan plan_under_budget(Plan plan, PlanOptions& po);
-  std::vector<int> recompute_candidates(const Plan& plan) const;
+  std::vector<std::vector<int>> recompute_candidates(const Plan& plan) const;
+  int recomputed_ = 0;         // nodes cloned into the backward by plan_under_budget
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
   Graph& g_;
   SessionOptions opt_;

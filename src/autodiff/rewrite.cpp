@@ -7,6 +7,8 @@
 // 300 MB of transposed weights. These rewrites remove the copies or recompute them in backward.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <set>
 
 #include "graft/autodiff.h"
@@ -285,20 +287,35 @@ void order_updates_after_reads(Graph& g, const BackwardGraph& bg) {
 }
 
 std::vector<int> recompute_in_backward(Graph& g, const BackwardGraph& bg,
-                                       const std::vector<int>& values) {
+                                       const std::vector<int>& values,
+                                       const std::vector<bool>& available) {
   std::vector<int> made;
+  const int nf = bg.n_forward_nodes;
   const int nb = static_cast<int>(g.nodes.size());  // backward nodes before the clones
-  for (int v : values) {
-    const Node src = g.nodes[g.values[v].producer];  // a copy: add_op may grow the deque
-    const std::vector<int> outs = clone_node(g, src, src.inputs);
-    const int ni = static_cast<int>(g.nodes.size()) - 1;
-    int clone = -1;
+  const std::set<int> drop(values.begin(), values.end());
+  std::map<int, int> clone_of;  // forward value -> its recomputation
+  // The value as backward can read it: itself where it is available, else a recomputation (its
+  // producer cloned over recomputed inputs, one clone per forward node, shared by every reader).
+  std::function<int(int)> get = [&](int v) -> int {
+    if (v < 0) return v;
+    const Value& val = g.values[v];
+    if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) return v;
+    if (!drop.count(v) && v < static_cast<int>(available.size()) && available[v]) return v;
+    if (auto it = clone_of.find(v); it != clone_of.end()) return it->second;
+    const Node src = g.nodes[val.producer];  // a copy: add_op may grow the deque
+    std::vector<int> ins;
+    for (int x : src.inputs) ins.push_back(get(x));
+    const std::vector<int> outs = clone_node(g, src, ins);
+    made.push_back(static_cast<int>(g.nodes.size()) - 1);
     for (size_t k = 0; k < src.outputs.size(); ++k)
-      if (src.outputs[k] == v) clone = outs[k];
-    for (int i = bg.n_forward_nodes; i < nb; ++i)
+      if (src.outputs[k] >= 0) clone_of[src.outputs[k]] = outs[k];
+    return clone_of.at(v);
+  };
+  for (int v : values) {
+    const int clone = get(v);
+    for (int i = nf; i < nb; ++i)
       for (int& in : g.nodes[i].inputs)
         if (in == v) in = clone;
-    made.push_back(ni);
   }
   return made;
 }

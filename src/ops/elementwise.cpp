@@ -867,6 +867,7 @@ const OpDef kOps[] = {
      .infer = infer_where,
      .kernel = where_kernel,
      .grad = grad_where,
+     .inplace_input = 1,  // over x (reads each element before writing it)
      .nondiff_inputs = {0}},
     {.name = "Sum",
      .max_in = 1 << 20,

@@ -66,23 +66,61 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
       ++indeg[i];
     }
   }
-  // Key: (phase, class, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest, 3 = a
-  // late node (a recomputation: only when nothing else is ready, i.e. just before it is needed).
+  // Key: (phase, class, when, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest, 3 =
+  // a late node: a recomputation, or (late_gradient_free) a backward node that reads no gradient
+  // (only forward values and constants: 3x^2 for Pow's gradient). Late nodes run only when nothing
+  // else is ready, i.e. just before they are needed, and among them the one whose first reader
+  // comes first: `when` is the smallest index of a node that is not late and reads it, directly or
+  // through other late nodes. For every other node `when` is its index.
   std::vector<bool> late(nn, false);
   for (int i : opt.late_nodes)
     if (i >= 0 && i < nn) late[i] = true;
-  using Key = std::tuple<int, int, int>;
+  if (opt.phase_barrier >= 0 && opt.late_gradient_free)
+    for (int i = opt.phase_barrier; i < nn;
+         ++i) {  // backward nodes in emission (topological) order
+      if (is_sink(g.nodes[i]) || late[i]) continue;
+      bool reads_gradient = false;
+      for (int v : g.nodes[i].inputs)
+        if (v >= 0 && producer[v] >= opt.phase_barrier && !late[producer[v]]) reads_gradient = true;
+      for (int v : g.nodes[i].inputs)  // (a graph input may be an output's gradient)
+        if (v >= 0 && g.values[v].kind == ValueKind::Input) reads_gradient = true;
+      if (!reads_gradient) late[i] = true;
+    }
+  std::vector<int> when(nn);
+  for (int i = 0; i < nn; ++i) when[i] = i;
+  {
+    // Reverse topological order (Kahn's, then reversed): readers before what they read.
+    std::vector<int> deg = indeg, topo;
+    std::vector<int> st;
+    for (int i = 0; i < nn; ++i)
+      if (deg[i] == 0) st.push_back(i);
+    while (!st.empty()) {
+      int i = st.back();
+      st.pop_back();
+      topo.push_back(i);
+      for (int c : succ[i])
+        if (--deg[c] == 0) st.push_back(c);
+    }
+    for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
+      const int i = *it;
+      if (!late[i]) continue;
+      int w = nn;
+      for (int c : succ[i]) w = std::min(w, late[c] ? when[c] : c);
+      when[i] = w;
+    }
+  }
+  using Key = std::tuple<int, int, int, int>;
   auto key = [&](int i) {
     int phase = opt.phase_barrier >= 0 && i >= opt.phase_barrier ? 1 : 0;
     int cls = late[i] ? 3 : !opt.sink_first ? 2 : is_sink(g.nodes[i]) ? 0 : feeds[i] ? 1 : 2;
-    return Key{phase, cls, i};
+    return Key{phase, cls, when[i], i};
   };
   std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;
   for (int i = 0; i < nn; ++i)
     if (indeg[i] == 0) ready.push(key(i));
   std::vector<int> order;
   while (!ready.empty()) {
-    int i = std::get<2>(ready.top());
+    int i = std::get<3>(ready.top());
     ready.pop();
     order.push_back(i);
     for (int s : succ[i])

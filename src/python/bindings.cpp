@@ -256,11 +256,19 @@ PYBIND11_MODULE(_graft, m) {
       .def("memory", [](PySession& p) { return memory_stats(*p.alloc); })
       .def("reset_peak", [](PySession& p) { p.alloc->reset_peak(); })
       .def("planned_peak", [](PySession& p) { return p.s->plan().planned_peak; })
+      .def("recomputed_nodes", [](PySession& p) { return p.s->recomputed_nodes(); })
       // [(value, op, node, bytes)]: what the forward keeps for the backward (saved_for_backward).
-      .def("saved_for_backward", [](PySession& p) {
+      .def("saved_for_backward",
+           [](PySession& p) {
+             std::vector<std::tuple<std::string, std::string, std::string, int64_t>> r;
+             for (const auto& s : p.s->saved_for_backward())
+               r.emplace_back(s.value, s.op, s.node, s.bytes);
+             return r;
+           })
+      // [(value, op, node, bytes)]: the buffers alive at the planned activation peak.
+      .def("live_at_peak", [](PySession& p) {
         std::vector<std::tuple<std::string, std::string, std::string, int64_t>> r;
-        for (const auto& s : p.s->saved_for_backward())
-          r.emplace_back(s.value, s.op, s.node, s.bytes);
+        for (const auto& s : p.s->live_at_peak()) r.emplace_back(s.value, s.op, s.node, s.bytes);
         return r;
       });
 }

@@ -117,93 +117,146 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
 }
 
 // Note [Recompute under a budget]
-// Candidates are forward values the backward reads whose producer is cheap to run again (no GEMM,
-// convolution or recurrence), deterministic (no Dropout: replaying would need its mask) and has all
-// its inputs kept for backward anyway (parameters, inputs, constants, or other kept values that
-// are not candidates themselves): dropping one frees its bytes and costs one elementwise-class
-// kernel in backward. They are taken biggest first, each pinning its inputs (one level of
-// recompute). For k = 0, 1, ... the first k are recomputed (on a copy of the graph) and planned;
-// the chosen k is the smallest whose activation peak fits the budget. So the planned peak is <=
-// the budget whenever some k fits, and the peak is monotone in the budget: a smaller budget picks
-// a k whose peak is at most the larger budget's peak (both are the first fitting k in one fixed
-// sequence). Results are bit-identical: the recomputed kernels are deterministic and see the same
-// inputs.
-std::vector<int> TrainSession::recompute_candidates(const Plan& p) const {
-  static const std::set<std::string> costly = {
-      "MatMul", "FusedMatMul", "Gemm", "Conv", "Einsum", "LSTM", "GRU", "Dropout", "ConvGrad"};
+// What the forward keeps for the backward is grouped by buffer (a value and its views). A group is
+// a candidate when it can be recomputed in backward from what stays kept: every node on the way
+// (its producer, and the producers of forward values that were not kept, back to kept values,
+// parameters, inputs and constants) is deterministic (no Dropout or random op: replaying would
+// need its draw) and no member is a graph output. Each candidate gets a cost: the FLOPs of the
+// nodes it re-runs (2*M*N*K for a GEMM, 2*out*kernel for a convolution) plus 8 per byte they read
+// and write (a CPU's rough FLOP-per-byte balance, so memory-bound kernels are not free), and the
+// candidates are taken in the order of bytes freed per unit of cost, best first: elementwise
+// results (cheap, as big as their input) before attention probabilities (a batched GEMM each)
+// before projections (a GEMM over the hidden size). For k = 0, 1, ... the first k groups are
+// dropped and recomputed (on a copy of the graph: recompute_in_backward, which also recomputes the
+// values in between, planned late so each recomputation happens just before its first use) and
+// planned; the chosen k is the smallest whose activation peak fits the budget. So the planned peak
+// is <= the budget whenever some k fits, and the peak is monotone in the budget: a smaller budget
+// picks a k whose peak is at most the larger budget's peak (both are the first fitting k in one
+// fixed sequence). Results are bit-identical: the recomputed kernels are deterministic and see the
+// same inputs.
+namespace {
+double node_cost(const Graph& g, const Node& n) {
+  auto bytes = [&](int v) {
+    return v < 0 ? 0.0
+                 : static_cast<double>(numel(g.values[v].shape)) * dtype_size(g.values[v].dtype);
+  };
+  auto shape = [&](int k) -> const Shape& { return g.values[n.inputs[k]].shape; };
+  double moved = 0;
+  for (int v : n.inputs) moved += bytes(v);
+  double out = 0;
+  for (int v : n.outputs)
+    if (v >= 0) {
+      moved += bytes(v);
+      out += static_cast<double>(numel(g.values[v].shape));
+    }
+  double flops = 0;
+  if ((n.op == "MatMul" || n.op == "FusedMatMul" || n.op == "Gemm") && n.inputs.size() >= 2 &&
+      !shape(0).empty()) {
+    const Shape& a = shape(0);
+    const bool ta = n.attrs.get_int("transA", 0) != 0;
+    const int64_t k = a.size() >= 2 && ta ? a[a.size() - 2] : a.back();
+    flops = 2 * out * static_cast<double>(k);
+  } else if (n.op == "Conv" && n.inputs.size() >= 2 && !shape(1).empty()) {
+    const Shape& w = shape(1);
+    flops = 2 * out * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
+  } else if (n.op == "Einsum") {
+    flops = 2 * out * 64;  // rough: graft's Einsums here are small contractions
+  }
+  return flops + 8 * moved;
+}
+}  // namespace
+
+std::vector<std::vector<int>> TrainSession::recompute_candidates(const Plan& p) const {
+  static const std::set<std::string> random = {
+      "Dropout",
+      "RandomNormal",
+      "RandomNormalLike",
+      "RandomUniform",
+      "RandomUniformLike",
+      "Bernoulli",
+      "Multinomial",
+      "LSTM",
+      "GRU"};  // (recurrences: deterministic, but not worth re-running)
   const int nf = bg_.n_forward_nodes;
-  std::vector<int> step_of(g_.nodes.size(), -1);
-  for (size_t k = 0; k < p.steps.size(); ++k) step_of[p.steps[k].node] = static_cast<int>(k);
-  std::vector<bool> saved(g_.values.size(), false);
-  std::vector<int> members(g_.values.size(), 0);  // values per buffer that live past the barrier
-  for (size_t v = 0; v < g_.values.size(); ++v) {
+  const size_t nv = g_.values.size();
+  std::vector<bool> saved(nv, false);
+  std::map<int, std::vector<int>> members;  // buffer root -> its values kept for backward
+  for (size_t v = 0; v < nv; ++v) {
     const Value& val = g_.values[v];
     if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
     if (p.last_use[v] >= p.barrier_step) {
       saved[v] = true;
-      ++members[p.buffer[v]];
+      members[p.buffer[v]].push_back(static_cast<int>(v));
     }
   }
   std::set<int> outs(g_.outputs.begin(), g_.outputs.end());
-  std::vector<std::pair<int64_t, int>> cand;
-  for (size_t v = 0; v < g_.values.size(); ++v) {
-    if (!saved[v] || outs.count(static_cast<int>(v)) || p.buffer[v] != static_cast<int>(v) ||
-        members[v] != 1)
-      continue;
-    const Node& n = g_.nodes[g_.values[v].producer];
-    const OpDef& d = op_for(n);
-    if (d.alias || d.sink || !d.kernel || costly.count(n.op) || !n.domain.empty()) continue;
-    int n_out = 0;
-    for (int o : n.outputs) n_out += o >= 0;
-    if (n_out != 1) continue;
+  struct Cand {
+    double ratio;
+    int root;
+    std::vector<int> values;
+  };
+  std::vector<Cand> cand;
+  for (const auto& [root, vals] : members) {
+    // The nodes a recomputation of this group re-runs, with every other kept value still kept.
+    std::set<int> nodes;
+    std::vector<int> todo(vals.begin(), vals.end());
     bool ok = true;
-    for (int x : n.inputs) {
-      if (x < 0) continue;
-      const Value& xv = g_.values[x];
-      if (xv.kind != ValueKind::Intermediate) continue;  // parameters, inputs, constants
-      ok = ok && saved[x];                               // must be alive in backward anyway
+    for (int v : vals) ok = ok && !outs.count(v);
+    todo.push_back(root);
+    while (ok && !todo.empty()) {
+      const int v = todo.back();
+      todo.pop_back();
+      const Value& val = g_.values[v];
+      if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
+      if (!nodes.insert(val.producer).second) continue;
+      const Node& n = g_.nodes[val.producer];
+      const OpDef& d = op_for(n);
+      if (d.sink || (!d.kernel && !d.alias) || random.count(n.op)) {
+        ok = false;
+        break;
+      }
+      for (int x : n.inputs)
+        if (x >= 0 && !(saved[x] && p.buffer[x] != root)) todo.push_back(x);
     }
     if (!ok) continue;
-    cand.push_back(
-        {numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype)),
-         static_cast<int>(v)});
+    double cost = 1;
+    for (int ni : nodes) cost += node_cost(g_, g_.nodes[ni]);
+    const Value& rv = g_.values[root];
+    const double bytes = static_cast<double>(numel(rv.shape)) * dtype_size(rv.dtype);
+    cand.push_back({bytes / cost, root, vals});
   }
-  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
+    return a.ratio != b.ratio ? a.ratio > b.ratio : a.root < b.root;
   });
-  std::vector<int> chosen;
-  std::set<int> pinned;
-  for (const auto& [bytes, v] : cand) {
-    if (pinned.count(v)) continue;
-    chosen.push_back(v);
-    for (int x : g_.nodes[g_.values[v].producer].inputs)
-      if (x >= 0) pinned.insert(x);
-  }
-  // A chosen value that another chosen one pins (chosen earlier, pinned later) stays chosen only
-  // if nothing pins it: drop those, keeping the order.
-  std::vector<int> out;
-  for (int v : chosen)
-    if (!pinned.count(v)) out.push_back(v);
-  if (out.size() > 256) out.resize(256);  // bound the search (each trial is one plan)
+  if (cand.size() > 256) cand.resize(256);  // bound the search (each trial is one plan)
+  std::vector<std::vector<int>> out;
+  for (Cand& c : cand) out.push_back(std::move(c.values));
   return out;
 }
 
 Plan TrainSession::plan_under_budget(Plan plan, PlanOptions& po) {
   const int64_t budget = opt_.activation_budget;
-  const std::vector<int> cand = recompute_candidates(plan);
+  const std::vector<std::vector<int>> cand = recompute_candidates(plan);
+  std::vector<bool> available(g_.values.size(), false);  // kept for backward by the forward
+  for (size_t v = 0; v < g_.values.size(); ++v)
+    available[v] = plan.last_use[v] >= plan.barrier_step;
   int64_t best = plan.planned_peak;
+  std::vector<int> drop;
   for (size_t k = 1; k <= cand.size(); ++k) {
+    drop.insert(drop.end(), cand[k - 1].begin(), cand[k - 1].end());
     Graph trial = g_;
-    std::vector<int> prefix(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k));
     PlanOptions tpo = po;
-    for (int ni : recompute_in_backward(trial, bg_, prefix)) tpo.late_nodes.push_back(ni);
+    tpo.late_gradient_free = true;
+    for (int ni : recompute_in_backward(trial, bg_, drop, available)) tpo.late_nodes.push_back(ni);
     if (opt_.mode == GradMode::Step) order_updates_after_reads(trial, bg_);
     Plan tp = make_plan(trial, tpo);
     best = std::min(best, tp.planned_peak);
     if (tp.planned_peak <= budget) {
-      std::vector<int> late = recompute_in_backward(g_, bg_, prefix);
+      std::vector<int> late = recompute_in_backward(g_, bg_, drop, available);
       if (opt_.mode == GradMode::Step) order_updates_after_reads(g_, bg_);
       po.late_nodes.insert(po.late_nodes.end(), late.begin(), late.end());
+      po.late_gradient_free = true;
+      recomputed_ = static_cast<int>(late.size());
       return make_plan(g_, po);
     }
   }
@@ -211,7 +264,7 @@ Plan TrainSession::plan_under_budget(Plan plan, PlanOptions& po) {
        "activation_budget " + std::to_string(budget) + " bytes cannot be met: the smallest " +
            "activation peak recomputing in backward reaches is " + std::to_string(best) +
            " bytes (" + std::to_string(cand.size()) +
-           " values can be recomputed); raise the budget to at least that");
+           " kept buffers can be recomputed); raise the budget to at least that");
 }
 
 void TrainSession::check_budget(const Plan& plan) const {
@@ -223,23 +276,10 @@ void TrainSession::check_budget(const Plan& plan) const {
   int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
   if (total <= opt_.max_memory) return;
   // Name the biggest values alive at the planned peak.
-  std::vector<std::pair<int64_t, int>> live;
-  std::vector<bool> freed(g_.values.size(), false);
-  for (int s = 0; s <= plan.peak_step; ++s) {
-    const Node& n = g_.nodes[plan.steps[s].node];
-    for (int o : n.outputs)
-      if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
-        live.push_back(
-            {numel(g_.values[o].shape) * static_cast<int64_t>(dtype_size(g_.values[o].dtype)), o});
-    if (s < plan.peak_step)
-      for (int b : plan.steps[s].buffer_frees) freed[b] = true;
-  }
-  std::erase_if(live, [&](const auto& e) { return freed[e.second]; });
-  std::sort(live.rbegin(), live.rend());
+  const std::vector<SavedValue> live = live_at(plan, plan.peak_step);
   std::string top;
   for (size_t i = 0; i < live.size() && i < 3; ++i)
-    top += (i ? ", " : "") + g_.values[live[i].second].name + " (" + std::to_string(live[i].first) +
-           " bytes)";
+    top += (i ? ", " : "") + live[i].value + " (" + std::to_string(live[i].bytes) + " bytes)";
   fail(ErrorKind::OutOfMemory,
        "the planned step needs " + std::to_string(total) + " bytes (activations " +
            std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) +
@@ -314,6 +354,34 @@ std::vector<TrainSession::SavedValue> TrainSession::saved_for_backward() const {
   std::sort(out.begin(), out.end(),
             [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
   return out;
+}
+
+std::vector<TrainSession::SavedValue> TrainSession::live_at(const Plan& plan, int step) const {
+  std::vector<SavedValue> out;
+  std::vector<bool> freed(g_.values.size(), false);
+  std::vector<int> made;
+  for (int s = 0; s <= step && s < static_cast<int>(plan.steps.size()); ++s) {
+    const Node& n = g_.nodes[plan.steps[s].node];
+    for (int o : n.outputs)
+      if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
+        made.push_back(o);
+    if (s < step)
+      for (int b : plan.steps[s].buffer_frees) freed[b] = true;
+  }
+  for (int o : made) {
+    if (freed[o]) continue;
+    const Value& v = g_.values[o];
+    const Node& n = g_.nodes[v.producer];
+    out.push_back(
+        {v.name, n.op, n.name, numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype))});
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
+  return out;
+}
+
+std::vector<TrainSession::SavedValue> TrainSession::live_at_peak() const {
+  return live_at(exec_->plan(), exec_->plan().peak_step);
 }
 
 int64_t TrainSession::gradient_bytes() const {

@@ -32,6 +32,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 BATCH, SEQ, VOCAB, HIDDEN, IMAGE, CLASSES = 2, 8, 100, 32, 32, 4
+LAYERS = 2  # GPT-2 and BERT (tools/recompute-report varies it, and SEQ)
 
 
 class Zoo(NamedTuple):
@@ -211,14 +212,14 @@ class _Keywords(nn.Module):
 
 def gpt2(dropout):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=2, n_head=2,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=2,
                      **_zero(dropout, "resid_pdrop", "embd_pdrop", "attn_pdrop"))
     return _hf(_Keywords(GPT2LMHeadModel(cfg)), _lm_batch)
 
 
 def bert(dropout):
     from transformers import BertConfig, BertForMaskedLM
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
                      intermediate_size=2 * HIDDEN, max_position_embeddings=2 * SEQ,
                      **_zero(dropout, "hidden_dropout_prob", "attention_probs_dropout_prob"))
     return _hf(_Keywords(BertForMaskedLM(cfg)), _mlm_batch)
