@@ -216,6 +216,13 @@ class TrainSession {
 
 // Adds `src` into `dst` elementwise (same shape and dtype).
 void add_inplace(Tensor& dst, const Tensor& src);
+// Learning-rate schedules, as factors of the base rate by the number of optimizer steps already
+// taken (`done`, 0 at the first step) out of `total`, with `warmup` linear warm-up steps first
+// (0, 1/w, 2/w, ...): Hugging Face's get_linear_schedule_with_warmup /
+// get_cosine_schedule_with_warmup (half a cosine to 0), and "constant" (1 after the warm-up).
+// InvalidArgument on an unknown name.
+double lr_schedule_factor(const std::string& schedule, int64_t done, int64_t total, int64_t warmup);
+
 // PyTorch's clip_grad_norm_ over the parameters' .grad: scales every gradient by
 // min(1, max_norm / (norm + 1e-6)) where norm is the 2-norm of all of them; returns the norm.
 double clip_grad_norm(const std::vector<Parameter*>& params, double max_norm);
@@ -269,6 +276,9 @@ class Optimizer {
   void set_steps(int64_t t) { t_ = t; }
   // Where state tensors are allocated.
   Allocator& allocator() const { return *alloc_; }
+  // The learning rate (what a schedule sets before each step).
+  virtual double lr() const = 0;
+  virtual void set_lr(double lr) = 0;
 
   // --- serialization (graft/checkpoint.h) ---
   // The kind's name ("sgd", "adamw"; find_optimizer_kind describes it).
@@ -302,6 +312,8 @@ class SGD final : public Optimizer {
   SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc = nullptr);
   void update(size_t i, const Tensor& grad) override;
   const char* kind() const override { return "sgd"; }
+  double lr() const override { return options.lr; }
+  void set_lr(double lr) override { options.lr = lr; }
   OptimizerState state() const override;
   void load_state(const OptimizerState& st) override;
   SGDOptions options;
@@ -325,6 +337,8 @@ class AdamW final : public Optimizer {
   AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc = nullptr);
   void update(size_t i, const Tensor& grad) override;
   const char* kind() const override { return "adamw"; }
+  double lr() const override { return options.lr; }
+  void set_lr(double lr) override { options.lr = lr; }
   OptimizerState state() const override;
   void load_state(const OptimizerState& st) override;
   AdamWOptions options;

@@ -39,6 +39,8 @@ struct TrainArgs {
   std::string checkpoint;  // folder of checkpoints (docs/checkpoints.md)
   int checkpoint_every = 0, checkpoint_keep = 2;
   bool resume = false;
+  std::string lr_schedule = "constant";  // constant, linear or cosine (after the warm-up)
+  int64_t warmup_steps = 0;
   int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
   // Data parallelism over MPI (under mpirun; docs/data-parallel.md).
   bool data_parallel = false;

@@ -83,6 +83,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_flag("--resume", tr.resume,
               "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
+  t->add_option("--lr-schedule", tr.lr_schedule,
+                "constant, linear or cosine decay to 0 over --steps (Hugging Face's schedules)")
+      ->capture_default_str();
+  t->add_option("--warmup-steps", tr.warmup_steps,
+                "Linear warm-up from 0 over this many steps, before the schedule")
+      ->capture_default_str();
   t->add_option("--micro-batches", tr.micro_batches,
                 "Split the batch into K micro-batches whose gradients are averaged into one update")
       ->capture_default_str();

@@ -230,6 +230,10 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   if (a.micro_batches > 1) std::printf(", %d micro-batches per step", a.micro_batches);
   if (comm) std::printf(", data-parallel over %d ranks", ranks);
   std::printf("\n");
+  // A schedule sets the rate from --lr every step (a resumed run too: the rate depends on the
+  // step).
+  const bool scheduled = a.lr_schedule != "constant" || a.warmup_steps > 0;
+  lr_schedule_factor(a.lr_schedule, 0, a.steps, a.warmup_steps);  // checks the name
   int start = 0;
   if (a.resume) {
     const std::map<std::string, double> flags =
@@ -243,7 +247,9 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
                       ", past --steps " + std::to_string(a.steps));
       start = static_cast<int>(r.step);
       std::printf("resumed from %s at step %d\n", r.path.c_str(), start);
-      if (opt->state().hyper != flags)
+      std::map<std::string, double> loaded = opt->state().hyper;
+      if (scheduled) loaded["lr"] = flags.at("lr");  // set by the schedule from here on
+      if (loaded != flags)
         std::fprintf(stderr,
                      "graft: warning: the optimizer hyperparameters in the flags differ from the "
                      "checkpoint's; using the checkpoint's\n");
@@ -271,6 +277,9 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
+    // The schedule's rate for this step (set before backward: step mode updates inside it).
+    if (scheduled)
+      opt->set_lr(a.lr * lr_schedule_factor(a.lr_schedule, step - 1, a.steps, a.warmup_steps));
     double loss = 0;  // the mean over the micro-batches (of this rank)
     for (int k = 0; k < a.micro_batches; ++k) {
       const bool last = k + 1 == a.micro_batches;

@@ -289,4 +289,22 @@ void AdamW::load_state(const OptimizerState& st) {
   t_ = st.steps;
 }
 
+double lr_schedule_factor(const std::string& schedule, int64_t done, int64_t total,
+                          int64_t warmup) {
+  GRAFT_CHECK(total >= 0 && warmup >= 0 && done >= 0, ErrorKind::InvalidArgument,
+              "learning-rate schedule: steps must be >= 0");
+  const bool known = schedule == "constant" || schedule == "linear" || schedule == "cosine";
+  GRAFT_CHECK(known, ErrorKind::InvalidArgument,
+              "unknown learning-rate schedule '" + schedule + "' (use constant, linear or cosine)");
+  if (done < warmup)
+    return static_cast<double>(done) / static_cast<double>(std::max<int64_t>(1, warmup));
+  if (schedule == "constant") return 1;
+  const double progress = static_cast<double>(done - warmup) /
+                          static_cast<double>(std::max<int64_t>(1, total - warmup));
+  if (schedule == "linear")
+    return std::max(0.0, static_cast<double>(total - done) /
+                             static_cast<double>(std::max<int64_t>(1, total - warmup)));
+  return std::max(0.0, 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
 }  // namespace graft

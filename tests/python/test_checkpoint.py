@@ -373,3 +373,16 @@ def test_sigkill_at_random_moments(models, tmp_path):
     print(f"\nkill test (seed {seed}, {time.monotonic() - t0:.1f} s): {stats}")
     assert stats["completions"] >= 1
     assert stats["kill_in_ckpt_write"] + stats["kill_in_latest_write"] + stats["kill_before_latest"] >= 5, stats
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "step"])
+def test_resume_with_an_lr_schedule_is_bit_identical(models, tmp_path, mode):
+    # The rate depends only on the step: a resumed run takes it up where the first run stopped.
+    sched = ["--lr-schedule", "cosine", "--warmup-steps", 2]
+    run_graft(*train_args(models["small"], 7, "adamw", mode), *sched, "--save-params", tmp_path / "whole")
+    d = tmp_path / "ck"
+    run_graft(*train_args(models["small"], 3, "adamw", mode), *sched, "--checkpoint", d)
+    p = run_graft(*train_args(models["small"], 7, "adamw", mode), *sched, "--checkpoint", d, "--resume",
+                  "--save-params", tmp_path / "resumed")
+    assert "differ from the checkpoint" not in p.stderr, p.stderr
+    assert params(tmp_path / "resumed") == params(tmp_path / "whole")

@@ -227,3 +227,52 @@ def test_resize_and_einsum_gradients_match_eager(resize_einsum_case, tmp_path):
     np.testing.assert_allclose([s["loss"] for s in steps], losses, rtol=RTOL, atol=ATOL)
     for n, p in ref.items():
         np.testing.assert_allclose(params[n], p, rtol=RTOL, atol=ATOL, err_msg=n)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("mode", ["accumulate", "step"])
+def test_lr_schedules_match_torch(case, schedule, mode, tmp_path):
+    """--lr-schedule with --warmup-steps equals torch's AdamW under a LambdaLR with Hugging Face's
+    schedule, also in step mode (where each step's rate must be set before its backward)."""
+    import math
+    name, model, args, d, files = case
+    steps, warmup = 6, 2
+    def train(out, *extra):
+        cmd = ["train", d / "model.onnx", "--loss", "loss", "--steps", steps, "--mode", mode, "--optimizer",
+               "adamw", "--lr", "0.02", "--weight-decay", "0.01", "--json", "--save-params", out, "--inputs", *files,
+               *extra]
+        for f in frozen_names(model):
+            cmd += ["--freeze", f]
+        return json_lines(run_graft(*cmd).stdout), load_pbs(out, "param")
+
+    got, params = train(tmp_path / "params", "--lr-schedule", schedule, "--warmup-steps", warmup)
+
+    def factor(s):  # transformers' get_{linear,cosine}_schedule_with_warmup
+        if s < warmup:
+            return s / max(1, warmup)
+        progress = (s - warmup) / max(1, steps - warmup)
+        if schedule == "linear":
+            return max(0.0, (steps - s) / max(1, steps - warmup))
+        return max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
+
+    m = copy.deepcopy(model)
+    o = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.02, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(o, factor)
+    losses = []
+    for _ in range(steps):
+        o.zero_grad()
+        loss = m(*args)
+        loss.backward()
+        losses.append(loss.item())
+        o.step()
+        sched.step()
+    np.testing.assert_allclose([s["loss"] for s in got], losses, rtol=RTOL, atol=ATOL)
+    moved = 0
+    for n, p in m.named_parameters():
+        if n in params:
+            np.testing.assert_allclose(params[n], p.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=n)
+            moved += 1
+    assert moved
+    # The schedule matters: a constant rate ends elsewhere.
+    _, c = train(tmp_path / "const")
+    assert any(not np.allclose(c[n], params[n], rtol=RTOL, atol=ATOL) for n in params)
