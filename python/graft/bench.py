@@ -87,7 +87,8 @@ def torch_worker(a):
         from .frontend import GraftModule
         _graft.set_num_threads(a.threads)
         step_mode = a.gm_mode == "step"
-        model = GraftModule(model, gradients=a.gm_mode, optimizer=opt if step_mode else None)
+        model = GraftModule(model, gradients=a.gm_mode, optimizer=opt if step_mode else None,
+                            activation_budget=a.activation_budget)
         system, mode = "graftmodule", a.gm_mode
     hwm_ok = _reset_hwm()
     secs, rss, total = [], [], []
@@ -151,6 +152,8 @@ def _size_args(a):
            "--steps", str(a.steps), "--threads", str(a.threads), "--optimizer", a.optimizer]
     if a.set_to_none:
         out.append("--set-to-none")
+    if a.activation_budget:
+        out += ["--activation-budget", str(a.activation_budget)]
     return out
 
 
@@ -311,6 +314,8 @@ def build_parser():
                    help="sgd (lr 0.01) or adamw (torch.optim.AdamW's defaults), both systems")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both systems (default: os.cpu_count())")
+    p.add_argument("--activation-budget", type=int, default=0, metavar="BYTES",
+                   help="graft recomputes in backward so that its activation peak fits (eager is unchanged)")
     p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
     p.add_argument("--plot", metavar="FILE.png", help="draw graft's memory over a step against PyTorch's peak")
     p.add_argument("--graft-bin", metavar="PATH", help="the graft binary (else $GRAFT_BIN, install prefix, PATH)")
@@ -375,6 +380,7 @@ def main(argv=None):
                 "batch": a.batch, "hidden": a.hidden, "layer": a.layer, "steps": a.steps,
                 "warmup_steps": 1, "set_to_none": a.set_to_none, "threads": a.threads, "dtype": "float32",
                 "optimizer": a.optimizer, "lr": 0.01 if a.optimizer == "sgd" else 1e-3,
+                "activation_budget": a.activation_budget,
                 "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
                 "sgemm_gflops": max(sg) if sg else None, "graft_bin": graft_bin,
                 "python": sys.executable,

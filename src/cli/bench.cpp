@@ -151,6 +151,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   SessionOptions so;
   so.loss = "loss";
   so.mode = mode;
+  so.activation_budget = a.activation_budget;  // recompute in backward to fit (0: none)
   so.alloc = &alloc;
   so.profile = record;
   so.timeline = record;
@@ -514,6 +515,7 @@ int cmd_bench(const BenchArgs& a) {
                   {"threads", num_threads()},
                   {"dtype", "float32"},
                   {"optimizer", a.optimizer},
+                  {"activation_budget", a.activation_budget},
                   {"lr", a.optimizer == "adamw" ? 1e-3 : 0.01},
                   {"flops_per_step", sz.flops},
                   {"estimated_peak_bytes", estimate},

@@ -58,6 +58,7 @@ struct BenchArgs {
   std::string optimizer = "sgd";  // sgd (lr 0.01) or adamw (PyTorch's defaults: lr 1e-3, wd 1e-2)
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
+  int64_t activation_budget = 0;  // recompute under this activation peak (0: none)
   // Under mpirun: data-parallel rows, all-reduce overlapped with backward vs after it.
   bool data_parallel = false;
   int64_t bucket_bytes = 25ll << 20;

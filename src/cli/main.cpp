@@ -125,6 +125,10 @@ int main(int argc, char** argv) {
   b->add_flag("--data-parallel", be.data_parallel,
               "Under mpirun: all-reduce time hidden behind backward, per mode, against "
               "all-reducing after backward (--batch is split over the ranks)");
+  std::string bench_budget;
+  auto* bench_budget_opt = b->add_option(
+      "--activation-budget", bench_budget,
+      "Recompute in backward so that each mode's activation peak fits this size (see train)");
   std::string bench_bucket;
   auto* bench_bucket_opt = b->add_option(
       "--bucket-size", bench_bucket, "With --data-parallel: gradients per all-reduce bucket (25M)");
@@ -151,6 +155,8 @@ int main(int argc, char** argv) {
     if (*r) return cmd_run(run);
     if (*i) return cmd_inspect(ins);
     if (*t) return cmd_train(tr);
+    if (bench_budget_opt->count())
+      be.activation_budget = parse_size("--activation-budget", bench_budget);
     if (bench_bucket_opt->count()) be.bucket_bytes = parse_size("--bucket-size", bench_bucket);
     if (*b) return be.data_parallel ? cmd_bench_dp(be) : cmd_bench(be);
   } catch (const graft::Error& e) {
