@@ -19,6 +19,9 @@ struct RunOptions {
   bool check_finite = false;  // stop at the first op that writes NaN/Inf (names op and node)
   bool timeline = false;      // set the allocator's step per op (for memory timelines)
   uint64_t seed = 0;          // the run's random stream (Dropout masks): a run is replayable
+  // Mixed precision: float32 matrix products in bfloat16 on AMX with float32 accumulation and
+  // results; everything else stays float32 (Note [bf16 GEMMs], graft/ops.h Bf16MatmulScope).
+  bool bf16 = false;
 };
 
 struct OpTime {

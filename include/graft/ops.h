@@ -154,6 +154,24 @@ void add_elements(Tensor& dst, const Tensor& src);
 void set_num_threads(int n);
 int num_threads();
 
+// Mixed precision for matrix products (Note [bf16 GEMMs], src/ops/linalg.cpp): while a scope with
+// bf16 = true is alive on a thread, the float32 GEMMs that thread runs (MatMul, Gemm, FusedMatMul,
+// Einsum, the convolutions' im2col products, and all their gradients) round both operands to
+// bfloat16 and run on the CPU's AMX / AVX512-BF16 units through oneDNN, accumulating and writing
+// in float32. Values, weights, gradients and everything else stay float32.
+class Bf16MatmulScope {
+ public:
+  explicit Bf16MatmulScope(bool bf16);
+  ~Bf16MatmulScope();
+  Bf16MatmulScope(const Bf16MatmulScope&) = delete;
+  Bf16MatmulScope& operator=(const Bf16MatmulScope&) = delete;
+
+ private:
+  bool prev_;
+};
+// Whether this machine runs bf16 GEMMs natively (AMX or AVX512-BF16, as oneDNN reports).
+bool bf16_matmul_native();
+
 // Dropout's random stream: each run gets a seed (RunOptions::seed) and every active Dropout kernel
 // seeds its generator from it, the node's seed attribute and the node's name, so a run replays
 // exactly. A TrainSession takes each step's seed from this process-wide counter and advances it;

@@ -152,6 +152,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   so.loss = "loss";
   so.mode = mode;
   so.activation_budget = a.activation_budget;  // recompute in backward to fit (0: none)
+  so.bf16 = parse_precision(a.precision);
   so.alloc = &alloc;
   so.profile = record;
   so.timeline = record;
@@ -516,6 +517,7 @@ int cmd_bench(const BenchArgs& a) {
                   {"dtype", "float32"},
                   {"optimizer", a.optimizer},
                   {"activation_budget", a.activation_budget},
+                  {"precision", a.precision},
                   {"lr", a.optimizer == "adamw" ? 1e-3 : 0.01},
                   {"flops_per_step", sz.flops},
                   {"estimated_peak_bytes", estimate},

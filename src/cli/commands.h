@@ -39,6 +39,7 @@ struct TrainArgs {
   std::string checkpoint;  // folder of checkpoints (docs/checkpoints.md)
   int checkpoint_every = 0, checkpoint_keep = 2;
   bool resume = false;
+  std::string precision = "fp32";        // fp32, or bf16 (matrix products in bfloat16 on AMX)
   std::string lr_schedule = "constant";  // constant, linear or cosine (after the warm-up)
   int64_t warmup_steps = 0;
   int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
@@ -58,7 +59,8 @@ struct BenchArgs {
   std::string optimizer = "sgd";  // sgd (lr 0.01) or adamw (PyTorch's defaults: lr 1e-3, wd 1e-2)
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
-  int64_t activation_budget = 0;  // recompute under this activation peak (0: none)
+  int64_t activation_budget = 0;   // recompute under this activation peak (0: none)
+  std::string precision = "fp32";  // fp32 or bf16 (matrix products in bfloat16 on AMX)
   // Under mpirun: data-parallel rows, all-reduce overlapped with backward vs after it.
   bool data_parallel = false;
   int64_t bucket_bytes = 25ll << 20;
@@ -68,6 +70,8 @@ int cmd_bench(const BenchArgs& a);
 int cmd_bench_dp(const BenchArgs& a);  // src/cli/bench_dp.cpp
 
 // Shared helpers (src/cli/common.cpp).
+// --precision: true for bf16 (matrix products in bfloat16), false for fp32; InvalidArgument else.
+bool parse_precision(const std::string& p);
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random

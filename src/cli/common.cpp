@@ -253,4 +253,10 @@ void save_tensor(const std::string& dir, const std::string& file, const Tensor& 
   save_tensor_pb(dir + "/" + file, t, name);
 }
 
+bool parse_precision(const std::string& p) {
+  GRAFT_CHECK(p == "fp32" || p == "bf16", ErrorKind::InvalidArgument,
+              "unknown --precision '" + p + "' (use fp32 or bf16)");
+  return p == "bf16";
+}
+
 }  // namespace graft::cli

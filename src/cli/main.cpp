@@ -83,6 +83,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   t->add_flag("--resume", tr.resume,
               "Resume from the newest valid checkpoint in --checkpoint DIR; --steps is the total");
+  t->add_option("--precision", tr.precision,
+                "fp32, or bf16: matrix products in bfloat16 on AMX with fp32 accumulation, "
+                "everything else (weights, gradients, optimizer state) fp32")
+      ->capture_default_str();
   t->add_option("--lr-schedule", tr.lr_schedule,
                 "constant, linear or cosine decay to 0 over --steps (Hugging Face's schedules)")
       ->capture_default_str();
@@ -125,6 +129,8 @@ int main(int argc, char** argv) {
   b->add_flag("--data-parallel", be.data_parallel,
               "Under mpirun: all-reduce time hidden behind backward, per mode, against "
               "all-reducing after backward (--batch is split over the ranks)");
+  b->add_option("--precision", be.precision, "fp32 or bf16 (matrix products on AMX; see train)")
+      ->capture_default_str();
   std::string bench_budget;
   auto* bench_budget_opt = b->add_option(
       "--activation-budget", bench_budget,

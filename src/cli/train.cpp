@@ -158,6 +158,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   so.freeze = a.freeze;
   so.mode = parse_grad_mode(a.mode);
   so.check_finite = a.check_finite;
+  so.bf16 = parse_precision(a.precision);
   so.activation_budget = a.activation_budget;
   so.alloc = &alloc;  // the budget is checked below, with the optimizer's state counted too
   TrainSession s(std::move(g), so, shapes);

@@ -117,6 +117,7 @@ void Executor::run_to(Run& r, int end_step) const {
               "this run has ended (or failed); start a new one");
   try {
     using clock = std::chrono::steady_clock;
+    Bf16MatmulScope precision(r.opt_.bf16);
     std::vector<const Tensor*> ins;
     std::vector<Tensor*> outs;
     std::vector<Tensor>& vals = r.vals_;

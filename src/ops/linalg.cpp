@@ -2,6 +2,7 @@
 // with transposes, used by gradients). All GEMMs go through gemm() below, one place to pick a
 // backend.
 #include <cblas.h>
+#include <omp.h>
 
 #include <cctype>
 #include <functional>
@@ -23,10 +24,12 @@ void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
   const auto TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
   const auto la = static_cast<blasint>(lda), lb = static_cast<blasint>(ldb);
   const auto lc = static_cast<blasint>(ldc);
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16_gemm_active()) return gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
-  else
+  } else {
     cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
+  }
 }
 // The natural leading dimensions.
 template <class T>
@@ -803,7 +806,10 @@ const OpDef kOps[] = {
 extern "C" void openblas_set_num_threads(int);
 extern "C" int openblas_get_num_threads(void);
 void set_num_threads(int n) {
-  if (n > 0) openblas_set_num_threads(n);
+  if (n > 0) {
+    openblas_set_num_threads(n);
+    omp_set_num_threads(n);  // oneDNN's threads (bf16 GEMMs)
+  }
 }
 int num_threads() { return openblas_get_num_threads(); }
 

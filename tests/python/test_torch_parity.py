@@ -276,3 +276,21 @@ def test_lr_schedules_match_torch(case, schedule, mode, tmp_path):
     # The schedule matters: a constant rate ends elsewhere.
     _, c = train(tmp_path / "const")
     assert any(not np.allclose(c[n], params[n], rtol=RTOL, atol=ATOL) for n in params)
+
+
+def test_bf16_loss_curve_tracks_fp32(case, tmp_path):
+    """--precision bf16 (matrix products in bfloat16 on AMX, all else fp32): 60 AdamW steps track
+    the fp32 run's losses within bfloat16 tolerance, and are not the fp32 run (the path is taken)."""
+    name, model, args, d, files = case
+
+    def losses(precision):
+        cmd = ["train", d / "model.onnx", "--loss", "loss", "--steps", 60, "--optimizer", "adamw", "--lr", "0.003",
+               "--json", "--precision", precision, "--inputs", *files]
+        for f in frozen_names(model):
+            cmd += ["--freeze", f]
+        return np.array([s["loss"] for s in json_lines(run_graft(*cmd).stdout)])
+
+    fp32, bf16 = losses("fp32"), losses("bf16")
+    assert fp32[-1] < 0.9 * fp32[0]  # it trains
+    np.testing.assert_allclose(bf16, fp32, rtol=0.03, atol=0.02)
+    assert np.abs(bf16 - fp32).max() > 1e-6
