@@ -93,9 +93,11 @@ class TrainSession {
   // --- steps with explicit state (several may be in flight; forward may run on any thread) ---
   // Runs the forward of a new step over `inputs` (by name; every graph input not given falls back
   // to set_input's). `seed`: the random stream (Dropout); default: the process-wide counter.
+  // `bf16`: this step's matrix products in bfloat16 (RunOptions::bf16; default: the session's).
   std::shared_ptr<StepState> forward(const std::map<std::string, Tensor>& inputs,
                                      std::optional<uint64_t> seed = std::nullopt,
-                                     bool keep_for_backward = true);
+                                     bool keep_for_backward = true,
+                                     std::optional<bool> bf16 = std::nullopt);
   // Runs that step's backward: gradients are delivered per mode; requested input gradients land in
   // step.input_grads. A step runs backward once.
   void backward(StepState& step, const std::map<std::string, Tensor>& output_grads = {});

@@ -155,7 +155,7 @@ def _targets(entry, params, dummy, in_graph):
     return out
 
 
-def run_forward(entry, tensors, seed, keep):
+def run_forward(entry, tensors, seed, keep, bf16=False):
     """Binds the parameters and runs graft's forward. Returns (step, outputs)."""
     sess = entry.session
     with entry.lock:  # binding is per session; the forward itself runs without the GIL
@@ -166,7 +166,7 @@ def run_forward(entry, tensors, seed, keep):
                                  "invalid argument")
             sess.bind_param(gname, d.data_ptr(), list(d.shape), DTYPES[d.dtype])
     inputs = {name: spec(t) for name, t in zip(entry.input_names, tensors)}
-    return sess.forward(inputs, seed, keep)
+    return sess.forward(inputs, seed, keep, bf16)
 
 
 def apply_state_updates(entry, arrays):
@@ -189,7 +189,7 @@ class GraftFunction(torch.autograd.Function):
         params = tensors_and_params[n_in:]
         seed = entry.draw_seed()
         try:
-            step, arrays = run_forward(entry, tensors, seed, training_run)
+            step, arrays = run_forward(entry, tensors, seed, training_run, call.bf16)
         except GraftError as ex:
             raise with_context(ex, entry.module_name) from None
         n_user = len(entry.output_names)
@@ -198,6 +198,7 @@ class GraftFunction(torch.autograd.Function):
         del arrays
         ctx.entry, ctx.step, ctx.seed, ctx.n_in, ctx.n_params = entry, step, seed, n_in, len(params)
         ctx.training_run = training_run
+        ctx.bf16 = call.bf16  # a retained graph's recompute uses the same precision
         ctx.tensors = tensors
         ctx.versions = [p._version for p in entry.current]
         ctx.in_graph = bool(params)
@@ -227,7 +228,7 @@ class GraftFunction(torch.autograd.Function):
                         "modified by an inplace operation (a parameter changed since this forward); backward "
                         "through the retained graph would not match it.", "invalid argument")
             try:
-                step, _ = run_forward(entry, ctx.tensors, ctx.seed, True)
+                step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16)
             except GraftError as ex:
                 raise with_context(ex, entry.module_name) from None
         summed = {}  # an output returned twice gets the sum of both gradients

@@ -74,6 +74,13 @@ def _device_ok(t: torch.Tensor, what: str, module_name: str):
             "this module in eager mode.", "unsupported")
 
 
+def _autocast_cpu_dtype():
+    try:
+        return torch.get_autocast_dtype("cpu")  # torch >= 2.4
+    except (AttributeError, TypeError):
+        return torch.get_autocast_cpu_dtype()
+
+
 def _autocast_cpu() -> bool:
     try:
         return torch.is_autocast_enabled("cpu")  # torch >= 2.4; is_autocast_cpu_enabled() is deprecated
@@ -196,10 +203,10 @@ def _expose_batchnorm_state(model, module, e) -> bool:
 
 class _Call:
     """What one call passes to the autograd Function besides tensors."""
-    __slots__ = ("n_in", "training_run")
+    __slots__ = ("n_in", "training_run", "bf16")
 
-    def __init__(self, n_in, training_run):
-        self.n_in, self.training_run = n_in, training_run
+    def __init__(self, n_in, training_run, bf16=False):
+        self.n_in, self.training_run, self.bf16 = n_in, training_run, bf16
 
 
 def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -218,13 +225,16 @@ class GraftModule(torch.nn.Module):
     max_memory: refuse a plan above this many bytes (0: no limit); activation_budget: recompute
     forward values in backward so that the activation peak fits this many bytes (0: none; refused,
     naming the smallest reachable peak, when it cannot); cache_size: how many exports
-    (input signatures) to keep, least recently used dropped first.
+    (input signatures) to keep, least recently used dropped first. precision: "fp32", or "bf16":
+    matrix products (Linear, matmul, convolution, and their gradients) in bfloat16 on the CPU's AMX
+    units with float32 accumulation, everything else (outputs, weights, gradients) float32; a call
+    under ``torch.autocast("cpu", dtype=torch.bfloat16)`` runs so too.
     """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
                  check_finite: bool = False, max_memory: int = 0, cache_size: int = 8,
                  activation_budget: int = 0,
-                 optimizer: "torch.optim.Optimizer" = None):
+                 optimizer: "torch.optim.Optimizer" = None, precision: str = "fp32"):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise GraftArgumentError(f"GraftModule wraps a torch.nn.Module, not {type(module).__name__}",
@@ -246,6 +256,8 @@ class GraftModule(torch.nn.Module):
                             ("activation_budget", activation_budget, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise GraftArgumentError(f"{what} must be an integer >= {lo}, not {v!r}", "invalid argument")
+        if precision not in ("fp32", "bf16"):
+            raise GraftArgumentError(f"precision must be 'fp32' or 'bf16', not {precision!r}", "invalid argument")
         if opset > 17:
             raise GraftArgumentError(f"opset must be 13..17, not {opset}", "invalid argument")
         name = type(module).__name__
@@ -261,6 +273,7 @@ class GraftModule(torch.nn.Module):
         self.check_finite = check_finite
         self.max_memory = max_memory
         self.activation_budget = activation_budget
+        self.precision = precision
         self.cache_size = cache_size
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
@@ -444,9 +457,16 @@ class GraftModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         name = self._name()
+        bf16 = self.precision == "bf16"
         if _autocast_cpu():
-            self._warn_once("autocast", "torch.autocast is on, but graft has no bfloat16 kernels yet: this module "
-                                        "runs in float32 (outputs are float32).")
+            if _autocast_cpu_dtype() == torch.bfloat16:
+                bf16 = True
+                self._warn_once("autocast", "torch.autocast(bfloat16): graft runs this module's matrix products in "
+                                            "bfloat16 with float32 accumulation; its outputs stay float32 (eager's "
+                                            "matmul outputs would be bfloat16).")
+            else:
+                self._warn_once("autocast", f"torch.autocast({_autocast_cpu_dtype()}) is on, but graft has only "
+                                            "bfloat16 matrix products: this module runs in float32 (outputs are float32).")
         try:
             tensors, static_key = _flatten.flatten_args((args, kwargs))
         except _flatten.Unkeyable as ex:
@@ -464,6 +484,6 @@ class GraftModule(torch.nn.Module):
         in_tensors = [tensors[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
-        call = _Call(len(in_tensors), training_run)
+        call = _Call(len(in_tensors), training_run, bf16)
         outs = GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params)
         return _flatten.rebuild(entry.output_template, iter(outs))

@@ -7,7 +7,9 @@
 // the product stays float32: activations, weights (the "master" copy), gradients, optimizer state,
 // softmax, norms, losses and reductions, so numerically sensitive ops keep their precision.
 // Primitives are created once per shape and transposition and kept (oneDNN's creation costs far
-// more than a small GEMM); float64 GEMMs never change.
+// more than a small GEMM); products under 2^18 multiply-adds skip oneDNN and run the same
+// arithmetic (rounded operands, float32 accumulation) through OpenBLAS. float64 GEMMs never change.
+#include <cblas.h>
 #include <immintrin.h>
 
 #include <cstring>
@@ -120,6 +122,28 @@ bool bf16_gemm_active() { return t_bf16; }
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M * N * K < (int64_t{1} << 18)) {
+    // Small products (a oneDNN call costs microseconds, more than the product): the same
+    // arithmetic, bfloat16-rounded operands and float32 accumulation, through OpenBLAS.
+    const int64_t ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
+    std::vector<float> a(static_cast<size_t>(ra * ca)), b(static_cast<size_t>(rb * cb));
+    auto round = [](const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          uint32_t x;
+          std::memcpy(&x, src + r * ld + c, 4);
+          if ((x & 0x7fffffffu) <= 0x7f800000u) x = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+          std::memcpy(dst + r * cols + c, &x, 4);
+        }
+    };
+    round(A, ra, ca, lda, a.data());
+    round(B, rb, cb, ldb, b.data());
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha,
+                a.data(), static_cast<blasint>(ca), b.data(), static_cast<blasint>(cb), beta, C,
+                static_cast<blasint>(ldc));
+    return;
+  }
   Prim& p = primitive(ta, tb, M, N, K, ldc, alpha, beta);
   std::vector<uint16_t> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(K * N));
   // Stored shapes: A is M x K (K x M when transposed) with row stride lda; B likewise.

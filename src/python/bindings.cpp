@@ -214,14 +214,14 @@ PYBIND11_MODULE(_graft, m) {
       .def(
           "forward",
           [](PySession& p, const std::map<std::string, TensorSpec>& inputs, uint64_t seed,
-             bool keep_for_backward) {
+             bool keep_for_backward, bool bf16) {
             std::map<std::string, Tensor> in;
             for (const auto& [n, t] : inputs)
               in[n] = wrap(std::get<0>(t), std::get<1>(t), std::get<2>(t));
             std::shared_ptr<StepState> st;
             {
               py::gil_scoped_release nogil;
-              st = p.s->forward(in, seed, keep_for_backward);
+              st = p.s->forward(in, seed, keep_for_backward, bf16);
             }
             std::vector<py::array> r;
             for (const Tensor& t : st->outputs) r.push_back(to_numpy(t, p.alloc));
@@ -230,7 +230,8 @@ PYBIND11_MODULE(_graft, m) {
             st->inputs.clear();  // the caller keeps its tensors alive while the step is pending
             return py::make_tuple(PyStep{p.alloc, st}, r);
           },
-          py::arg("inputs"), py::arg("seed"), py::arg("keep_for_backward") = true)
+          py::arg("inputs"), py::arg("seed"), py::arg("keep_for_backward") = true,
+          py::arg("bf16") = false)
       .def(
           "backward",
           [](PySession& p, PyStep& step, const std::map<std::string, TensorSpec>& grads,

@@ -566,7 +566,7 @@ void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer
 
 std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Tensor>& inputs,
                                                  std::optional<uint64_t> seed,
-                                                 bool keep_for_backward) {
+                                                 bool keep_for_backward, std::optional<bool> bf16) {
   auto st = std::make_shared<StepState>();
   std::vector<std::pair<int, Tensor>> bind;
   for (const Parameter& p : params_) {
@@ -605,6 +605,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   st->seed = seed ? *seed : next_dropout_seed();
   RunOptions ro = opt_;
   ro.seed = st->seed;
+  if (bf16) ro.bf16 = *bf16;
   // Accumulate mode: a weight-gradient GEMM that feeds a sink adds straight into an existing
   // .grad (beta = 1), so no temporary of the weight's size exists (deliver sees its own .grad).
   SinkTargetFn target;

@@ -22,13 +22,13 @@ float round_bf16(float x) {
 }
 
 // One Linear(H, H) + ReLU, loss = mean: gradients of every parameter after one step.
-std::vector<std::vector<float>> grads(bool bf16, bool bf16_exact_operands) {
+std::vector<std::vector<float>> grads(bool bf16, bool bf16_exact_operands, int64_t H = 256) {
   Allocator alloc;
   SessionOptions o;
   o.loss = "loss";
   o.alloc = &alloc;
   o.bf16 = bf16;
-  const int64_t B = 64, H = 256;  // d loss / d y = 1 / (B H) = 2^-14: a bf16 number
+  const int64_t B = 64;  // d loss / d y = 1 / (B H), a power of two: a bf16 number
   TrainSession s(linear_stack(B, H, 1, DType::F32, alloc, 3), o);
   Tensor x = Tensor::empty({B, H}, DType::F32, alloc, Category::Activation);
   for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = std::sin(0.37f * i);
@@ -66,6 +66,14 @@ TEST(Bf16, GemmsRoundTheirOperandsAndAccumulateInFloat32) {
   // Arbitrary float32 operands: the products see them rounded (8 bits of mantissa), so the
   // gradients move by about bf16's precision, no more; and the path is really taken.
   const double e = max_rel(grads(true, false), grads(false, false));
+  EXPECT_GT(e, 1e-5);
+  EXPECT_LT(e, 2e-2);
+}
+
+TEST(Bf16, SmallProductsRunTheSameArithmetic) {
+  // 64 x 32 x 32: under the size where oneDNN is called; OpenBLAS on rounded operands instead.
+  EXPECT_LT(max_rel(grads(true, true, 32), grads(false, true, 32)), 1e-5);
+  const double e = max_rel(grads(true, false, 32), grads(false, false, 32));
   EXPECT_GT(e, 1e-5);
   EXPECT_LT(e, 2e-2);
 }

@@ -429,16 +429,39 @@ def test_errors_raised_in_backward_are_graft_errors():
 
 
 # --- autocast --------------------------------------------------------------------------------------------
-def test_autocast_runs_in_float32_with_a_warning():
+def test_autocast_bf16_runs_matrix_products_in_bf16_with_a_warning():
+    """Under torch.autocast(bfloat16) graft runs the matrix products in bfloat16 (float32
+    accumulation) and says once that its outputs stay float32; the result is eager's autocast result
+    to bfloat16 precision, differs from the float32 one (the path is taken), and precision="bf16"
+    does the same without autocast. Another autocast dtype runs in float32, with a warning."""
     m, e, g = pair()
     x = torch.randn(3, 6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(graft.GraftWarning, match="float32"):
+        with pytest.warns(graft.GraftWarning, match="bfloat16 with float32 accumulation"):
             out = g(x)
         out2 = g(x)
+        ref = e(x)
     assert out.dtype == torch.float32
-    close(out, e(x), "autocast output")
-    close(out2, out, "second call")
+    torch.testing.assert_close(out, ref.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    fp32 = g(x)
+    assert not torch.equal(fp32, out)
+    close(fp32, e(x), "float32 output after autocast")
+    gb = GraftModule(copy.deepcopy(m), precision="bf16")
+    torch.testing.assert_close(gb(x), out, rtol=0, atol=0)
+    with pytest.raises(graft.GraftArgumentError, match="precision"):
+        GraftModule(copy.deepcopy(m), precision="fp16")
+
+
+def test_bf16_gradients_are_eager_autocast_gradients_to_bf16_precision():
+    m, e, gb = pair(precision="bf16")
+    x = torch.randn(5, 6)
+    gb(x).square().mean().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = e(x)
+    y.float().square().mean().backward()
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-3, msg=n)
 
 
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------

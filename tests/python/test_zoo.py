@@ -256,3 +256,29 @@ def test_recompute_through_gemms_meets_a_third_of_the_activation_peak(name, monk
     softmaxes = lambda gm: sum(s[1] == "Softmax" for s in gm.saved_for_backward())  # noqa: E731
     assert softmaxes(gm) < softmaxes(g) == 6
     assert sum(s[3] for s in gm.saved_for_backward()) < kept / 3
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet18"])
+def test_bf16_loss_curve_tracks_fp32_over_200_steps(name):
+    """GraftModule(precision="bf16"): 200 AdamW steps on one batch track the float32 run's losses
+    within bfloat16 tolerance (matrix products in bfloat16, everything else float32)."""
+    import numpy as np
+    z = zoo.build(name, dropout=False)
+    batch = z.make_batch(0)
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        m = copy.deepcopy(z.model)
+        g = graft.GraftModule(m, precision=precision)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(200):
+            opt.zero_grad()
+            loss = z.loss_fn(graft_call(g, batch, 0), batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[precision] = np.array(losses)
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    assert fp32[-1] < 0.5 * fp32[0]  # it learns
+    assert np.abs(bf16 - fp32).max() > 0  # the bf16 path is taken
+    np.testing.assert_allclose(bf16, fp32, rtol=0.1, atol=0.01 * fp32[0])
