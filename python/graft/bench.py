@@ -81,14 +81,14 @@ def torch_worker(a):
     x = torch.randn(a.batch, a.hidden)
     opt = (torch.optim.AdamW(model.parameters()) if a.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.01))
-    system, mode = "pytorch", "eager"
+    system, mode = "pytorch", "eager" if a.precision == "fp32" else "autocast-bf16"
     if a.worker == "graftmodule":  # the same model and loop, wrapped: the PyTorch front end
         from . import _graft
         from .frontend import GraftModule
         _graft.set_num_threads(a.threads)
         step_mode = a.gm_mode == "step"
         model = GraftModule(model, gradients=a.gm_mode, optimizer=opt if step_mode else None,
-                            activation_budget=a.activation_budget)
+                            activation_budget=a.activation_budget, precision=a.precision)
         system, mode = "graftmodule", a.gm_mode
     hwm_ok = _reset_hwm()
     secs, rss, total = [], [], []
@@ -100,7 +100,9 @@ def torch_worker(a):
         rss0 = _status_bytes("VmRSS")
         if hwm_ok:
             _reset_hwm()
-        loss = model(x).mean()
+        # Eager bf16 is PyTorch's own mixed precision: autocast (GraftModule takes precision=).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16" and a.worker == "torch"):
+            loss = model(x).float().mean()
         loss.backward()
         if mode != "step":
             opt.step()
@@ -154,6 +156,8 @@ def _size_args(a):
         out.append("--set-to-none")
     if a.activation_budget:
         out += ["--activation-budget", str(a.activation_budget)]
+    if a.precision != "fp32":
+        out += ["--precision", a.precision]
     return out
 
 
@@ -231,7 +235,7 @@ def _fmt_ratio(r):
 def print_table(doc):
     c = doc["config"]
     opt = "SGD lr 0.01" if c.get("optimizer", "sgd") == "sgd" else "AdamW lr 1e-3"
-    print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} fp32, {opt}, "
+    print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} {c.get('precision', 'fp32')}, {opt}, "
           f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
           f"{c['threads']} thread(s), each row its own process")
     hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "peak total", "s/step", "GFLOP/s", "RSS ratio",
@@ -246,7 +250,11 @@ def print_table(doc):
     if c.get("sgemm_gflops") is not None:
         print(f"ceiling: sgemm {c['batch']}x{c['hidden']}x{c['hidden']} {c['sgemm_gflops']:.1f} GFLOP/s "
               f"(timed in the graft processes)")
-    print("ratios are to PyTorch eager; MA / MAX_MA are graft's allocator (CPU PyTorch has no allocator stats)")
+    if c.get("precision", "fp32") != "fp32":
+        print("time vs eager fp32: " + ", ".join(f"{r['system']} {r['mode']} {_fmt_ratio(r.get('time_ratio_vs_eager_fp32'))}"
+                                                 for r in doc["rows"]))
+    print("ratios are to PyTorch eager (under autocast with --precision bf16); MA / MAX_MA are graft's allocator "
+          "(CPU PyTorch has no allocator stats)")
 
 
 def plot(path, doc, timelines):
@@ -316,6 +324,9 @@ def build_parser():
                    help="threads for both systems (default: os.cpu_count())")
     p.add_argument("--activation-budget", type=int, default=0, metavar="BYTES",
                    help="graft recomputes in backward so that its activation peak fits (eager is unchanged)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: graft's matrix products in bfloat16 (AMX) against PyTorch under torch.autocast bf16; "
+                        "an eager float32 row is added as well")
     p.add_argument("--json", action="store_true", help="print one JSON object: config + rows")
     p.add_argument("--plot", metavar="FILE.png", help="draw graft's memory over a step against PyTorch's peak")
     p.add_argument("--graft-bin", metavar="PATH", help="the graft binary (else $GRAFT_BIN, install prefix, PATH)")
@@ -357,6 +368,8 @@ def main(argv=None):
         graft_bin = find_graft_bin(a.graft_bin)
         torch_row = run_torch(a)
         rows = [torch_row]
+        if a.precision != "fp32":  # eager float32 too: what mixed precision is measured against
+            rows.append(run_torch(argparse.Namespace(**{**vars(a), "precision": "fp32"})))
         timelines = {}
         sgemm = []
         for m in a.modes:
@@ -369,18 +382,20 @@ def main(argv=None):
         if a.frontend == "torch":
             rows += [run_graftmodule(a, m) for m in a.modes]
         ref_rss, ref_sec = torch_row["peak_rss_delta_bytes"], torch_row["step_seconds"]
+        fp32_sec = rows[1]["step_seconds"] if a.precision != "fp32" else ref_sec
         ref_total = torch_row.get("peak_total_bytes")
         for r in rows:
             r["rss_ratio"] = _ratio(r["peak_rss_delta_bytes"], ref_rss)
             r["total_ratio"] = _ratio(r.get("peak_total_bytes"), ref_total)
             r["time_ratio"] = _ratio(r["step_seconds"], ref_sec)
+            r["time_ratio_vs_eager_fp32"] = _ratio(r["step_seconds"], fp32_sec)
         sg = [s for s in sgemm if s is not None]
         out = {
             "config": {
                 "batch": a.batch, "hidden": a.hidden, "layer": a.layer, "steps": a.steps,
                 "warmup_steps": 1, "set_to_none": a.set_to_none, "threads": a.threads, "dtype": "float32",
                 "optimizer": a.optimizer, "lr": 0.01 if a.optimizer == "sgd" else 1e-3,
-                "activation_budget": a.activation_budget,
+                "activation_budget": a.activation_budget, "precision": a.precision,
                 "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
                 "sgemm_gflops": max(sg) if sg else None, "graft_bin": graft_bin,
                 "python": sys.executable,
