@@ -14,6 +14,7 @@
 
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
@@ -25,6 +26,21 @@ namespace graft {
 
 namespace {
 thread_local bool t_bf16 = false;
+// The bf16 copies of the current product's operands: grown as needed and reused by every product
+// of the scope (no allocation, page faults or zeroing per call), freed when the outermost scope
+// ends (the end of a forward or a backward).
+struct Scratch {
+  std::unique_ptr<uint16_t[]> p;
+  size_t n = 0;
+  uint16_t* get(size_t want) {
+    if (want > n) {
+      p.reset(new uint16_t[want]);
+      n = want;
+    }
+    return p.get();
+  }
+};
+thread_local Scratch t_a, t_b;
 
 dnnl::engine& engine() {
   static dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -106,7 +122,10 @@ Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t ldc, 
 }  // namespace
 
 Bf16MatmulScope::Bf16MatmulScope(bool bf16) : prev_(t_bf16) { t_bf16 = bf16; }
-Bf16MatmulScope::~Bf16MatmulScope() { t_bf16 = prev_; }
+Bf16MatmulScope::~Bf16MatmulScope() {
+  t_bf16 = prev_;
+  if (!prev_) t_a = Scratch(), t_b = Scratch();
+}
 
 bool bf16_matmul_native() {
   static const bool native = [] {
@@ -145,12 +164,13 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     return;
   }
   Prim& p = primitive(ta, tb, M, N, K, ldc, alpha, beta);
-  std::vector<uint16_t> a(static_cast<size_t>(M * K)), b(static_cast<size_t>(K * N));
+  uint16_t* a = t_a.get(static_cast<size_t>(M * K));
+  uint16_t* b = t_b.get(static_cast<size_t>(K * N));
   // Stored shapes: A is M x K (K x M when transposed) with row stride lda; B likewise.
-  to_bf16(A, ta ? K : M, ta ? M : K, lda, a.data());
-  to_bf16(B, tb ? N : K, tb ? K : N, ldb, b.data());
+  to_bf16(A, ta ? K : M, ta ? M : K, lda, a);
+  to_bf16(B, tb ? N : K, tb ? K : N, ldb, b);
   dnnl::stream s(engine());
-  dnnl::memory ma(p.a, engine(), a.data()), mb(p.b, engine(), b.data()), mc(p.c, engine(), C);
+  dnnl::memory ma(p.a, engine(), a), mb(p.b, engine(), b), mc(p.c, engine(), C);
   p.mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
 }
