@@ -2,12 +2,15 @@
 // with transposes, used by gradients). All GEMMs go through gemm() below, one place to pick a
 // backend.
 #include <cblas.h>
-#include <omp.h>
 
 #include <cctype>
 #include <functional>
 
 #include "util.h"
+
+// libgomp's (the threads of Debian's oneDNN, which graft links): declared here rather than through
+// <omp.h>, which a compiler without its OpenMP headers (clang without libomp-dev) lacks.
+extern "C" void omp_set_num_threads(int);
 
 namespace graft {
 namespace opsutil {
