@@ -22,6 +22,7 @@ memory promise), so a second backward through a retained graph recomputes the fo
 saved inputs with the same parameters (checked by version) and the same random stream, giving the
 same gradients as eager. ``create_graph=True`` (double backward) is refused.
 """
+import math
 import time
 
 import torch
@@ -300,14 +301,39 @@ class GraftFunction(torch.autograd.Function):
             elif entry.mode == "step":
                 by_name = dict(entry.trainable)
                 target = {name: t for (name, _), t in zip(entry.trainable, targets)}
+                defer, clip, coef = entry.step_flags["defer"], entry.step_flags["clip"], 1.0
+                if clip and not defer:
+                    # Global-norm clipping: a first pass computes only the norm of every gradient
+                    # (with what deferred micro-batches accumulated in .grad), each freed as it completes.
+                    sumsq = [0.0]
+
+                    def norm(name, array, exclusive):
+                        if target.get(name, "skip") == "deliver":
+                            g = torch.from_numpy(array)
+                            pg = by_name[name].grad
+                            g = g + pg if pg is not None else g
+                            sumsq[0] += float(torch.sum(g * g, dtype=torch.float64))
+
+                    sess.backward(step, grads, norm)
+                    sess.release(step)
+                    total = math.sqrt(sumsq[0])
+                    entry.step_flags["last_norm"] = total
+                    coef = min(1.0, clip / (total + 1e-6))
+                    step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16)  # the same function again
 
                 def update(name, array, exclusive):
                     t = target.get(name, "skip")
                     if t == "return":  # torch.autograd.grad asked for it: no update
                         returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
                     elif t == "deliver":
-                        _step_one(entry.optimizer, by_name[name], torch.from_numpy(array),
-                                  entry.step_flags["defer"])
+                        g = torch.from_numpy(array)
+                        if coef < 1:
+                            p = by_name[name]
+                            with torch.no_grad():
+                                if p.grad is not None:  # micro-batches' sum, then the scale
+                                    g, p.grad = p.grad.add_(g), None
+                                g = g.mul_(coef) if exclusive else g.mul(coef)
+                        _step_one(entry.optimizer, by_name[name], g, defer)
 
                 sess.backward(step, grads, update)
             else:  # hold

@@ -18,6 +18,7 @@ Gradient delivery ("accumulate", "hook", "hold") and what autograd asks for: gra
 import collections
 import dataclasses
 import gc
+import math
 import os
 import sys
 import tempfile
@@ -228,13 +229,18 @@ class GraftModule(torch.nn.Module):
     (input signatures) to keep, least recently used dropped first. precision: "fp32", or "bf16":
     matrix products (Linear, matmul, convolution, and their gradients) in bfloat16 on the CPU's AMX
     units with float32 accumulation, everything else (outputs, weights, gradients) float32; a call
-    under ``torch.autocast("cpu", dtype=torch.bfloat16)`` runs so too.
+    under ``torch.autocast("cpu", dtype=torch.bfloat16)`` runs so too. clip_grad_norm (with
+    gradients="step"): every gradient is scaled by min(1, max / (norm + 1e-6)) before its update, the
+    norm taken over all of the step's gradients, exactly as torch.nn.utils.clip_grad_norm_ before
+    optimizer.step(): backward runs twice, the first pass computing only the norm (each gradient
+    reduced and freed as it completes), the second replaying the forward (same Dropout masks).
     """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
                  check_finite: bool = False, max_memory: int = 0, cache_size: int = 8,
                  activation_budget: int = 0,
-                 optimizer: "torch.optim.Optimizer" = None, precision: str = "fp32"):
+                 optimizer: "torch.optim.Optimizer" = None, precision: str = "fp32",
+                 clip_grad_norm: float = 0.0):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise GraftArgumentError(f"GraftModule wraps a torch.nn.Module, not {type(module).__name__}",
@@ -256,6 +262,14 @@ class GraftModule(torch.nn.Module):
                             ("activation_budget", activation_budget, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise GraftArgumentError(f"{what} must be an integer >= {lo}, not {v!r}", "invalid argument")
+        if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) \
+                or not math.isfinite(clip_grad_norm) or clip_grad_norm < 0:
+            raise GraftArgumentError(f"clip_grad_norm must be a finite number >= 0, not {clip_grad_norm!r}",
+                                     "invalid argument")
+        if clip_grad_norm and gradients != "step":
+            raise GraftArgumentError("clip_grad_norm= is for gradients='step' (updates inside backward); in the other "
+                                     "modes call torch.nn.utils.clip_grad_norm_ before optimizer.step()",
+                                     "invalid argument")
         if precision not in ("fp32", "bf16"):
             raise GraftArgumentError(f"precision must be 'fp32' or 'bf16', not {precision!r}", "invalid argument")
         if opset > 17:
@@ -268,7 +282,7 @@ class GraftModule(torch.nn.Module):
         self.module = module
         self.gradients = gradients
         self.optimizer = optimizer
-        self._step_flags = {"defer": False}
+        self._step_flags = {"defer": False, "clip": float(clip_grad_norm), "last_norm": None}
         self.opset = opset
         self.check_finite = check_finite
         self.max_memory = max_memory
@@ -444,6 +458,12 @@ class GraftModule(torch.nn.Module):
     @defer_step.setter
     def defer_step(self, value: bool):
         self._step_flags["defer"] = bool(value)
+
+    @property
+    def last_grad_norm(self):
+        """gradients="step" with clip_grad_norm: the total norm of the last clipped step's gradients
+        (what torch.nn.utils.clip_grad_norm_ returns); None before the first."""
+        return self._step_flags["last_norm"]
 
     def saved_for_backward(self) -> List[Tuple[str, str, str, int]]:
         """What graft's forward keeps for the backward, for the most recently called graph:

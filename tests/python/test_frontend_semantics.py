@@ -680,6 +680,42 @@ def test_step_mode_micro_batches_accumulate_then_step():
         close(a, b, n)
 
 
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_step_mode_clips_the_global_norm_as_clip_grad_norm(opt_name, micro):
+    """clip_grad_norm= in step mode equals the eager loop backward / clip_grad_norm_ / step: the
+    norm of all gradients before any update (micro-batches' sum included), each gradient scaled
+    by the same factor; the norm is the one clip_grad_norm_ returns. It clips (the norm is above
+    the limit), and a limit above the norm changes nothing."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    e = copy.deepcopy(m)
+
+    def make(model):
+        if opt_name == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    opt_g, opt_e = make(m), make(e)
+    g = GraftModule(m, gradients="step", optimizer=opt_g, clip_grad_norm=0.05)
+    for k in range(4):
+        opt_e.zero_grad()
+        for i in range(micro):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * k + i))
+            g.defer_step = i < micro - 1
+            (g(x).square().mean() * 5).backward()
+            (e(x).square().mean() * 5).backward()
+        norm = torch.nn.utils.clip_grad_norm_(e.parameters(), 0.05)
+        opt_e.step()
+        assert norm > 0.05
+        assert g.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+        assert all(p.grad is None for p in m.parameters())
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        close(a, b, n)
+    with pytest.raises(graft.GraftArgumentError, match="clip_grad_norm"):
+        GraftModule(Net(), clip_grad_norm=1.0)
+
+
 def test_activation_budget_recomputes_and_keeps_the_gradients():
     """activation_budget: graft recomputes forward values in backward so the planned activation peak
     fits; the gradients are bit for bit those without a budget (and eager's to rounding), less is
