@@ -51,6 +51,15 @@ class Communicator {
   // operations started before it; returns without waiting.
   virtual std::shared_ptr<Work> allreduce_async(void* data, int64_t count, DType dt,
                                                 double scale) = 0;
+  // ZeRO-1: sums `send` (sum of `counts` elements) across ranks and leaves rank r's part (the
+  // counts[r] elements after the first r parts) in `recv`, multiplied by `scale`. Asynchronous, in
+  // order with the others, like allreduce_async.
+  virtual std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv,
+                                                     const std::vector<int>& counts, DType dt,
+                                                     double scale) = 0;
+  // In place: rank r's part of `data` (counts[r] elements after the first r parts) is sent to
+  // every rank; blocking.
+  virtual void allgatherv(void* data, const std::vector<int>& counts, DType dt) = 0;
   // Ends the whole job at once (every rank), with `code`: after an error that leaves a collective
   // unfinished, where a clean shutdown would wait for ranks that will never answer.
   [[noreturn]] virtual void abort(int code) = 0;
@@ -105,6 +114,14 @@ class DataParallel {
   // Step mode: the optimizer applied to each parameter once its bucket is averaged (in place of
   // TrainSession::set_step_optimizer).
   void set_step_optimizer(Optimizer* opt);
+  // ZeRO-1 (accumulate, hold and hook modes): each bucket is reduce-scattered instead of
+  // all-reduced, and step() ends by updating only this rank's 1/N of every bucket with an
+  // optimizer of `like`'s kind and hyperparameters (its learning rate read at every step, so
+  // schedules apply), which holds 1/N of the optimizer state; then the parameters are all-gathered.
+  // `like` itself is never stepped. .grad keeps the local (not averaged) sums.
+  void shard_optimizer(const Optimizer& like);
+  // Bytes of optimizer state this rank holds (ZeRO-1), 0 before the first step or without it.
+  int64_t sharded_state_bytes() const;
   // Micro-batches (PyTorch DDP's no_sync): while false, backward accumulates into .grad locally
   // and nothing is communicated; the next synchronized step averages the accumulated sums.
   void set_sync(bool sync);
@@ -130,6 +147,7 @@ class DataParallel {
   void launch(int b);
   void apply_finished_updates(bool wait_all);
   void wait_all();
+  void sharded_update();
 
   TrainSession& s_;
   Communicator& comm_;
@@ -146,6 +164,12 @@ class DataParallel {
   int next_launch_ = 0;        // buckets launch in order: every rank starts them in the same order
   std::vector<bool> ready_;
   DataParallelStats stats_;
+  // ZeRO-1
+  const Optimizer* like_ = nullptr;
+  std::unique_ptr<Optimizer> shard_opt_;
+  std::vector<Parameter> shard_params_;   // this rank's slices of parameters (views)
+  std::vector<Tensor> chunk_;             // per bucket: this rank's averaged slice of the gradients
+  std::vector<std::vector<int>> counts_;  // per bucket: every rank's slice length
 };
 
 }  // namespace graft

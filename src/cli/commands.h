@@ -45,6 +45,7 @@ struct TrainArgs {
   int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
   // Data parallelism over MPI (under mpirun; docs/data-parallel.md).
   bool data_parallel = false;
+  bool shard_optimizer = false;       // ZeRO-1: 1/N of the optimizer state per rank
   int64_t bucket_bytes = 25ll << 20;  // PyTorch DDP's bucket_cap_mb
   double dp_timeout = 300;            // seconds any rank waits for the others
 };

@@ -103,6 +103,9 @@ int main(int argc, char** argv) {
   auto* bucket_size_opt = t->add_option(
       "--bucket-size", bucket_size,
       "Data parallelism: gradients per all-reduce bucket (same units as --max-memory; 25M)");
+  t->add_flag("--shard-optimizer", tr.shard_optimizer,
+              "With --data-parallel (ZeRO-1): reduce-scatter the gradients, keep 1/N of the "
+              "optimizer state per rank, all-gather the parameters after the update");
   t->add_option("--dp-timeout", tr.dp_timeout,
                 "Data parallelism: seconds to wait for the other ranks before failing")
       ->capture_default_str();

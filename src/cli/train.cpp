@@ -98,6 +98,14 @@ int cmd_train(const TrainArgs& a) {
               "--checkpoint-every needs --checkpoint DIR");
   check_threads("--threads", a.threads);
   GRAFT_CHECK(a.micro_batches >= 1, ErrorKind::InvalidArgument, "--micro-batches must be >= 1");
+  GRAFT_CHECK(!a.shard_optimizer || a.data_parallel, ErrorKind::InvalidArgument,
+              "--shard-optimizer needs --data-parallel");
+  GRAFT_CHECK(!a.shard_optimizer || a.checkpoint.empty(), ErrorKind::Unsupported,
+              "--shard-optimizer with --checkpoint: each rank holds only its share of the "
+              "optimizer state, which graft's checkpoints do not gather yet; drop one of them");
+  GRAFT_CHECK(!a.shard_optimizer || a.clip_norm == 0, ErrorKind::Unsupported,
+              "--shard-optimizer with --clip-norm is not supported (no rank holds every averaged "
+              "gradient); drop one of them");
   set_num_threads(a.threads);
   // Data parallelism (docs/data-parallel.md): one process per rank under mpirun; rank 0 prints,
   // saves and checkpoints, every rank reads (and resumes from) the same files.
@@ -266,6 +274,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
     dpo.bucket_bytes = a.bucket_bytes;
     dp = std::make_unique<DataParallel>(s, *comm, dpo);
     if (so.mode == GradMode::Step) dp->set_step_optimizer(opt.get());
+    if (a.shard_optimizer) dp->shard_optimizer(*opt);  // opt itself is then never stepped
     std::printf("data-parallel: %d ranks, %zu gradient buckets of at most %s\n", ranks,
                 dp->buckets().size(), human_bytes(a.bucket_bytes).c_str());
     std::fflush(stdout);
@@ -301,7 +310,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
           save_tensor(a.save_grads, "grad_" + std::to_string(i++) + ".pb", p.grad, p.name);
     }
     if (so.mode != GradMode::Step && a.clip_norm > 0) clip_grad_norm(opt->params(), a.clip_norm);
-    if (so.mode != GradMode::Step) opt->step();
+    if (so.mode != GradMode::Step && !a.shard_optimizer) opt->step();  // (sharded: in dp->step)
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::string comm_json, comm_text;
     if (dp) {
@@ -356,6 +365,10 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
       return 128 + sig;
     }
   }
+  if (dp && a.shard_optimizer)
+    std::printf("sharded optimizer state: %lld bytes on rank 0 (unsharded: %lld)\n",
+                static_cast<long long>(dp->sharded_state_bytes()),
+                static_cast<long long>(opt_state));
   if (lead && !a.save_params.empty()) {
     int i = 0;
     for (const Parameter& p : s.parameters())

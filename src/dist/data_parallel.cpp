@@ -18,6 +18,7 @@
 // Micro-batches (set_sync(false)): backward accumulates into .grad as usual and nothing is sent;
 // the next synchronized step averages the sums.
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <functional>
 
@@ -229,10 +230,121 @@ void DataParallel::launch(int b) {
   // In order: a bucket is started only after every bucket before it (Note [Buckets ...]).
   (void)b;
   while (next_launch_ < static_cast<int>(buckets_.size()) && pending_[next_launch_] == 0) {
-    const Bucket& bk = buckets_[next_launch_];
-    work_[next_launch_] =
-        comm_.allreduce_async(storage_[next_launch_].raw(), bk.count, bk.dtype, 1.0 / comm_.size());
-    ++next_launch_;
+    const int k = next_launch_++;
+    const Bucket& bk = buckets_[k];
+    if (shard_opt_)
+      work_[k] = comm_.reduce_scatter_async(storage_[k].raw(), chunk_[k].raw(), counts_[k],
+                                            bk.dtype, 1.0 / comm_.size());
+    else
+      work_[k] = comm_.allreduce_async(storage_[k].raw(), bk.count, bk.dtype, 1.0 / comm_.size());
+  }
+}
+
+// Note [ZeRO-1]
+// Rank r owns elements [count * r / N, count * (r + 1) / N) of every bucket. Its gradients are
+// reduce-scattered into a buffer of that slice; its optimizer (of the caller's optimizer's kind and
+// hyperparameters) holds one "parameter" per piece of a real parameter inside the slice (views of
+// the weights and of the slice buffer), so it keeps 1/N of the state; after its update the
+// parameters are all-gathered, bucket by bucket, through a flat copy. Elementwise optimizers (SGD,
+// AdamW) give the same update on a slice as on the whole.
+void DataParallel::shard_optimizer(const Optimizer& like) {
+  GRAFT_CHECK(s_.mode() != GradMode::Step, ErrorKind::InvalidArgument,
+              "the sharded optimizer (ZeRO-1) is for accumulate, hold and hook modes; step mode "
+              "already keeps no gradient set");
+  GRAFT_CHECK(!shard_opt_, ErrorKind::InvalidArgument, "shard_optimizer called twice");
+  const int n = comm_.size(), r = comm_.rank();
+  auto& ps = s_.parameters();
+  size_t pieces = 0;
+  for (const Bucket& bk : buckets_) pieces += bk.params.size();
+  shard_params_.reserve(pieces);  // pointers into it stay valid
+  std::vector<Parameter*> mine;
+  chunk_.resize(buckets_.size());
+  counts_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bk = buckets_[b];
+    GRAFT_CHECK(
+        bk.count < INT32_MAX, ErrorKind::InvalidArgument,
+        "a gradient bucket of 2^31 elements or more cannot be sharded; lower --bucket-size");
+    for (int q = 0; q < n; ++q)
+      counts_[b].push_back(static_cast<int>(bk.count * (q + 1) / n - bk.count * q / n));
+    const int64_t lo = bk.count * r / n, hi = bk.count * (r + 1) / n;
+    chunk_[b] = Tensor::zeros({std::max<int64_t>(hi - lo, 1)}, bk.dtype, s_.allocator(),
+                              Category::Gradient);
+    const size_t es = dtype_size(bk.dtype);
+    for (size_t k = 0; k < bk.params.size(); ++k) {
+      Parameter& p = ps[bk.params[k]];
+      const int64_t a = std::max(lo, bk.offset[k]);
+      const int64_t z = std::min(hi, bk.offset[k] + p.data.numel());
+      if (a >= z) continue;
+      Parameter sp;
+      sp.name = p.name + "[" + std::to_string(a - bk.offset[k]) + ":" +
+                std::to_string(z - bk.offset[k]) + "]";
+      sp.data = Tensor::external(static_cast<char*>(p.data.raw()) + (a - bk.offset[k]) * es,
+                                 {z - a}, bk.dtype, p.data.storage());
+      sp.grad = Tensor::external(static_cast<char*>(chunk_[b].raw()) + (a - lo) * es, {z - a},
+                                 bk.dtype, chunk_[b].storage());
+      shard_params_.push_back(std::move(sp));
+      mine.push_back(&shard_params_.back());
+    }
+  }
+  const OptimizerState st = like.state();
+  const auto& h = st.hyper;
+  if (std::string(like.kind()) == "sgd") {
+    SGDOptions o;
+    o.lr = h.at("lr");
+    o.momentum = h.at("momentum");
+    o.dampening = h.at("dampening");
+    o.weight_decay = h.at("weight_decay");
+    o.nesterov = h.at("nesterov") != 0;
+    shard_opt_ = std::make_unique<SGD>(mine, o, &s_.allocator());
+  } else if (std::string(like.kind()) == "adamw") {
+    AdamWOptions o;
+    o.lr = h.at("lr");
+    o.beta1 = h.at("beta1");
+    o.beta2 = h.at("beta2");
+    o.eps = h.at("eps");
+    o.weight_decay = h.at("weight_decay");
+    shard_opt_ = std::make_unique<AdamW>(mine, o, &s_.allocator());
+  } else {
+    fail(ErrorKind::Unsupported,
+         std::string("the sharded optimizer supports sgd and adamw, not ") + like.kind());
+  }
+  like_ = &like;
+}
+
+int64_t DataParallel::sharded_state_bytes() const {
+  if (!shard_opt_) return 0;
+  int64_t b = 0;
+  for (const auto& per : shard_opt_->state().tensors)
+    for (const auto& [name, t] : per)
+      if (t.defined()) b += static_cast<int64_t>(t.nbytes());
+  return b;
+}
+
+void DataParallel::sharded_update() {
+  shard_opt_->set_lr(like_->lr());  // schedules set the caller's optimizer's rate
+  shard_opt_->step();
+  auto& ps = s_.parameters();
+  const int r = comm_.rank(), n = comm_.size();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bk = buckets_[b];
+    const size_t es = dtype_size(bk.dtype);
+    Tensor flat = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Workspace);
+    char* f = static_cast<char*>(flat.raw());
+    const int64_t lo = bk.count * r / n, hi = bk.count * (r + 1) / n;
+    for (size_t k = 0; k < bk.params.size(); ++k) {  // this rank's updated slice into place
+      const Parameter& p = ps[bk.params[k]];
+      const int64_t a = std::max(lo, bk.offset[k]);
+      const int64_t z = std::min(hi, bk.offset[k] + p.data.numel());
+      if (a < z)
+        std::memcpy(f + a * es, static_cast<const char*>(p.data.raw()) + (a - bk.offset[k]) * es,
+                    (z - a) * es);
+    }
+    comm_.allgatherv(f, counts_[b], bk.dtype);
+    for (size_t k = 0; k < bk.params.size(); ++k) {
+      Parameter& p = ps[bk.params[k]];
+      std::memcpy(p.data.raw(), f + bk.offset[k] * es, p.data.nbytes());
+    }
   }
 }
 
@@ -324,6 +436,7 @@ double DataParallel::step() {
   else
     wait_all();
   const double t_end = comm_.now();
+  if (shard_opt_) sharded_update();
   stats_ = DataParallelStats{};
   stats_.buckets = static_cast<int>(buckets_.size());
   stats_.backward_seconds = t_bwd - t0;

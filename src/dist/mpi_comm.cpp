@@ -21,6 +21,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "graft/distributed.h"
 
@@ -53,7 +54,8 @@ std::string mib(int64_t bytes) {
 }
 
 struct Job {
-  enum Kind { Broadcast, Allgather, Barrier, Allreduce } kind;
+  enum Kind { Broadcast, Allgather, Barrier, Allreduce, ReduceScatter, Allgatherv } kind;
+  std::vector<int> counts;  // ReduceScatter, Allgatherv: per rank
   void* data = nullptr;
   const void* in = nullptr;
   int64_t n = 0;  // bytes (Broadcast, Allgather) or elements (Allreduce)
@@ -160,6 +162,33 @@ class MpiComm final : public Communicator {
     j->scale = scale;
     return std::make_shared<MpiWork>(this, submit(j));
   }
+  std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv,
+                                             const std::vector<int>& counts, DType dt,
+                                             double scale) override {
+    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
+                std::string("reduce-scatter of ") + dtype_name(dt) + " gradients");
+    GRAFT_CHECK(static_cast<int>(counts.size()) == size_, ErrorKind::Internal,
+                "reduce-scatter: one count per rank");
+    auto j = std::make_shared<Job>();
+    j->kind = Job::ReduceScatter;
+    j->in = send;
+    j->data = recv;
+    j->counts = counts;
+    j->n = counts[rank_];
+    j->dt = dt;
+    j->scale = scale;
+    return std::make_shared<MpiWork>(this, submit(j));
+  }
+  void allgatherv(void* data, const std::vector<int>& counts, DType dt) override {
+    GRAFT_CHECK(static_cast<int>(counts.size()) == size_, ErrorKind::Internal,
+                "allgatherv: one count per rank");
+    auto j = std::make_shared<Job>();
+    j->kind = Job::Allgatherv;
+    j->data = data;
+    j->counts = counts;
+    j->dt = dt;
+    wait(submit(j));
+  }
   [[noreturn]] void abort(int code) override {
     std::fflush(stdout);
     std::fflush(stderr);
@@ -244,6 +273,19 @@ class MpiComm final : public Communicator {
     }
   }
 
+  // A plain loop: this thread must not use the kernels' thread pool, which the caller's backward
+  // is using at the same moment.
+  static void scale_in_place(void* data, int64_t n, bool f32, double scale) {
+    if (f32) {
+      float* x = static_cast<float*>(data);
+      const float s = static_cast<float>(scale);
+      for (int64_t i = 0; i < n; ++i) x[i] *= s;
+    } else {
+      double* x = static_cast<double*>(data);
+      for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+    }
+  }
+
   std::string run(Job& j) {
     j.t0 = now();
     std::string err;
@@ -272,6 +314,28 @@ class MpiComm final : public Communicator {
         err = rc != MPI_SUCCESS ? "barrier failed: " + mpi_error(rc) : poll(req, "a barrier");
         break;
       }
+      case Job::ReduceScatter: {
+        const bool f32 = j.dt == DType::F32;
+        int rc = MPI_Ireduce_scatter(j.in, j.data, j.counts.data(), f32 ? MPI_FLOAT : MPI_DOUBLE,
+                                     MPI_SUM, comm_, &req);
+        int64_t total = 0;
+        for (int c : j.counts) total += c;
+        err = rc != MPI_SUCCESS ? "reduce-scatter failed: " + mpi_error(rc)
+                                : poll(req, "the reduce-scatter of a " +
+                                                mib(total * (f32 ? 4 : 8)) + " gradient bucket");
+        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, f32, j.scale);
+        break;
+      }
+      case Job::Allgatherv: {
+        const bool f32 = j.dt == DType::F32;
+        std::vector<int> displs(j.counts.size(), 0);
+        for (size_t r = 1; r < j.counts.size(); ++r) displs[r] = displs[r - 1] + j.counts[r - 1];
+        int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.data, j.counts.data(),
+                                 displs.data(), f32 ? MPI_FLOAT : MPI_DOUBLE, comm_, &req);
+        err = rc != MPI_SUCCESS ? "parameter all-gather failed: " + mpi_error(rc)
+                                : poll(req, "the all-gather of the updated parameters");
+        break;
+      }
       case Job::Allreduce: {
         const bool f32 = j.dt == DType::F32;
         const size_t es = f32 ? 4 : 8;
@@ -284,18 +348,7 @@ class MpiComm final : public Communicator {
                     ? "all-reduce failed: " + mpi_error(rc)
                     : poll(req, "the all-reduce of a " + mib(j.n * es) + " gradient bucket");
         }
-        if (err.empty() && j.scale != 1) {
-          // A plain loop: this thread must not use the kernels' thread pool, which the caller's
-          // backward is using at the same moment.
-          if (f32) {
-            float* x = static_cast<float*>(j.data);
-            const float s = static_cast<float>(j.scale);
-            for (int64_t i = 0; i < j.n; ++i) x[i] *= s;
-          } else {
-            double* x = static_cast<double*>(j.data);
-            for (int64_t i = 0; i < j.n; ++i) x[i] *= j.scale;
-          }
-        }
+        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, f32, j.scale);
         break;
       }
     }

@@ -8,6 +8,7 @@ rank 0 resume on every rank bit-identically; a model that differs between ranks,
 early and a rank that is killed end the job with an error, never a hang."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -112,6 +113,28 @@ def test_micro_batches_alone_equal_the_whole_batch_and_half_a_batch_does_not(dat
               "--save-params", tmp_path / "half", *OPTIMIZERS["sgd"])
     with pytest.raises(AssertionError, match="max"):
         assert_close(load_pbs(tmp_path / "half", "param"), load_pbs(tmp_path / "single", "param"), 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "hook"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_sharded_optimizer_zero1_equals_one_process_with_half_the_state(data, tmp_path, opt, mode):
+    run_graft(*train(data, tmp_path / "single", opt, "accumulate"))
+    p = check_ok(mpirun([*train(data, tmp_path / "zero", opt, mode), "--data-parallel", "--bucket-size", "2K",
+                         "--shard-optimizer", "--micro-batches", 2]))
+    assert_close(load_pbs(tmp_path / "zero", "param"), load_pbs(tmp_path / "single", "param"), 1e-5)
+    line = next(l for l in p.stdout.splitlines() if l.startswith("sharded optimizer state"))
+    mine, full = map(int, re.match(r"sharded optimizer state: (\d+) bytes on rank 0 \(unsharded: (\d+)\)", line).groups())
+    assert full > 0 and abs(2 * mine - full) <= 16, line  # each rank holds half, to a few elements
+
+
+def test_sharded_optimizer_refusals(data, tmp_path):
+    p = run_graft(*train(data, tmp_path / "o", "sgd", "accumulate"), "--shard-optimizer", check=False)
+    assert p.returncode != 0 and "--shard-optimizer needs --data-parallel" in p.stderr, p.stderr
+    p = mpirun([*train(data, tmp_path / "o", "sgd", "step"), "--data-parallel", "--shard-optimizer"])
+    assert p.returncode != 0 and "step mode already keeps no gradient set" in p.stderr, p.stderr
+    p = mpirun([*train(data, tmp_path / "o", "sgd", "accumulate"), "--data-parallel", "--shard-optimizer",
+                "--checkpoint", tmp_path / "ck"])
+    assert p.returncode != 0 and "do not gather yet" in p.stderr, p.stderr
 
 
 def test_checkpoints_resume_on_every_rank(data, tmp_path):
