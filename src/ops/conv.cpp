@@ -112,6 +112,8 @@ void for_each_tap(const Window& w, F&& f) {
 Window conv_window(const Node& n, const Shape& x, const Shape& wt,
                    const std::function<void(const std::string&)>& err) {
   if (wt.size() != x.size()) err("X and W differ in rank");
+  if (x.size() < 3)
+    err("X has rank " + std::to_string(x.size()) + "; Conv needs (N, C, spatial...)");
   return window(n, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
 }
 void infer_conv(InferCtx& c) {
