@@ -139,9 +139,12 @@ class DataParallel {
   const DataParallelStats& last_stats() const { return stats_; }
 
  private:
-  void check_same_model();
+  void check_same_model(const std::vector<int>& order);
   void broadcast_parameters();
   void bind_grad_views();
+  void bind_view(int i);
+  char* slot(int b, size_t k) const;
+  void ensure_bucket(int b);
   void on_ready(Parameter& p);
   void on_step_grad(Parameter& p, const Tensor& grad);
   void launch(int b);
@@ -170,6 +173,11 @@ class DataParallel {
   std::vector<Parameter> shard_params_;   // this rank's slices of parameters (views)
   std::vector<Tensor> chunk_;             // per bucket: this rank's averaged slice of the gradients
   std::vector<std::vector<int>> counts_;  // per bucket: every rank's slice length
+  struct Piece {
+    int k;         // the parameter's index in its bucket
+    int64_t a, z;  // bucket elements [a, z) of it in this rank's slice
+  };
+  std::vector<std::vector<Piece>> pieces_;  // per bucket
 };
 
 }  // namespace graft

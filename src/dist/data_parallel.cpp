@@ -52,7 +52,8 @@ DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOpti
   auto& ps = s.parameters();
   bucket_of_.assign(ps.size(), -1);
   slot_of_.assign(ps.size(), -1);
-  for (int i : s.delivery_order()) {
+  const std::vector<int> order = s.delivery_order();
+  for (int i : order) {
     const Parameter& p = ps[i];
     const DType dt = p.data.dtype();
     GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
@@ -70,7 +71,7 @@ DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOpti
     b.offset.push_back(b.count);
     b.count += p.data.numel();
   }
-  check_same_model();
+  check_same_model(order);
   broadcast_parameters();
 
   const size_t nb = buckets_.size();
@@ -85,12 +86,10 @@ DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOpti
     for (size_t b = 0; b < nb; ++b) {
       const Bucket& bk = buckets_[b];
       storage_[b] = Tensor::zeros({bk.count}, bk.dtype, s.allocator(), Category::Gradient);
-      char* base = static_cast<char*>(storage_[b].raw());
-      for (size_t k = 0; k < bk.params.size(); ++k) {
-        const Parameter& p = ps[bk.params[k]];
-        views_[bk.params[k]] = Tensor::external(base + bk.offset[k] * dtype_size(bk.dtype),
-                                                p.data.shape(), bk.dtype, storage_[b].storage());
-      }
+      for (size_t k = 0; k < bk.params.size(); ++k)
+        views_[bk.params[k]] =
+            Tensor::external(slot(static_cast<int>(b), k), ps[bk.params[k]].data.shape(), bk.dtype,
+                             storage_[b].storage());
     }
   }
   s.set_grad_ready([this](Parameter& p) { on_ready(p); });
@@ -104,7 +103,7 @@ DataParallel::~DataParallel() {
   // .grad views keep their bucket alive (their storage holds it), so nothing dangles.
 }
 
-void DataParallel::check_same_model() {
+void DataParallel::check_same_model(const std::vector<int>& order) {
   // Per parameter a fingerprint; then everything else that must agree. Gathered from every rank
   // and compared with rank 0's, so every rank names the same first difference.
   const auto& ps = s_.parameters();
@@ -126,7 +125,7 @@ void DataParallel::check_same_model() {
   }
   uint64_t setup = fnv(1469598103934665603ull, static_cast<int64_t>(s_.mode()));
   setup = fnv(setup, o_.bucket_bytes);
-  for (int i : s_.delivery_order()) setup = fnv(setup, static_cast<int64_t>(i));
+  for (int i : order) setup = fnv(setup, static_cast<int64_t>(i));
   mine.push_back(setup);
   std::vector<uint64_t> all(mine.size() * n);
   comm_.allgather(mine.data(), static_cast<int64_t>(mine.size() * sizeof(uint64_t)), all.data());
@@ -164,26 +163,40 @@ void DataParallel::set_sync(bool sync) {
   sync_ = sync;
 }
 
-void DataParallel::bind_grad_views() {
+char* DataParallel::slot(int b, size_t k) const {
+  const Bucket& bk = buckets_[b];
+  return static_cast<char*>(storage_[b].raw()) + bk.offset[k] * dtype_size(bk.dtype);
+}
+
+void DataParallel::ensure_bucket(int b) {
+  // Step mode: a bucket exists from its first gradient until its update (Note [Buckets ...]).
+  if (storage_[b].defined()) return;
+  storage_[b] =
+      Tensor::empty({buckets_[b].count}, buckets_[b].dtype, s_.allocator(), Category::Gradient);
+  applied_[b] = false;
+}
+
+void DataParallel::bind_view(int i) {
   // .grad must be the bucket's view so backward writes where the all-reduce reads. One the user
-  // replaced (or set to None) is copied in (or zeroed) and rebound.
-  auto& ps = s_.parameters();
-  for (size_t i = 0; i < ps.size(); ++i) {
-    if (bucket_of_[i] < 0) continue;
-    Parameter& p = ps[i];
-    Tensor& v = views_[i];
-    if (p.grad.defined() && p.grad.storage() == v.storage()) continue;
-    if (p.grad.defined()) {
-      GRAFT_CHECK(p.grad.dtype() == v.dtype() && p.grad.numel() == v.numel(),
-                  ErrorKind::ShapeMismatch,
-                  "parameter " + describe(p) + ": its .grad is " + dtype_name(p.grad.dtype()) +
-                      " " + shape_str(p.grad.shape()));
-      std::memcpy(v.raw(), p.grad.raw(), v.nbytes());
-    } else {
-      std::memset(v.raw(), 0, v.nbytes());
-    }
-    p.grad = v;
+  // replaced is copied in, None is zeroed, and .grad is rebound.
+  Parameter& p = s_.parameters()[i];
+  Tensor& v = views_[i];
+  if (p.grad.defined() && p.grad.storage() == v.storage()) return;
+  if (p.grad.defined()) {
+    GRAFT_CHECK(p.grad.dtype() == v.dtype() && p.grad.numel() == v.numel(),
+                ErrorKind::ShapeMismatch,
+                "parameter " + describe(p) + ": its .grad is " + dtype_name(p.grad.dtype()) + " " +
+                    shape_str(p.grad.shape()));
+    std::memcpy(v.raw(), p.grad.raw(), v.nbytes());
+  } else {
+    std::memset(v.raw(), 0, v.nbytes());
   }
+  p.grad = v;
+}
+
+void DataParallel::bind_grad_views() {
+  for (size_t i = 0; i < bucket_of_.size(); ++i)
+    if (bucket_of_[i] >= 0) bind_view(static_cast<int>(i));
 }
 
 void DataParallel::on_ready(Parameter& p) {
@@ -191,14 +204,7 @@ void DataParallel::on_ready(Parameter& p) {
   const int i = static_cast<int>(&p - s_.parameters().data());
   const int b = bucket_of_[i];
   if (b < 0 || ready_[i]) return;
-  if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) {
-    // Replaced during backward (a hook of the caller's): copy it into the bucket.
-    if (p.grad.defined())
-      std::memcpy(views_[i].raw(), p.grad.raw(), views_[i].nbytes());
-    else
-      std::memset(views_[i].raw(), 0, views_[i].nbytes());
-    p.grad = views_[i];
-  }
+  bind_view(i);  // replaced during backward (a hook of the caller's): copied into the bucket
   ready_[i] = true;
   if (--pending_[b] == 0 && o_.overlap) launch(b);
 }
@@ -207,20 +213,15 @@ void DataParallel::on_step_grad(Parameter& p, const Tensor& grad) {
   const int i = static_cast<int>(&p - s_.parameters().data());
   if (s_.mode() == GradMode::Hook) {
     // What AccumulateGrad does, into the bucket's view (bound before the step).
-    if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) bind_grad_views();
+    bind_view(i);
     add_inplace(p.grad, grad);
     return;  // on_ready (called next by the session) counts it
   }
   // Step mode, synchronized step: keep the gradient in its bucket until the bucket is averaged.
   const int b = bucket_of_[i];
   if (b < 0 || !in_step_) return;
-  const Bucket& bk = buckets_[b];
-  if (!storage_[b].defined()) {
-    storage_[b] = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Gradient);
-    applied_[b] = false;
-  }
-  std::memcpy(static_cast<char*>(storage_[b].raw()) + bk.offset[slot_of_[i]] * dtype_size(bk.dtype),
-              grad.raw(), grad.nbytes());
+  ensure_bucket(b);
+  std::memcpy(slot(b, slot_of_[i]), grad.raw(), grad.nbytes());
   ready_[i] = true;
   if (--pending_[b] == 0 && o_.overlap) launch(b);
   apply_finished_updates(false);
@@ -260,6 +261,7 @@ void DataParallel::shard_optimizer(const Optimizer& like) {
   std::vector<Parameter*> mine;
   chunk_.resize(buckets_.size());
   counts_.resize(buckets_.size());
+  pieces_.resize(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bk = buckets_[b];
     GRAFT_CHECK(
@@ -276,6 +278,7 @@ void DataParallel::shard_optimizer(const Optimizer& like) {
       const int64_t a = std::max(lo, bk.offset[k]);
       const int64_t z = std::min(hi, bk.offset[k] + p.data.numel());
       if (a >= z) continue;
+      pieces_[b].push_back({static_cast<int>(k), a, z});
       Parameter sp;
       sp.name = p.name + "[" + std::to_string(a - bk.offset[k]) + ":" +
                 std::to_string(z - bk.offset[k]) + "]";
@@ -325,21 +328,16 @@ void DataParallel::sharded_update() {
   shard_opt_->set_lr(like_->lr());  // schedules set the caller's optimizer's rate
   shard_opt_->step();
   auto& ps = s_.parameters();
-  const int r = comm_.rank(), n = comm_.size();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Bucket& bk = buckets_[b];
     const size_t es = dtype_size(bk.dtype);
     Tensor flat = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Workspace);
     char* f = static_cast<char*>(flat.raw());
-    const int64_t lo = bk.count * r / n, hi = bk.count * (r + 1) / n;
-    for (size_t k = 0; k < bk.params.size(); ++k) {  // this rank's updated slice into place
-      const Parameter& p = ps[bk.params[k]];
-      const int64_t a = std::max(lo, bk.offset[k]);
-      const int64_t z = std::min(hi, bk.offset[k] + p.data.numel());
-      if (a < z)
-        std::memcpy(f + a * es, static_cast<const char*>(p.data.raw()) + (a - bk.offset[k]) * es,
-                    (z - a) * es);
-    }
+    for (const Piece& pc : pieces_[b])  // this rank's updated slice into place
+      std::memcpy(
+          f + pc.a * es,
+          static_cast<const char*>(ps[bk.params[pc.k]].data.raw()) + (pc.a - bk.offset[pc.k]) * es,
+          (pc.z - pc.a) * es);
     comm_.allgatherv(f, counts_[b], bk.dtype);
     for (size_t k = 0; k < bk.params.size(); ++k) {
       Parameter& p = ps[bk.params[k]];
@@ -360,14 +358,13 @@ void DataParallel::apply_finished_updates(bool wait_all) {
     if (!wait_all && !work_[b]->done()) return;
     work_[b]->wait();
     const Bucket& bk = buckets_[b];
-    char* base = static_cast<char*>(storage_[b].raw());
     for (size_t k = 0; k < bk.params.size(); ++k) {
       Parameter& p = ps[bk.params[k]];
       if (!opt_) continue;
       const int oi = opt_->index_of(p);
       if (oi < 0) continue;
-      Tensor g = Tensor::external(base + bk.offset[k] * dtype_size(bk.dtype), p.data.shape(),
-                                  bk.dtype, storage_[b].storage());
+      Tensor g = Tensor::external(slot(static_cast<int>(b), k), p.data.shape(), bk.dtype,
+                                  storage_[b].storage());
       opt_->update(static_cast<size_t>(oi), g);
     }
     applied_[b] = true;
@@ -412,20 +409,10 @@ double DataParallel::step() {
     const int b = bucket_of_[i];
     if (b < 0 || ready_[i]) continue;
     if (step_mode) {
-      const Bucket& bk = buckets_[b];
-      if (!storage_[b].defined()) {
-        storage_[b] = Tensor::empty({bk.count}, bk.dtype, s_.allocator(), Category::Gradient);
-        applied_[b] = false;
-      }
-      std::memset(
-          static_cast<char*>(storage_[b].raw()) + bk.offset[slot_of_[i]] * dtype_size(bk.dtype), 0,
-          s_.parameters()[i].data.nbytes());
+      ensure_bucket(b);
+      std::memset(slot(b, slot_of_[i]), 0, s_.parameters()[i].data.nbytes());
     } else {
-      Parameter& p = s_.parameters()[i];
-      if (!p.grad.defined() || p.grad.storage() != views_[i].storage()) {
-        std::memset(views_[i].raw(), 0, views_[i].nbytes());
-        p.grad = views_[i];
-      }
+      bind_view(static_cast<int>(i));
     }
     ready_[i] = true;
     --pending_[b];
