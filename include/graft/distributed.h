@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,11 @@ class Communicator {
   // Whether an operation failed (and said so on stderr, naming this rank); every later one fails.
   virtual bool failed() const = 0;
 };
+
+// After an error on this rank, in a job whose other ranks would wait in a collective this rank
+// never joins: prints the error naming the rank (unless the communicator already reported its own
+// failure), then ends the whole job (Communicator::abort) instead of letting them time out.
+[[noreturn]] void abort_job(Communicator& comm, const std::exception& e);
 
 // Whether this build has MPI (the distributed layer is optional: CMake finds Open MPI).
 bool mpi_available();

@@ -56,13 +56,6 @@ bool reset_hwm() {
   return ok;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 const Category kCats[kNumCategories] = {Category::Parameter, Category::Gradient,
                                         Category::Activation, Category::Workspace,
                                         Category::OptimizerState};

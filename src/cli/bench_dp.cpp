@@ -16,12 +16,6 @@ namespace graft::cli {
 
 namespace {
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
 struct DpRow {
   GradMode mode;
   bool overlap;
@@ -72,11 +66,11 @@ DpRow run_dp(const BenchArgs& a, Communicator& comm, GradMode mode, bool overlap
     r.buckets = st.buckets;
     r.bytes = st.bytes;
   }
-  r.step = median_of(step);
-  r.backward = median_of(bwd);
-  r.comm = median_of(cm);
-  r.exposed = median_of(ex);
-  r.hidden = median_of(hid);
+  r.step = median(step);
+  r.backward = median(bwd);
+  r.comm = median(cm);
+  r.exposed = median(ex);
+  r.hidden = median(hid);
   return r;
 }
 
@@ -99,9 +93,7 @@ int cmd_bench_dp(const BenchArgs& a) {
     for (GradMode m : modes)
       for (bool overlap : {true, false}) rows.push_back(run_dp(a, *comm, m, overlap));
   } catch (const std::exception& e) {
-    if (!comm->failed())
-      std::fprintf(stderr, "graft: rank %d of %d: %s\n", comm->rank(), n, e.what());
-    comm->abort(1);
+    abort_job(*comm, e);
   }
   if (comm->rank() != 0) return 0;
   if (a.json) {

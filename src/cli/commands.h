@@ -73,6 +73,8 @@ int cmd_bench_dp(const BenchArgs& a);  // src/cli/bench_dp.cpp
 // Shared helpers (src/cli/common.cpp).
 // --precision: true for bf16 (matrix products in bfloat16), false for fp32; InvalidArgument else.
 bool parse_precision(const std::string& p);
+// The median of `v` (0 when empty): the benchmarks' summary of per-step timings.
+double median(std::vector<double> v);
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random

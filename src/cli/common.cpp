@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
@@ -257,6 +258,13 @@ bool parse_precision(const std::string& p) {
   GRAFT_CHECK(p == "fp32" || p == "bf16", ErrorKind::InvalidArgument,
               "unknown --precision '" + p + "' (use fp32 or bf16)");
   return p == "bf16";
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 }  // namespace graft::cli

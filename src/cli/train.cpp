@@ -119,11 +119,7 @@ int cmd_train(const TrainArgs& a) {
     return train_loop(a, comm.get(), rank, ranks);
   } catch (const std::exception& e) {
     if (!comm || ranks == 1) throw;
-    // The other ranks would wait in a collective this rank never joins: say why, then end the job
-    // (MPI_Abort) instead of letting them reach their timeout.
-    // (A failed collective was reported by the communicator the moment it failed.)
-    if (!comm->failed()) std::fprintf(stderr, "graft: rank %d of %d: %s\n", rank, ranks, e.what());
-    comm->abort(1);
+    abort_job(*comm, e);
   }
   return 1;  // not reached: abort ends the process
 }

@@ -19,6 +19,8 @@
 // the next synchronized step averages the sums.
 #include <algorithm>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 
@@ -41,6 +43,13 @@ std::string describe(const Parameter& p) {
 }
 
 }  // namespace
+
+void abort_job(Communicator& comm, const std::exception& e) {
+  if (!comm.failed())
+    std::fprintf(stderr, "graft: rank %d of %d: %s\n", comm.rank(), comm.size(), e.what());
+  comm.abort(1);
+  std::_Exit(1);  // not reached (abort ends the process); for the compiler
+}
 
 DataParallel::DataParallel(TrainSession& s, Communicator& comm, DataParallelOptions o)
     : s_(s), comm_(comm), o_(o) {
