@@ -47,16 +47,15 @@ dnnl::engine& engine() {
   return e;
 }
 
-// f32 -> bf16 of one row, round to nearest even (NaN stays NaN).
+// f32 -> bf16 bits, round to nearest even (NaN stays NaN): the one rounding rule of both paths.
+inline uint16_t bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // quiet
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
 void row_to_bf16(const float* s, int64_t n, uint16_t* d) {
-  for (int64_t c = 0; c < n; ++c) {
-    uint32_t b;
-    std::memcpy(&b, s + c, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u)
-      d[c] = static_cast<uint16_t>((b >> 16) | 0x40u);  // a quiet NaN
-    else
-      d[c] = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  }
+  for (int64_t c = 0; c < n; ++c) d[c] = bf16_bits(s[c]);
 }
 // The same with AVX512-BF16's conversion instruction, 16 at a time (it rounds to nearest even too,
 // and flushes float32 denormals to zero).
@@ -141,17 +140,16 @@ bool bf16_gemm_active() { return t_bf16; }
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  // Stored shapes: A is M x K (K x M when transposed) with row stride lda; B likewise.
+  const int64_t ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
   if (M * N * K < (int64_t{1} << 18)) {
     // Small products (a oneDNN call costs microseconds, more than the product): the same
     // arithmetic, bfloat16-rounded operands and float32 accumulation, through OpenBLAS.
-    const int64_t ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
     std::vector<float> a(static_cast<size_t>(ra * ca)), b(static_cast<size_t>(rb * cb));
     auto round = [](const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) {
-          uint32_t x;
-          std::memcpy(&x, src + r * ld + c, 4);
-          if ((x & 0x7fffffffu) <= 0x7f800000u) x = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+          const uint32_t x = static_cast<uint32_t>(bf16_bits(src[r * ld + c])) << 16;
           std::memcpy(dst + r * cols + c, &x, 4);
         }
     };
@@ -166,9 +164,8 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   Prim& p = primitive(ta, tb, M, N, K, ldc, alpha, beta);
   uint16_t* a = t_a.get(static_cast<size_t>(M * K));
   uint16_t* b = t_b.get(static_cast<size_t>(K * N));
-  // Stored shapes: A is M x K (K x M when transposed) with row stride lda; B likewise.
-  to_bf16(A, ta ? K : M, ta ? M : K, lda, a);
-  to_bf16(B, tb ? N : K, tb ? K : N, ldb, b);
+  to_bf16(A, ra, ca, lda, a);
+  to_bf16(B, rb, cb, ldb, b);
   dnnl::stream s(engine());
   dnnl::memory ma(p.a, engine(), a), mb(p.b, engine(), b), mc(p.c, engine(), C);
   p.mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
