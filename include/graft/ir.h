@@ -65,6 +65,8 @@ struct Value {
   Tensor data;                               // Param / Constant
   int producer = -1;                         // node index, -1 if none
   Category category = Category::Activation;  // what its buffer counts as when computed
+  // Bytes of a tensor of this shape and dtype (the shape must be known).
+  int64_t bytes() const { return numel(shape) * static_cast<int64_t>(dtype_size(dtype)); }
 };
 
 struct OpDef;  // ops.h: the op table

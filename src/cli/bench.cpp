@@ -160,7 +160,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
         seen.insert(v.data.storage().get()).second)
       r.const_bytes += static_cast<int64_t>(v.data.storage()->bytes);
   for (const Value& v : s.graph().values)
-    if (v.name == "loss") r.loss_bytes = numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype));
+    if (v.name == "loss") r.loss_bytes = v.bytes();
 
   // The exact plan is known now (parameters exist, nothing else of the step does): refuse before
   // the first step if its peak cannot fit.

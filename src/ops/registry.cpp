@@ -213,8 +213,7 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes, Allocato
     // (shape arithmetic), and leave big ones to the executor, whose allocations are checked.
     int64_t out_bytes = 0;
     for (int o : n.outputs)
-      if (o >= 0)
-        out_bytes += numel(g.values[o].shape) * static_cast<int64_t>(dtype_size(g.values[o].dtype));
+      if (o >= 0) out_bytes += g.values[o].bytes();
     if (out_bytes > kMaxFoldBytes) continue;
     std::vector<const Tensor*> ins;
     Tensor placeholder;

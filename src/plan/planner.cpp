@@ -20,10 +20,6 @@ namespace {
 
 bool owned(const Value& v) { return v.kind == ValueKind::Intermediate; }
 
-int64_t bytes_of(const Value& v) {
-  return numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype));
-}
-
 bool is_sink(const Node& n) { return op_for(n).sink; }
 
 std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
@@ -243,7 +239,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
     for (int o : n.outputs) {
       if (o < 0) continue;
       int b = p.buffer[o];
-      if (b == o && owned(g.values[o])) live += bytes_of(g.values[o]);
+      if (b == o && owned(g.values[o])) live += g.values[o].bytes();
       ++remaining[b];
     }
     if (live > p.planned_peak) {
@@ -255,7 +251,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       int b = p.buffer[v];
       if (--remaining[b] == 0 && owned(g.values[b])) {
         st.buffer_frees.push_back(b);
-        live -= bytes_of(g.values[b]);
+        live -= g.values[b].bytes();
       }
     }
     p.live_after[s] = live;

@@ -136,10 +136,7 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
 // same inputs.
 namespace {
 double node_cost(const Graph& g, const Node& n) {
-  auto bytes = [&](int v) {
-    return v < 0 ? 0.0
-                 : static_cast<double>(numel(g.values[v].shape)) * dtype_size(g.values[v].dtype);
-  };
+  auto bytes = [&](int v) { return v < 0 ? 0.0 : static_cast<double>(g.values[v].bytes()); };
   auto shape = [&](int k) -> const Shape& { return g.values[n.inputs[k]].shape; };
   double moved = 0;
   for (int v : n.inputs) moved += bytes(v);
@@ -222,7 +219,7 @@ std::vector<std::vector<int>> TrainSession::recompute_candidates(const Plan& p) 
     double cost = 1;
     for (int ni : nodes) cost += node_cost(g_, g_.nodes[ni]);
     const Value& rv = g_.values[root];
-    const double bytes = static_cast<double>(numel(rv.shape)) * dtype_size(rv.dtype);
+    const double bytes = static_cast<double>(rv.bytes());
     cand.push_back({bytes / cost, root, vals});
   }
   std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
@@ -270,9 +267,7 @@ Plan TrainSession::plan_under_budget(Plan plan, PlanOptions& po) {
 void TrainSession::check_budget(const Plan& plan) const {
   if (opt_.max_memory <= 0) return;
   int64_t param_bytes = 0;
-  for (const Parameter& p : params_)
-    param_bytes += numel(g_.values[p.value].shape) *
-                   static_cast<int64_t>(dtype_size(g_.values[p.value].dtype));
+  for (const Parameter& p : params_) param_bytes += g_.values[p.value].bytes();
   int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
   if (total <= opt_.max_memory) return;
   // Name the biggest values alive at the planned peak.
@@ -305,9 +300,7 @@ std::string PlannedMemory::describe() const {
 }
 
 PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const {
-  auto bytes = [&](int v) {
-    return numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype));
-  };
+  auto bytes = [&](int v) { return g_.values[v].bytes(); };
   PlannedMemory m;
   for (const Parameter& p : params_) m.parameters += bytes(p.value);
   m.gradients = gradient_bytes();
@@ -348,8 +341,7 @@ std::vector<TrainSession::SavedValue> TrainSession::saved_for_backward() const {
     const Value& rv = g_.values[root];
     if (rv.kind != ValueKind::Intermediate || rv.producer < 0) continue;  // a view of an input
     const Node& n = g_.nodes[val.producer];
-    out.push_back(
-        {val.name, n.op, n.name, numel(rv.shape) * static_cast<int64_t>(dtype_size(rv.dtype))});
+    out.push_back({val.name, n.op, n.name, rv.bytes()});
   }
   std::sort(out.begin(), out.end(),
             [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
@@ -372,8 +364,7 @@ std::vector<TrainSession::SavedValue> TrainSession::live_at(const Plan& plan, in
     if (freed[o]) continue;
     const Value& v = g_.values[o];
     const Node& n = g_.nodes[v.producer];
-    out.push_back(
-        {v.name, n.op, n.name, numel(v.shape) * static_cast<int64_t>(dtype_size(v.dtype))});
+    out.push_back({v.name, n.op, n.name, v.bytes()});
   }
   std::stable_sort(out.begin(), out.end(),
                    [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
@@ -386,8 +377,7 @@ std::vector<TrainSession::SavedValue> TrainSession::live_at_peak() const {
 
 int64_t TrainSession::gradient_bytes() const {
   int64_t b = 0;
-  for (int v : bg_.params)
-    b += numel(g_.values[v].shape) * static_cast<int64_t>(dtype_size(g_.values[v].dtype));
+  for (int v : bg_.params) b += g_.values[v].bytes();
   return b;
 }
 
