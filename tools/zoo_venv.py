@@ -1,0 +1,20 @@
+"""What the tools that run the model zoo share (tools/zoo-report, recompute-report, bf16-report):
+the repository's paths and the re-execution of a tool under build/venv-zoo (made by tools/setup),
+where Hugging Face transformers is installed."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.join(ROOT, "build", "venv-zoo")
+ZOO_DIR = os.path.join(ROOT, "tests", "python")  # zoo.py
+
+
+def reexec_in_venv(script):
+    """Re-executes `script` (the tool's __file__) with the venv's interpreter, same arguments,
+    unless this already is it."""
+    if os.path.realpath(sys.prefix) == os.path.realpath(VENV):
+        return
+    py = os.path.join(VENV, "bin", "python")
+    if not os.path.exists(py):
+        sys.exit(f"{os.path.basename(script)}: {VENV} is missing; run tools/setup first")
+    os.execv(py, [py, os.path.abspath(script), *sys.argv[1:]])
