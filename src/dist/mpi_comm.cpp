@@ -53,6 +53,14 @@ std::string mib(int64_t bytes) {
   return b;
 }
 
+// The collectives reduce float32 and float64 (gradients) only.
+void require_float(DType dt, const char* what) {
+  GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
+              std::string(what) + " of " + dtype_name(dt) +
+                  " gradients (graft averages float32 and float64)");
+}
+MPI_Datatype mpi_type(DType dt) { return dt == DType::F32 ? MPI_FLOAT : MPI_DOUBLE; }
+
 struct Job {
   enum Kind { Broadcast, Allgather, Barrier, Allreduce, ReduceScatter, Allgatherv } kind;
   std::vector<int> counts;  // ReduceScatter, Allgatherv: per rank
@@ -151,9 +159,7 @@ class MpiComm final : public Communicator {
   }
   std::shared_ptr<Work> allreduce_async(void* data, int64_t count, DType dt,
                                         double scale) override {
-    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
-                std::string("all-reduce of ") + dtype_name(dt) +
-                    " gradients (graft averages float32 and float64)");
+    require_float(dt, "all-reduce");
     auto j = std::make_shared<Job>();
     j->kind = Job::Allreduce;
     j->data = data;
@@ -165,8 +171,7 @@ class MpiComm final : public Communicator {
   std::shared_ptr<Work> reduce_scatter_async(const void* send, void* recv,
                                              const std::vector<int>& counts, DType dt,
                                              double scale) override {
-    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::Unsupported,
-                std::string("reduce-scatter of ") + dtype_name(dt) + " gradients");
+    require_float(dt, "reduce-scatter");
     GRAFT_CHECK(static_cast<int>(counts.size()) == size_, ErrorKind::Internal,
                 "reduce-scatter: one count per rank");
     auto j = std::make_shared<Job>();
@@ -275,8 +280,8 @@ class MpiComm final : public Communicator {
 
   // A plain loop: this thread must not use the kernels' thread pool, which the caller's backward
   // is using at the same moment.
-  static void scale_in_place(void* data, int64_t n, bool f32, double scale) {
-    if (f32) {
+  static void scale_in_place(void* data, int64_t n, DType dt, double scale) {
+    if (dt == DType::F32) {
       float* x = static_cast<float*>(data);
       const float s = static_cast<float>(scale);
       for (int64_t i = 0; i < n; ++i) x[i] *= s;
@@ -315,40 +320,36 @@ class MpiComm final : public Communicator {
         break;
       }
       case Job::ReduceScatter: {
-        const bool f32 = j.dt == DType::F32;
-        int rc = MPI_Ireduce_scatter(j.in, j.data, j.counts.data(), f32 ? MPI_FLOAT : MPI_DOUBLE,
-                                     MPI_SUM, comm_, &req);
+        int rc = MPI_Ireduce_scatter(j.in, j.data, j.counts.data(), mpi_type(j.dt), MPI_SUM, comm_,
+                                     &req);
         int64_t total = 0;
         for (int c : j.counts) total += c;
         err = rc != MPI_SUCCESS ? "reduce-scatter failed: " + mpi_error(rc)
                                 : poll(req, "the reduce-scatter of a " +
-                                                mib(total * (f32 ? 4 : 8)) + " gradient bucket");
-        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, f32, j.scale);
+                                                mib(total * dtype_size(j.dt)) + " gradient bucket");
+        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, j.dt, j.scale);
         break;
       }
       case Job::Allgatherv: {
-        const bool f32 = j.dt == DType::F32;
         std::vector<int> displs(j.counts.size(), 0);
         for (size_t r = 1; r < j.counts.size(); ++r) displs[r] = displs[r - 1] + j.counts[r - 1];
         int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, j.data, j.counts.data(),
-                                 displs.data(), f32 ? MPI_FLOAT : MPI_DOUBLE, comm_, &req);
+                                 displs.data(), mpi_type(j.dt), comm_, &req);
         err = rc != MPI_SUCCESS ? "parameter all-gather failed: " + mpi_error(rc)
                                 : poll(req, "the all-gather of the updated parameters");
         break;
       }
       case Job::Allreduce: {
-        const bool f32 = j.dt == DType::F32;
-        const size_t es = f32 ? 4 : 8;
+        const size_t es = dtype_size(j.dt);
         for (int64_t off = 0; off < j.n && err.empty(); off += kChunk) {
           int c = static_cast<int>(std::min(kChunk, j.n - off));
           void* p = static_cast<char*>(j.data) + off * es;
-          int rc = MPI_Iallreduce(MPI_IN_PLACE, p, c, f32 ? MPI_FLOAT : MPI_DOUBLE, MPI_SUM, comm_,
-                                  &req);
+          int rc = MPI_Iallreduce(MPI_IN_PLACE, p, c, mpi_type(j.dt), MPI_SUM, comm_, &req);
           err = rc != MPI_SUCCESS
                     ? "all-reduce failed: " + mpi_error(rc)
                     : poll(req, "the all-reduce of a " + mib(j.n * es) + " gradient bucket");
         }
-        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, f32, j.scale);
+        if (err.empty() && j.scale != 1) scale_in_place(j.data, j.n, j.dt, j.scale);
         break;
       }
     }
