@@ -1,0 +1,183 @@
+// The float32 vector math of vmath.h, written once over a lane type: included (twice) by vmath.h
+// inside a namespace that defines V (the float vector), M (its comparison mask), kLanes, the
+// attribute macro GRAFT_VM (target ISA + inline) and the primitives set1, load, store, add, sub,
+// mul, div, fma (a * b + c, one rounding), min, max (both return the second operand when either is
+// NaN, as x86 does), lt, ge (ordered: false on NaN), sel (m ? t : f), abs, xor_sign (x with the
+// sign bit of s flipped in), round (to nearest even) and ldexp2 (x * 2^n for float n, exact for a
+// normal result, n in [-75, 64]). No #pragma once: each inclusion makes its own namespace's copy.
+//
+// Every function is a fixed sequence of IEEE operations, so the AVX-512 and AVX2 copies give the
+// same bits, and an element's value does not depend on its position (the tails go through the
+// same code on a padded vector).
+
+// exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite with FMA), exp(r) by Cephes' degree-7
+// polynomial, scaled by 2^n as two exact-or-once-rounded halves so that results in the denormal
+// range (x down to -103.97) round once and n = 128 does not overflow the exponent field. x is
+// clamped to [-104, 88.8] first (min/max keep NaN, which then propagates through the polynomial).
+GRAFT_VM V v_exp(V x) {
+  x = min(set1(88.8f), max(set1(-104.0f), x));
+  const V n = round(mul(x, set1(1.44269504088896341f)));
+  V r = fma(n, set1(-0.693145751953125f), x);
+  r = fma(n, set1(-1.428606765330187045e-06f), r);
+  V p = set1(1.9875691500E-4f);
+  p = fma(p, r, set1(1.3981999507E-3f));
+  p = fma(p, r, set1(8.3334519073E-3f));
+  p = fma(p, r, set1(4.1665795894E-2f));
+  p = fma(p, r, set1(1.6666665459E-1f));
+  p = fma(p, r, set1(5.0000001201E-1f));
+  p = add(fma(p, mul(r, r), r), set1(1.0f));  // 1 + (r + r^2 P(r)): one rounding near 1
+  return ldexp2(p, n);
+}
+
+// tanh(x), computed for |x| and given x's sign: |x| < 0.625: Cephes' odd polynomial
+// x + x^3 P(x^2); else 1 - 2 / (exp(2|x|) + 1) (exp overflows to inf for |x| > 44, giving exactly
+// 1; NaN propagates through exp).
+GRAFT_VM V v_tanh(V x) {
+  const V a = abs(x);
+  const V z = mul(a, a);
+  V p = set1(-5.70498872745E-3f);
+  p = fma(p, z, set1(2.06390887954E-2f));
+  p = fma(p, z, set1(-5.37397155531E-2f));
+  p = fma(p, z, set1(1.33314422036E-1f));
+  p = fma(p, z, set1(-3.33332819422E-1f));
+  const V small = fma(mul(p, z), a, a);
+  const V e = v_exp(add(a, a));
+  const V big = sub(set1(1.0f), div(set1(2.0f), add(e, set1(1.0f))));
+  return xor_sign(sel(lt(a, set1(0.625f)), small, big), x);  // tanh(-0) = -0
+}
+
+// erf(x): |x| < 0.875: x + x P(x^2) (degree 5); else 1 - exp(-x^2) R(|x|), R a degree-9 fit of
+// erfcx on [0.875, 4] (|x| clamped to 4: erf rounds to 1 in float from 3.92 on), with x's sign.
+// Both fits were made for this file (weighted least squares, numpy); errors in the test.
+GRAFT_VM V v_erf(V x) {
+  const V a = abs(x);
+  const V z = mul(x, x);
+  V p = set1(-6.235155743e-04f);
+  p = fma(p, z, set1(5.038737785e-03f));
+  p = fma(p, z, set1(-2.679630555e-02f));
+  p = fma(p, z, set1(1.128260791e-01f));
+  p = fma(p, z, set1(-3.761256933e-01f));
+  p = fma(p, z, set1(1.283791661e-01f));
+  const V small = fma(x, p, x);    // x + x (2/sqrt(pi) - 1 + ...): one rounding of a sum near x
+  const V b = min(set1(4.0f), a);  // NaN: the comparison below is false and picks small (NaN)
+  const V t = sub(b, set1(2.4375f));
+  V q = set1(-3.691327220e-05f);
+  q = fma(q, t, set1(-8.540890121e-05f));
+  q = fma(q, t, set1(-1.801942853e-04f));
+  q = fma(q, t, set1(2.606878406e-04f));
+  q = fma(q, t, set1(-6.813412765e-04f));
+  q = fma(q, t, set1(2.797249705e-03f));
+  q = fma(q, t, set1(-8.647208102e-03f));
+  q = fma(q, t, set1(2.648237161e-02f));
+  q = fma(q, t, set1(-7.756455243e-02f));
+  q = fma(q, t, set1(2.155524492e-01f));
+  const V big = sub(set1(1.0f), mul(v_exp(mul(b, sub(set1(0.0f), b))), q));
+  return sel(ge(a, set1(0.875f)), xor_sign(big, x), small);
+}
+
+// sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below (no overflow, and tiny results
+// for very negative x keep their precision): one exp(-|x|) and one division either way. The
+// rounding of 1 + e (up to 1 ulp of the result) is corrected: h + l = 1 + e exactly (Fast2Sum),
+// q = num / h, and num / (h + l) = q (1 - l / h), with 1 / h = q (x >= 0) or 1 - q (x < 0).
+GRAFT_VM V v_sigmoid(V x) {
+  const V one = set1(1.0f);
+  const V e = v_exp(sub(set1(0.0f), abs(x)));
+  const V h = add(one, e);
+  const V l = sub(e, sub(h, one));
+  const M pos = ge(x, set1(0.0f));
+  const V q = div(sel(pos, one, e), h);
+  const V inv_h = sel(pos, q, sub(one, q));
+  return fma(sub(set1(0.0f), mul(q, l)), inv_h, q);
+}
+
+// The fused kernels, with the formulas of elementwise.cpp's scalar versions.
+GRAFT_VM V v_gelu_erf(V x) {
+  const V h = mul(set1(0.5f), x);
+  return mul(h, add(set1(1.0f), v_erf(mul(x, set1(0.70710678118654752f)))));
+}
+GRAFT_VM V v_gelu_tanh_inner(V x) {  // sqrt(2/pi) (x + 0.044715 x^3)
+  return mul(set1(0.7978845608028654f), add(x, mul(mul(mul(set1(0.044715f), x), x), x)));
+}
+GRAFT_VM V v_gelu_tanh(V x) {
+  const V h = mul(set1(0.5f), x);
+  return mul(h, add(set1(1.0f), v_tanh(v_gelu_tanh_inner(x))));
+}
+GRAFT_VM V v_gelu_erf_grad(V g, V x) {
+  const V cdf = mul(set1(0.5f), add(set1(1.0f), v_erf(mul(x, set1(0.70710678118654752f)))));
+  const V pdf = mul(v_exp(mul(mul(set1(-0.5f), x), x)), set1(0.3989422804014327f));
+  return mul(g, add(cdf, mul(x, pdf)));
+}
+GRAFT_VM V v_gelu_tanh_grad(V g, V x) {
+  const V t = v_tanh(v_gelu_tanh_inner(x));
+  const V one = set1(1.0f);
+  const V a = mul(set1(0.5f), add(one, t));
+  V b = mul(mul(mul(set1(0.5f), x), sub(one, mul(t, t))), set1(0.7978845608028654f));
+  b = mul(b, add(one, mul(mul(set1(3 * 0.044715f), x), x)));
+  return mul(g, add(a, b));
+}
+GRAFT_VM V v_silu(V x) { return mul(x, v_sigmoid(x)); }
+GRAFT_VM V v_silu_grad(V g, V x) {
+  const V s = v_sigmoid(x);
+  return mul(mul(g, s), add(set1(1.0f), mul(x, sub(set1(1.0f), s))));
+}
+GRAFT_VM V v_erf_grad(V g, V x) {
+  return mul(mul(g, set1(1.1283791670955126f)), v_exp(mul(sub(set1(0.0f), x), x)));
+}
+
+GRAFT_VM V apply1(Fn f, V x) {
+  switch (f) {
+    case Fn::Exp:
+      return v_exp(x);
+    case Fn::Tanh:
+      return v_tanh(x);
+    case Fn::Erf:
+      return v_erf(x);
+    case Fn::Sigmoid:
+      return v_sigmoid(x);
+    case Fn::Silu:
+      return v_silu(x);
+    case Fn::GeluErf:
+      return v_gelu_erf(x);
+    case Fn::GeluTanh:
+      return v_gelu_tanh(x);
+  }
+  return x;
+}
+GRAFT_VM V apply2(Fn2 f, V g, V x) {
+  switch (f) {
+    case Fn2::GeluErfGrad:
+      return v_gelu_erf_grad(g, x);
+    case Fn2::GeluTanhGrad:
+      return v_gelu_tanh_grad(g, x);
+    case Fn2::SiluGrad:
+      return v_silu_grad(g, x);
+    case Fn2::ErfGrad:
+      return v_erf_grad(g, x);
+  }
+  return x;
+}
+
+// y[i] = f(x[i]); the last n % kLanes elements through a zero-padded vector.
+template <Fn f>
+GRAFT_VM_LOOP void map1(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, apply1(f, load(x + i)));
+  if (i < n) {
+    float bx[kLanes] = {}, by[kLanes];
+    std::memcpy(bx, x + i, (n - i) * sizeof(float));
+    store(by, apply1(f, load(bx)));
+    std::memcpy(y + i, by, (n - i) * sizeof(float));
+  }
+}
+template <Fn2 f>
+GRAFT_VM_LOOP void map2(const float* g, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, apply2(f, load(g + i), load(x + i)));
+  if (i < n) {
+    float bg[kLanes] = {}, bx[kLanes] = {}, by[kLanes];
+    std::memcpy(bg, g + i, (n - i) * sizeof(float));
+    std::memcpy(bx, x + i, (n - i) * sizeof(float));
+    store(by, apply2(f, load(bg), load(bx)));
+    std::memcpy(y + i, by, (n - i) * sizeof(float));
+  }
+}
