@@ -6,7 +6,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, "build", "venv-zoo")
-ZOO_DIR = os.path.join(ROOT, "tests", "python")  # zoo.py
 
 
 def reexec_in_venv(script):

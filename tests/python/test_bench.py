@@ -1,4 +1,5 @@
-"""The seed's benchmark: `graft bench` byte relations, its JSON and trace output, `python3 -m graft.bench`.
+"""The seed's benchmark: `graft bench` byte relations, its JSON and trace output, `python3 -m graft.bench`,
+and `python3 -m graft.bench --zoo` (the model zoo, eager vs GraftModule; under build/venv-zoo).
 
 Byte relations are exact (the allocator counts bytes, not pages). With A = B*H*4 (one activation,
 also the input batch), W = H*H*4 (one weight gradient), G = L*(H*H+H)*4 (all gradients = all
@@ -18,6 +19,7 @@ parameters), set_to_none=False, after the warm-up step:
 No timing assertions.
 """
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -268,7 +270,9 @@ def test_python_bench_table():
 
 @pytest.mark.parametrize("args", [["--batch", "0"], ["--layer", "-1"], ["--steps", "0"], ["--threads", "0"],
                                   ["--batch", "x"], ["--graft-bin", "/nonexistent/graft", "--batch", "2",
-                                                     "--hidden", "8", "--layer", "1", "--steps", "1"]])
+                                                     "--hidden", "8", "--layer", "1", "--steps", "1"],
+                                  ["--zoo", "nosuch"], ["gpt2"], ["--zoo", "--plot", "x.png"],
+                                  ["--zoo", "lstm", "--repeat", "0"], ["--repeat", "2"]])
 def test_python_bench_bad_input(args):
     p = run_py_bench(*args, check=False)
     assert p.returncode != 0
@@ -289,3 +293,149 @@ def test_step_mode_holds_no_gradients_with_adamw():
     assert a["ma_bytes"] - s["ma_bytes"] == G
     assert s["max_ma_by_category"]["optimizer_state"] == 2 * P
     assert s["max_ma_by_category"]["gradients"] <= W
+
+
+# --- the model zoo: python3 -m graft.bench --zoo -------------------------------------------------
+def test_forward_flops_counts_matrix_products_and_convolutions():
+    """graft.bench.forward_flops: 2 per multiply-add of every matrix product and convolution, as
+    ATen runs them (Linear -> addmm, matmul -> bmm, grouped / transposed / 1-d convolutions)."""
+    torch = pytest.importorskip("torch")
+    from graft.bench import forward_flops
+    nn = torch.nn
+    torch.manual_seed(0)
+    assert forward_flops(nn.Linear(8, 4), (torch.randn(3, 8),)) == 2 * 3 * 8 * 4
+    assert forward_flops(nn.Linear(8, 4, bias=False), (torch.randn(2, 5, 8),)) == 2 * 10 * 8 * 4
+    a, b = torch.randn(6, 3, 7), torch.randn(6, 7, 2)
+    assert forward_flops(lambda x, y: x @ y, (a, b)) == 2 * 6 * 3 * 7 * 2
+    # Conv2d 3 -> 5, 3x3, padding 1, on 2 x 3 x 6 x 6: every output element is 3*9 multiply-adds.
+    assert forward_flops(nn.Conv2d(3, 5, 3, padding=1), (torch.randn(2, 3, 6, 6),)) == 2 * (2 * 5 * 36) * 3 * 9
+    # Grouped (depthwise) and strided: 4 channels, groups 4, stride 2: 2 x 4 x 3 x 3 outputs of 9.
+    assert forward_flops(nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4),
+                         (torch.randn(2, 4, 6, 6),)) == 2 * (2 * 4 * 9) * 1 * 9
+    assert forward_flops(nn.Conv1d(4, 6, 3, padding=1), (torch.randn(2, 4, 10),)) == 2 * (2 * 6 * 10) * 4 * 3
+    # Transposed: every input element meets C_out / groups * k weights.
+    assert forward_flops(nn.ConvTranspose2d(3, 2, 2, stride=2), (torch.randn(1, 3, 4, 4),)) == 2 * (3 * 16) * 2 * 4
+    # Elementwise ops, normalizations and lookups are not counted.
+    assert forward_flops(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4), nn.ReLU()),
+                         (torch.tensor([[1, 2, 3]]),)) == 0
+
+
+def zoo_python():
+    """build/venv-zoo's interpreter (tools/setup) with transformers, else skip."""
+    py = ROOT / "build" / "venv-zoo" / "bin" / "python"
+    if not py.exists():
+        pytest.skip(f"{py} is missing: run tools/setup")
+    has = subprocess.run([str(py), "-c", "import importlib.util, sys; "
+                          "sys.exit(importlib.util.find_spec('transformers') is None)"], capture_output=True)
+    if has.returncode != 0:
+        pytest.skip(f"transformers is not installed in {py}")
+    return str(py)
+
+
+def built_graft_parent():
+    """The folder holding a graft package with the compiled module (GraftModule needs it): the one
+    this test imports if it has it (PYTHONPATH=build/python), else build/python next to the graft
+    binary, else the repository's build/python."""
+    try:
+        import graft
+        cands = [pathlib.Path(graft.__file__).resolve().parents[1]]
+    except ImportError:
+        cands = []
+    if os.environ.get("GRAFT_BIN"):
+        cands.append(pathlib.Path(os.environ["GRAFT_BIN"]).resolve().parent / "python")
+    cands.append(ROOT / "build" / "python")
+    for c in cands:
+        if list((c / "graft").glob("_graft*.so")):
+            return str(c)
+    pytest.skip("no graft package with the compiled module _graft (build it, or PYTHONPATH=build/python)")
+
+
+def run_zoo_bench(python, *args, check=True):
+    env = dict(os.environ, PYTHONPATH=built_graft_parent(), HF_HUB_OFFLINE="1")
+    p = subprocess.run([python, "-m", "graft.bench", *map(str, args)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"python -m graft.bench {' '.join(map(str, args))} failed ({p.returncode}):\n"
+                             f"{p.stdout}\n{p.stderr}")
+    return p
+
+
+ZOO_ROW_KEYS = {"model", "mode", "precision", "status", "error", "eager_step_seconds", "graft_step_seconds",
+                "time_ratio", "eager_loss", "graft_loss", "loss_rel_diff", "flops_per_step", "eager_gflops",
+                "graft_gflops", "eager_first_step_seconds", "graft_first_step_seconds",
+                "eager_step_seconds_per_step", "graft_step_seconds_per_step", "eager_fp32_step_seconds",
+                "time_ratio_vs_eager_fp32", "eager_step_seconds_per_run", "graft_step_seconds_per_run"}
+
+
+def check_zoo_row(r, steps, loss_rtol):
+    assert ZOO_ROW_KEYS <= set(r), ZOO_ROW_KEYS - set(r)
+    assert r["status"] == "ok" and r["error"] == "", r
+    for k in ("eager_step_seconds", "graft_step_seconds", "eager_first_step_seconds", "graft_first_step_seconds"):
+        assert isinstance(r[k], float) and r[k] > 0, (k, r[k])
+    assert len(r["eager_step_seconds_per_step"]) == steps and len(r["graft_step_seconds_per_step"]) == steps
+    assert r["time_ratio"] == pytest.approx(r["graft_step_seconds"] / r["eager_step_seconds"])
+    # The first step's loss: the same random weights and batch in both processes.
+    le, lg = r["eager_loss"], r["graft_loss"]
+    assert math.isfinite(le) and le > 0 and math.isfinite(lg), r
+    assert abs(lg - le) <= loss_rtol * abs(le), f"{r['model']}: graft loss {lg} vs eager {le}"
+    assert r["loss_rel_diff"] == pytest.approx(abs(lg - le) / abs(le), abs=1e-12)
+    assert isinstance(r["flops_per_step"], int) and r["flops_per_step"] > 0
+    assert r["eager_gflops"] == pytest.approx(r["flops_per_step"] / r["eager_step_seconds"] / 1e9)
+    assert r["graft_gflops"] == pytest.approx(r["flops_per_step"] / r["graft_step_seconds"] / 1e9)
+
+
+def test_python_bench_zoo_json():
+    """--zoo gpt2,lstm: one row per model (hook mode), each system its own process, losses of the
+    first step equal to eager's within the parity tolerance, FLOPs counted (the LSTM's exactly)."""
+    py = zoo_python()
+    p = run_zoo_bench(py, "--zoo", "gpt2,lstm", "--steps", 1, "--json")
+    doc = json.loads(p.stdout)
+    assert set(doc) == {"config", "rows"}
+    c = doc["config"]
+    assert (c["suite"], c["models"], c["modes"], c["steps"], c["threads"], c["precision"]) == \
+        ("zoo", ["gpt2", "lstm"], ["hook"], 1, 2, "fp32")
+    assert c["warmup_steps"] >= 1 and "forward" in c["flops_method"]
+    assert [(r["model"], r["mode"]) for r in doc["rows"]] == [("gpt2", "hook"), ("lstm", "hook")]
+    for r in doc["rows"]:
+        check_zoo_row(r, steps=1, loss_rtol=1e-4)
+        assert r["precision"] == "fp32"
+        assert r["eager_fp32_step_seconds"] == r["eager_step_seconds"]
+    # The zoo's LSTM classifier: 2 layers x SEQ steps of 4 gates ([B, 2H] x [2H, H] each) and the
+    # head [B, H] x [H, CLASSES]; a training step counts 3 forwards.
+    B, T, H, C = 2, 8, 32, 4
+    lstm = doc["rows"][1]
+    assert lstm["flops_per_step"] == 3 * (2 * T * 2 * B * (2 * H) * 4 * H + 2 * B * H * C)
+
+
+def test_python_bench_zoo_bf16_table():
+    """--precision bf16: eager under autocast against GraftModule(precision="bf16"), plus eager
+    float32; the human table names both and the losses agree to bfloat16 rounding."""
+    py = zoo_python()
+    p = run_zoo_bench(py, "--zoo", "gpt2", "--steps", 1, "--precision", "bf16", "--json")
+    doc = json.loads(p.stdout)
+    assert doc["config"]["precision"] == "bf16"
+    (r,) = doc["rows"]
+    check_zoo_row(r, steps=1, loss_rtol=0.05)
+    assert r["precision"] == "bf16"
+    assert isinstance(r["eager_fp32_step_seconds"], float) and r["eager_fp32_step_seconds"] > 0
+    assert r["time_ratio_vs_eager_fp32"] == pytest.approx(r["graft_step_seconds"] / r["eager_fp32_step_seconds"])
+    p = run_zoo_bench(py, "lstm", "--zoo", "--steps", 1, "--modes", "accumulate")
+    assert "graft/eager" in p.stdout and "GFLOP/s" in p.stdout
+    assert any(l.split()[:2] == ["lstm", "accumulate"] and l.rstrip().endswith("ok") for l in p.stdout.splitlines()), \
+        p.stdout
+
+
+def test_python_bench_zoo_failure_is_a_row():
+    """A model that cannot run (here: a Hugging Face model under a Python without transformers)
+    is reported in its row, and the other rows and the exit status are unaffected."""
+    py = "/usr/bin/python3"
+    if not os.path.exists(py) or subprocess.run(
+            [py, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('torch') or "
+                       "importlib.util.find_spec('transformers') is not None)"]).returncode != 0:
+        pytest.skip(f"needs {py} with torch and without transformers")
+    p = run_zoo_bench(py, "--zoo", "gpt2,conv1d", "--steps", 1, "--json")
+    rows = {r["model"]: r for r in json.loads(p.stdout)["rows"]}
+    assert rows["gpt2"]["status"] == "error" and "transformers" in rows["gpt2"]["error"]
+    assert rows["gpt2"]["time_ratio"] is None and rows["gpt2"]["graft_step_seconds"] is None
+    assert rows["conv1d"]["status"] == "ok" and rows["conv1d"]["time_ratio"] > 0
+    assert "transformers is not installed" in p.stderr

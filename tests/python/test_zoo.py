@@ -1,4 +1,4 @@
-"""The model zoo (tests/python/zoo.py) through graft.GraftModule, against eager PyTorch.
+"""The model zoo (graft.zoo, python/graft/zoo.py) through graft.GraftModule, against eager PyTorch.
 
 For each model and each gradient mode (hook, accumulate, hold): a deep copy wrapped in
 GraftModule and an identical eager copy each train 3 AdamW steps on the same batches.
@@ -21,16 +21,14 @@ Needs Hugging Face transformers (build/venv-zoo, made by tools/setup) and Debian
 import copy
 import math
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import graft  # noqa: E402
-import zoo  # noqa: E402
+from graft import zoo  # noqa: E402
 
 MODES = ("hook", "accumulate", "hold")
 STEPS, DROPOUT_STEPS = 3, 2
