@@ -4,8 +4,10 @@
 // Every op's schema, shape function, kernel and gradient rule are in the table at the bottom.
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "util.h"
+#include "vmath.h"
 
 namespace graft {
 namespace {
@@ -30,11 +32,41 @@ void map2(const T* x, const T* y, U* z, int64_t n, int64_t work, F f) {
   });
 }
 
+// float32 transcendentals through vmath (vectorized; see vmath.h) when the CPU has AVX2 or
+// AVX-512: Op::kVec names the function. A vector element costs about a quarter of a libm call.
+constexpr int64_t kVecMath = 4;
+// False (nothing done) for float64 and without vmath: the caller's scalar loop runs.
+template <class T>
+bool vec_map(vmath::Fn f, const T* x, T* y, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!vmath::active()) return false;
+    parallel_elems(n, kVecMath, [&](int64_t b, int64_t e) { vmath::map(f, x + b, y + b, e - b); });
+    return true;
+  } else {
+    return false;
+  }
+}
+template <class T>
+bool vec_map2(vmath::Fn2 f, const T* g, const T* x, T* y, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!vmath::active()) return false;
+    parallel_elems(n, 2 * kVecMath,
+                   [&](int64_t b, int64_t e) { vmath::map2(f, g + b, x + b, y + b, e - b); });
+    return true;
+  } else {
+    return false;
+  }
+}
+
 template <class Op>
 void unary_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    map1(c.in(0).data<T>(), c.out(0).data<T>(), c.in(0).numel(), Op::kWork,
-         [](T v) { return Op::f(v); });
+    const T* x = c.in(0).data<T>();
+    T* y = c.out(0).data<T>();
+    const int64_t n = c.in(0).numel();
+    if constexpr (requires { Op::kVec; })
+      if (vec_map(Op::kVec, x, y, n)) return;
+    map1(x, y, n, Op::kWork, [](T v) { return Op::f(v); });
   });
 }
 struct NegF {
@@ -60,6 +92,7 @@ struct SqrtF {
 };
 struct ExpF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn kVec = vmath::Fn::Exp;
   template <class T>
   static T f(T x) {
     return std::exp(x);
@@ -74,6 +107,7 @@ struct LogF {
 };
 struct ErfF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn kVec = vmath::Fn::Erf;
   template <class T>
   static T f(T x) {
     return std::erf(x);
@@ -81,6 +115,7 @@ struct ErfF {
 };
 struct TanhF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn kVec = vmath::Fn::Tanh;
   template <class T>
   static T f(T x) {
     return std::tanh(x);
@@ -88,6 +123,7 @@ struct TanhF {
 };
 struct SigmoidF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn kVec = vmath::Fn::Sigmoid;
   template <class T>
   static T f(T x) {
     return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
@@ -618,6 +654,7 @@ void gelu_kernel(KernelCtx& c) {
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
     const int64_t n = c.in(0).numel();
+    if (vec_map(th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf, x, y, n)) return;
     if (th)
       map1(x, y, n, kMath, [](T v) {
         return T(0.5) * v * (T(1) + std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v)));
@@ -633,6 +670,7 @@ void gelu_grad_kernel(KernelCtx& c) {
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
     const int64_t n = c.in(0).numel();
+    if (vec_map2(th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad, dy, x, dx, n)) return;
     if (th)
       map2(dy, x, dx, n, kMath, [](T g, T v) {
         const T t = std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v));
@@ -653,6 +691,7 @@ void grad_gelu(GradBuilder& g) {
 }
 struct SiluF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn kVec = vmath::Fn::Silu;
   template <class T>
   static T f(T x) {
     return x * SigmoidF::f(x);
@@ -660,6 +699,7 @@ struct SiluF {
 };
 struct SiluGradF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn2 kVec = vmath::Fn2::SiluGrad;
   template <class T>
   static T f(T dy, T x) {
     const T s = SigmoidF::f(x);
@@ -673,8 +713,12 @@ void grad_silu(GradBuilder& g) { g.set_dx(0, g.emit1("SiluGrad", {g.dy(0), g.x(0
 template <class Op>
 void grad2_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    map2(c.in(0).data<T>(), c.in(1).data<T>(), c.out(0).data<T>(), c.in(0).numel(), Op::kWork,
-         [](T d, T t) { return Op::f(d, t); });
+    const T *d = c.in(0).data<T>(), *t = c.in(1).data<T>();
+    T* dx = c.out(0).data<T>();
+    const int64_t n = c.in(0).numel();
+    if constexpr (requires { Op::kVec; })
+      if (vec_map2(Op::kVec, d, t, dx, n)) return;
+    map2(d, t, dx, n, Op::kWork, [](T a, T b) { return Op::f(a, b); });
   });
 }
 struct ReluGradF {
@@ -700,6 +744,7 @@ struct TanhGradF {
 };
 struct ErfGradF {
   static constexpr int64_t kWork = kMath;
+  static constexpr vmath::Fn2 kVec = vmath::Fn2::ErfGrad;
   template <class T>
   static T f(T dy, T x) {
     return dy * T(1.1283791670955126) * std::exp(-x * x);  // 2/sqrt(pi)

@@ -5,8 +5,10 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <type_traits>
 
 #include "util.h"
+#include "vmath.h"
 
 namespace graft {
 namespace {
@@ -34,16 +36,40 @@ void softmax_kernel(KernelCtx& c) {
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T* px = x.data<T>();
     T* py = c.out(0).data<T>();
+    // float32 with vmath: exp(x - max) by the vector exp into a float line buffer, summed in
+    // double in 8 fixed partial sums. Otherwise (float64 too) libm's exp in double.
+    const bool vec = std::is_same_v<T, float> && vmath::active();
     // Parallel over the (outer, inner) lines; each line's sums run in a fixed order.
-    parallel_for(outer * inner, 24 * n, [&](int, int64_t l0, int64_t l1) {
-      std::vector<double> e(kLog ? 0 : n);  // exp(x - max), computed once per element
+    parallel_for(outer * inner, (vec ? 8 : 24) * n, [&](int, int64_t l0, int64_t l1) {
+      std::vector<double> e(kLog || vec ? 0 : n);  // exp(x - max), computed once per element
+      std::vector<float> ef(vec ? n : 0);
       for (int64_t l = l0; l < l1; ++l) {
         const int64_t o = l / inner, i = l % inner;
         const T* p = px + o * n * inner + i;
         T* q = py + o * n * inner + i;
         T mx = n ? p[0] : T(0);
-        for (int64_t k = 1; k < n; ++k) mx = std::max(mx, p[k * inner]);
+        if (!vec || inner != 1)
+          for (int64_t k = 1; k < n; ++k) mx = std::max(mx, p[k * inner]);
         double sum = 0;
+        if (vec) {
+          if (inner == 1) {  // contiguous: a vector max, a plain loop
+            const float* pf = reinterpret_cast<const float*>(p);
+            const float m = n ? vmath::max_of(pf, n) : 0.0f;
+            mx = static_cast<T>(m);
+            for (int64_t k = 0; k < n; ++k) ef[k] = pf[k] - m;
+          } else {
+            for (int64_t k = 0; k < n; ++k) ef[k] = static_cast<float>(p[k * inner] - mx);
+          }
+          vmath::map(vmath::Fn::Exp, ef.data(), ef.data(), n);
+          sum = sum8(n, [&](int64_t k) { return static_cast<double>(ef[k]); });
+          if constexpr (kLog) {
+            T lse = static_cast<T>(std::log(sum)) + mx;
+            for (int64_t k = 0; k < n; ++k) q[k * inner] = p[k * inner] - lse;
+          } else {
+            for (int64_t k = 0; k < n; ++k) q[k * inner] = static_cast<T>(ef[k] / sum);
+          }
+          continue;
+        }
         if constexpr (kLog) {
           for (int64_t k = 0; k < n; ++k) sum += std::exp(static_cast<double>(p[k * inner] - mx));
           T lse = static_cast<T>(std::log(sum)) + mx;
@@ -69,13 +95,23 @@ void softmax_grad_kernel(KernelCtx& c) {
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     const T *pd = dy.data<T>(), *py = c.in(1).data<T>();
     T* px = c.out(0).data<T>();
-    parallel_for(outer * inner, (kLog ? 20 : 4) * n, [&](int, int64_t l0, int64_t l1) {
+    // LogSoftmaxGrad in float32 with vmath: exp(y) by the vector exp into a line buffer.
+    const bool vec = kLog && std::is_same_v<T, float> && vmath::active();
+    parallel_for(outer * inner, (kLog ? (vec ? 6 : 20) : 4) * n, [&](int, int64_t l0, int64_t l1) {
+      std::vector<float> ef(vec ? n : 0);
       for (int64_t l = l0; l < l1; ++l) {
         const int64_t b = (l / inner) * n * inner + l % inner;
         double s = 0;
         for (int64_t k = 0; k < n; ++k)
           s += kLog ? static_cast<double>(pd[b + k * inner])
                     : static_cast<double>(pd[b + k * inner]) * py[b + k * inner];
+        if (vec) {
+          for (int64_t k = 0; k < n; ++k) ef[k] = static_cast<float>(py[b + k * inner]);
+          vmath::map(vmath::Fn::Exp, ef.data(), ef.data(), n);
+          for (int64_t k = 0; k < n; ++k)
+            px[b + k * inner] = static_cast<T>(pd[b + k * inner] - ef[k] * s);
+          continue;
+        }
         if (inner == 1) {  // contiguous: a plain loop
           const T *d = pd + b, *y = py + b;
           T* o = px + b;

@@ -185,6 +185,15 @@ inline void map2_at(int lv, Fn2 f, const float* g, const float* x, float* y, int
 #endif
 }
 
+// The largest of x[0, n), n >= 1 (NaN: see max_n in vmath_impl.h). Only when active().
+inline float max_of(const float* x, int64_t n) {
+#ifdef GRAFT_VMATH_X86
+  return level() == 2 ? avx512::max_n(x, n) : avx2::max_n(x, n);
+#else
+  return x[0];
+#endif
+}
+
 // The same with this machine's level: what the kernels call, only when active().
 inline void map(Fn f, const float* x, float* y, int64_t n) { map_at(level(), f, x, y, n); }
 inline void map2(Fn2 f, const float* g, const float* x, float* y, int64_t n) {

@@ -181,3 +181,17 @@ GRAFT_VM_LOOP void map2(const float* g, const float* x, float* y, int64_t n) {
     std::memcpy(y + i, by, (n - i) * sizeof(float));
   }
 }
+
+// max over x[0, n) (n >= 1); NaN elements may or may not win (the Softmax that uses it turns any
+// NaN of a line into NaN outputs either way). Order-independent otherwise.
+GRAFT_VM_LOOP float max_n(const float* x, int64_t n) {
+  V m = set1(x[0]);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) m = max(m, load(x + i));
+  float b[kLanes];
+  store(b, m);
+  float r = b[0];
+  for (int64_t k = 1; k < kLanes; ++k) r = b[k] > r ? b[k] : r;
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}

@@ -284,6 +284,14 @@ TEST(VMath, Dispatch) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_LE(ulps(y[i], std::exp(double(x[i]))), 2.0);
   vmath::map2(Fn2::ErfGrad, x.data(), x.data(), y.data(), static_cast<int64_t>(x.size()));
   EXPECT_EQ(y[1], 0.0f);
+  // max_of (Softmax's line maximum): every length and position of the largest element
+  for (int64_t n = 1; n <= 40; ++n)
+    for (int64_t at = 0; at < n; ++at) {
+      std::vector<float> v(n);
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(std::sin(i * 2.3) - 3);
+      v[at] = 1.5f;
+      ASSERT_EQ(vmath::max_of(v.data(), n), 1.5f) << "n = " << n << " at " << at;
+    }
 }
 
 }  // namespace
