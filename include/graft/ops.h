@@ -97,6 +97,9 @@ class GradBuilder {
   virtual void set_dx(int i, int v) = 0;
   virtual std::vector<int> emit(const std::string& op, const std::vector<int>& inputs, Attrs attrs,
                                 int n_out, const std::string& domain = "") = 0;
+  // Output `v` of the node emitted last will not be read: the node does not produce it (its
+  // kernel sees has_out() false and skips that work, e.g. ConvGrad's dX of an image).
+  virtual void drop_output(int v) = 0;
   int emit1(const std::string& op, const std::vector<int>& inputs, Attrs attrs = {},
             const std::string& domain = "") {
     return emit(op, inputs, std::move(attrs), 1, domain)[0];

@@ -96,6 +96,10 @@ class Driver final : public GradBuilder {
     infer_node(g_, static_cast<int>(g_.nodes.size()) - 1);
     return outs;
   }
+  void drop_output(int v) override {
+    for (int& o : g_.nodes.back().outputs)
+      if (o == v) o = -1;
+  }
   int scalar(double v, DType dt) override {
     Tensor t = Tensor::empty({}, dt, alloc_, Category::Workspace, "grad_const");
     if (dt == DType::F32)

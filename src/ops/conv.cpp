@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 
+#include "conv_dnnl.h"
 #include "util.h"
 
 namespace graft {
@@ -232,6 +233,18 @@ bool is_pointwise(const Window& w) {
     if (w.k[d] != 1 || w.stride[d] != 1 || w.pad_begin[d] != 0 || w.pad_end[d] != 0) return false;
   return true;
 }
+// The oneDNN path (Note [oneDNN convolutions], conv_dnnl.cpp): dense float32 convolutions, in
+// bf16 too under a Bf16MatmulScope. Depthwise ones keep the direct kernels below; float64 keeps
+// im2col + GEMM.
+ConvShape conv_shape(const Window& w, int64_t N, int64_t C, int64_t M, int64_t g) {
+  return ConvShape{N, C, M, g, w.in, w.out, w.k, w.stride, w.dil, w.pad_begin, w.pad_end};
+}
+// Scratch for the oneDNN passes, or an empty tensor when `bytes` < 0 (then: not oneDNN).
+Tensor dnnl_scratch(int64_t bytes, Allocator& a) {
+  return Tensor::empty({std::max<int64_t>(1, (bytes + 3) / 4)}, DType::F32, a, Category::Workspace,
+                       "oneDNN convolution scratch");
+}
+
 // Images per GEMM: one, unless an image has few output positions (ViT's 14x14 patch grid), where
 // nb images side by side give the GEMM ~2048 columns; the im2col workspace stays under 16 MiB.
 int64_t images_per_gemm(int64_t N, int64_t O, int64_t rows, size_t elem) {
@@ -401,6 +414,16 @@ void conv_kernel(KernelCtx& c) {
       });
       return;
     }
+    if constexpr (std::is_same_v<T, float>) {
+      const ConvShape cs = conv_shape(w, N, C, M, g);
+      const bool bf16 = bf16_gemm_active();
+      const int64_t bytes = dnnl_conv_scratch(cs, ConvPass::Forward, bf16, b != nullptr);
+      if (bytes >= 0) {
+        Tensor scratch = dnnl_scratch(bytes, c.alloc);
+        dnnl_conv_forward(cs, bf16, px, pw, b, y, scratch.data<float>());
+        return;
+      }
+    }
     const bool direct = is_pointwise(w);
     const int64_t rows = Cg * K, nb = direct ? 1 : images_per_gemm(N, O, rows, sizeof(T));
     const int64_t ld = nb * O;
@@ -498,6 +521,28 @@ void conv_grad_kernel(KernelCtx& c) {
       });
       return;
     }
+    if constexpr (std::is_same_v<T, float>) {
+      const ConvShape cs = conv_shape(w, N, C, M, g);
+      const bool bf16 = bf16_gemm_active();
+      const int64_t bd = dx ? dnnl_conv_scratch(cs, ConvPass::BackwardData, bf16, false) : 0;
+      const int64_t bw = dw ? dnnl_conv_scratch(cs, ConvPass::BackwardWeights, bf16, db) : 0;
+      if (bd >= 0 && bw >= 0) {
+        Tensor scratch = dnnl_scratch(std::max(bd, bw), c.alloc);
+        if (dx) dnnl_conv_backward_data(cs, bf16, pdy, pw, dx, scratch.data<float>());
+        if (dw) dnnl_conv_backward_weights(cs, bf16, pdy, px, dw, db, scratch.data<float>());
+        if (db && !dw)
+          parallel_for(M, N * O, [&](int, int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m)
+              for (int64_t n = 0; n < N; ++n) {
+                const float* d = pdy + (n * M + m) * O;
+                float s = 0;
+                for (int64_t o = 0; o < O; ++o) s += d[o];
+                db[m] += s;
+              }
+          });
+        return;
+      }
+    }
     const bool direct = is_pointwise(w);
     const int64_t rows = Cg * K, nb = direct ? 1 : images_per_gemm(N, O, rows, sizeof(T));
     const int64_t ld = nb * O;
@@ -557,9 +602,14 @@ void conv_grad_kernel(KernelCtx& c) {
 void grad_conv(GradBuilder& g) {
   const Node& n = g.node();
   auto outs = g.emit("ConvGrad", {g.dy(0), g.x(0), g.x(1)}, n.attrs, 3, "graft");
-  if (g.needs(0)) g.set_dx(0, outs[0]);
-  if (g.needs(1)) g.set_dx(1, outs[1]);
-  if (n.inputs.size() > 2 && n.inputs[2] >= 0 && g.needs(2)) g.set_dx(2, outs[2]);
+  const bool has_b = n.inputs.size() > 2 && n.inputs[2] >= 0;
+  const bool need[3] = {g.needs(0), g.needs(1), has_b && g.needs(2)};
+  for (int i = 0; i < 3; ++i) {
+    if (need[i])
+      g.set_dx(i, outs[i]);
+    else
+      g.drop_output(outs[i]);  // no dX for an image, no dW for a frozen weight
+  }
 }
 
 // ---- MaxPool / AveragePool (and graft's PoolGrad)

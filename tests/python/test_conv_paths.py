@@ -43,23 +43,27 @@ CASES = {
 }
 
 
+DT = {torch.float64: ("float64", TensorProto.DOUBLE), torch.float32: ("float32", TensorProto.FLOAT)}
+
+
 def _spec(t):
-    return (t.data_ptr(), list(t.shape), "float64")
+    return (t.data_ptr(), list(t.shape), DT[t.dtype][0])
 
 
-def _model(xs, m, k, s, p, d, g):
+def _model(xs, m, k, s, p, d, g, dtype=torch.float64):
     nd = len(k)
     x = torch.zeros(xs, dtype=torch.float64)
     w = torch.zeros((m, xs[1] // g) + tuple(k), dtype=torch.float64)
     y = _torch_conv(x, w, None, s, p, d, g)
     node = helper.make_node("Conv", ["x", "W", "B"], ["y"], kernel_shape=list(k), strides=list(s),
                             pads=list(p), dilations=list(d), group=g)
+    et = DT[dtype][1]
     graph = helper.make_graph(
         [node], "conv",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(xs)),
-         helper.make_tensor_value_info("W", TensorProto.DOUBLE, list(w.shape)),
-         helper.make_tensor_value_info("B", TensorProto.DOUBLE, [m])],
-        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, list(y.shape))])
+        [helper.make_tensor_value_info("x", et, list(xs)),
+         helper.make_tensor_value_info("W", et, list(w.shape)),
+         helper.make_tensor_value_info("B", et, [m])],
+        [helper.make_tensor_value_info("y", et, list(y.shape))])
     assert nd in (1, 2, 3)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -76,37 +80,133 @@ def _torch_conv(x, w, b, s, p, d, g):
     return f(x, w, b, tuple(s), 0, tuple(d), g)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_conv_path_matches_torch(name):
+def _graft_conv(name, x, w, b, dy_seed=2, bf16=False):
+    """One Conv layer through graft (hold mode): y, dW, dB and dX (None for an image)."""
     xs, m, k, s, p, d, g, needs_dx = CASES[name]
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(xs, dtype=torch.float64, generator=gen)
-    w = torch.randn((m, xs[1] // g) + tuple(k), dtype=torch.float64, generator=gen)
-    b = torch.randn(m, dtype=torch.float64, generator=gen)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "conv.onnx")
-        onnx.save(_model(xs, m, k, s, p, d, g), path)
+        onnx.save(_model(xs, m, k, s, p, d, g, x.dtype), path)
         sess = _graft.Session(path, {}, ["y"], [], ["x"] if needs_dx else [], ["W", "B"], "hold")
-    sess.bind_param("W", w.data_ptr(), list(w.shape), "float64")
-    sess.bind_param("B", b.data_ptr(), list(b.shape), "float64")
-    step, outs = sess.forward({"x": _spec(x)}, 0, True)
+    sess.bind_param("W", w.data_ptr(), list(w.shape), DT[w.dtype][0])
+    sess.bind_param("B", b.data_ptr(), list(b.shape), DT[b.dtype][0])
+    step, outs = sess.forward({"x": _spec(x)}, 0, True, bf16)
     y = torch.from_numpy(outs[0]).clone()
-    dy = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(dy_seed)).to(x.dtype)
     for pn in ("W", "B"):
         sess.bind_grad(pn, None, [], "")
     sess.backward(step, {"y": _spec(dy)})
     gw, gb = torch.from_numpy(sess.take_grad("W")), torch.from_numpy(sess.take_grad("B"))
     gx = torch.from_numpy(step.input_grads()[0]).clone() if needs_dx else None
     sess.release(step)
+    return y, gw, gb, gx, dy
 
-    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+
+def _inputs(name, dtype):
+    xs, m, k, s, p, d, g, needs_dx = CASES[name]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(xs, dtype=torch.float64, generator=gen)
+    w = torch.randn((m, xs[1] // g) + tuple(k), dtype=torch.float64, generator=gen)
+    b = torch.randn(m, dtype=torch.float64, generator=gen)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+def _check(name, dtype, tol):
+    """graft's Conv/ConvGrad in `dtype` against PyTorch in float64 on the same (rounded) values."""
+    xs, m, k, s, p, d, g, needs_dx = CASES[name]
+    x, w, b = _inputs(name, dtype)
+    y, gw, gb, gx, dy = _graft_conv(name, x, w, b)
+    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
     yr = _torch_conv(xr, wr, br, s, p, d, g)
-    yr.backward(dy)
-    torch.testing.assert_close(y, yr.detach(), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gw, wr.grad, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gb, br.grad, rtol=1e-10, atol=1e-10)
+    yr.backward(dy.double())
+
+    def close(a, ref):  # relative to the tensor's scale: float32 sums of hundreds of products
+        err = float((a.double() - ref).abs().max() / max(1.0, float(ref.abs().max())))
+        assert err < tol, f"{name} {dtype}: max error {err:.3g} relative to the largest element"
+    close(y, yr.detach())
+    close(gw, wr.grad)
+    close(gb, br.grad)
     if needs_dx:
-        torch.testing.assert_close(gx, xr.grad, rtol=1e-10, atol=1e-10)
+        close(gx, xr.grad)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_path_matches_torch(name):
+    """float64: im2col + GEMM and the direct depthwise kernels, to rounding."""
+    _check(name, torch.float64, 1e-10)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_float32_matches_torch(name):
+    """float32: dense convolutions run oneDNN's primitives (Note [oneDNN convolutions]), depthwise
+    ones graft's direct kernels; unless GRAFT_CONV=im2col (test_conv_float32_im2col_fallback)."""
+    _check(name, torch.float32, 2e-5)
+
+
+def test_conv_float32_im2col_fallback():
+    """The float32 im2col path (GRAFT_CONV=im2col; where oneDNN has no primitive) on every case."""
+    env = dict(os.environ, GRAFT_CONV="im2col")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "test_conv_float32_matches_torch"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert f"{len(CASES)} passed" in p.stdout, p.stdout[-2000:]
+
+
+_PROBE = """
+import sys, torch
+sys.path.insert(0, %r)
+import test_conv_paths as t
+for name in sys.argv[1:]:
+    t._graft_conv(name, *t._inputs(name, torch.float32))
+"""
+
+
+def _dnnl_passes(cases, conv=None):
+    """The oneDNN convolution passes graft executes for `cases` (DNNL_VERBOSE in a child process;
+    graft's oneDNN 2.6 prints "onednn_verbose" lines, the copy inside PyTorch "dnnl_verbose")."""
+    env = dict(os.environ, DNNL_VERBOSE="1")
+    if conv:
+        env["GRAFT_CONV"] = conv
+    p = subprocess.run([sys.executable, "-c", _PROBE % str(pathlib.Path(__file__).parent)] + cases,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    passes = set()
+    for line in p.stdout.splitlines():
+        f = line.split(",")
+        if len(f) > 5 and f[0] == "onednn_verbose" and f[1] == "exec" and f[3] == "convolution":
+            passes.add(f[5])
+    return passes
+
+
+def test_dense_float32_runs_onednn_and_skips_unneeded_dx():
+    assert _dnnl_passes(["gemm_pad_stride"]) == {"forward_training", "backward_data", "backward_weights"}
+    # An image (no dX wanted): ConvGrad does not produce it, so no backward_data runs.
+    assert _dnnl_passes(["gemm_batched_patch_no_dx"]) == {"forward_training", "backward_weights"}
+    # Depthwise layers keep graft's direct kernels; GRAFT_CONV=im2col turns oneDNN off.
+    assert _dnnl_passes(["depthwise_7x7"]) == set()
+    assert _dnnl_passes(["gemm_pad_stride"], conv="im2col") == set()
+
+
+def _round_bf16(t):
+    """float32 -> the nearest bfloat16 value (round to nearest even), kept as float32."""
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+@pytest.mark.parametrize("name", ["gemm_pad_stride", "gemm_group_dilation", "conv1d", "pointwise"])
+def test_conv_bf16_is_float32_on_rounded_operands(name):
+    """Under bf16 (GraftModule precision="bf16", --precision bf16) a convolution rounds its operands
+    to bfloat16 and accumulates in float32: the same as float32 on pre-rounded operands, to float32
+    accumulation order; and visibly different from float32 on unrounded ones."""
+    x, w, b = _inputs(name, torch.float32)
+    y16, gw16, gb16, gx16, _ = _graft_conv(name, x, w, b, bf16=True)
+    yr, gwr, gbr, gxr, _ = _graft_conv(name, _round_bf16(x), _round_bf16(w), b)
+    y32 = _graft_conv(name, x, w, b)[0]
+    scale = float(y32.abs().max())
+    assert float((y16 - yr).abs().max()) < 1e-5 * scale
+    assert float((y32 - y16).abs().max()) > 1e-4 * scale  # the rounding is real
+    # Backward: dW from rounded x and rounded dy, dX from rounded W and dy.
+    for a, r in ((gw16, gwr), (gb16, gbr)) + (((gx16, gxr),) if gx16 is not None else ()):
+        assert float((a - r).abs().max()) < 1e-2 * max(1.0, float(r.abs().max()))
 
 
 def test_bench_conv_runs():
