@@ -673,6 +673,41 @@ void pool_plane(const Window& w, bool is_max, bool count_pad, const T* x, T* y, 
     }
   }
 }
+// MaxPool over one 2-D plane without the generic tap walker: per output, the window clipped to
+// the image once, taps visited in the same order (rows, then columns) with the same rule (first
+// tap taken, then a larger value or a NaN, which then stays), so y and arg equal pool_plane's.
+template <class T>
+void max_plane_2d(const Window& w, const T* x, T* y, int64_t* arg) {
+  const int64_t H = w.in[0], W = w.in[1], OH = w.out[0], OW = w.out[1];
+  const int64_t sh = w.stride[0], sw = w.stride[1], dh = w.dil[0], dw = w.dil[1];
+  auto range = [](int64_t start, int64_t k, int64_t d, int64_t n, int64_t& lo, int64_t& hi) {
+    lo = start >= 0 ? 0 : (-start + d - 1) / d;                              // first tap inside
+    hi = std::min<int64_t>(k, n - start > 0 ? (n - start + d - 1) / d : 0);  // one past the last
+  };
+  for (int64_t oh = 0; oh < OH; ++oh) {
+    const int64_t h0 = oh * sh - w.pad_begin[0];
+    int64_t kh0, kh1;
+    range(h0, w.k[0], dh, H, kh0, kh1);
+    for (int64_t ow = 0; ow < OW; ++ow) {
+      const int64_t w0 = ow * sw - w.pad_begin[1];
+      int64_t kw0, kw1;
+      range(w0, w.k[1], dw, W, kw0, kw1);
+      T best = -std::numeric_limits<T>::infinity();
+      int64_t bi = -1;
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        const int64_t row = (h0 + kh * dh) * W;
+        for (int64_t kw = kw0; kw < kw1; ++kw) {
+          const int64_t i = row + w0 + kw * dw;
+          const T v = x[i];
+          if (bi < 0 || ((v > best || std::isnan(v)) && !std::isnan(best))) best = v, bi = i;
+        }
+      }
+      y[oh * OW + ow] = best;
+      if (arg) arg[oh * OW + ow] = bi;
+    }
+  }
+}
+
 void pool_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
@@ -682,9 +717,13 @@ void pool_kernel(KernelCtx& c) {
     const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
     parallel_for(planes, O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
-                      nullptr);
+      for (int64_t p = p0; p < p1; ++p) {
+        if (is_max && w.nd == 2)
+          max_plane_2d<T>(w, x.data<T>() + p * I, c.out(0).data<T>() + p * O, nullptr);
+        else
+          pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
+                        nullptr);
+      }
     });
   });
 }
@@ -712,7 +751,10 @@ void pool_grad_kernel(KernelCtx& c) {
         const T* dyp = dy.data<T>() + p * O;
         T* dxp = dx + p * I;
         if (is_max) {
-          pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
+          if (w.nd == 2)
+            max_plane_2d<T>(w, x.data<T>() + p * I, y.data(), arg.data());
+          else
+            pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
           for (int64_t o = 0; o < O; ++o)
             if (arg[o] >= 0) dxp[arg[o]] += dyp[o];
         } else {

@@ -291,3 +291,33 @@ def test_pool_over_many_planes_matches_torch(op):  # enough planes for the per-p
     yr.backward(dy)
     torch.testing.assert_close(y, yr.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ig[0], xr.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [
+    dict(k=3, s=2, p=1, d=1, ceil=False),   # resnet's stem pool
+    dict(k=3, s=2, p=1, d=2, ceil=True),    # dilation, a last window starting in the padding
+    dict(k=2, s=1, p=0, d=1, ceil=False),
+])
+def test_maxpool_2d_ties_and_nan_match_torch(case):
+    """The 2-D MaxPool path (max_plane_2d) against PyTorch: integer-valued inputs make many ties
+    (the first maximum in row-major window order gets the gradient, as PyTorch), a few NaNs
+    propagate to their windows' outputs and take the gradient there."""
+    gen = torch.Generator().manual_seed(7)
+    shape = (2, 3, 11, 13)
+    x = torch.randint(-3, 4, shape, generator=gen).double()
+    x[0, 0, 5, 5] = float("nan")  # odd coordinates: read by every case's windows
+    x[1, 2, 1, 1] = float("nan")
+    k, s, p, d, ceil = case["k"], case["s"], case["p"], case["d"], case["ceil"]
+    yr_shape = torch.nn.functional.max_pool2d(x, k, s, p, d, ceil_mode=ceil).shape
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4,
+                            dilations=[d, d], ceil_mode=int(ceil))
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, list(yr_shape))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    y, dy, ig, _ = _run_single(model, {"x": x}, {}, [], ["x"])
+    xr = x.clone().requires_grad_()
+    yr = torch.nn.functional.max_pool2d(xr, k, s, p, d, ceil_mode=ceil)
+    yr.backward(dy)
+    assert torch.isnan(yr).any()
+    torch.testing.assert_close(y, yr.detach(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ig[0], xr.grad, rtol=0, atol=0)
