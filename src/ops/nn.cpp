@@ -517,7 +517,9 @@ void grad_dropout(GradBuilder& g) {
 // input_mean, input_var [C]. training_mode = 0: normalize with the given statistics. training_mode
 // = 1: with the batch's (biased variance), and outputs 1 and 2 are the updated running statistics,
 // as PyTorch updates them: running * momentum + batch * (1 - momentum) with the batch's unbiased
-// variance (ONNX's momentum is 1 - PyTorch's).
+// variance (ONNX's momentum is 1 - PyTorch's). Outputs 3 and 4 are graft's own, training mode
+// only: the batch mean and biased variance, [C], which the gradient reads instead of recomputing
+// them from X (as PyTorch saves save_mean / save_invstd); the gradient rule adds them.
 void infer_batchnorm(InferCtx& c) {
   require_float(c, 0);
   const Shape& s = c.shape(0);
@@ -527,11 +529,10 @@ void infer_batchnorm(InferCtx& c) {
     if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
   }
   const bool train = c.attr_int("training_mode", 0) != 0;
-  if (!train && (c.has_out(1) || c.has_out(2)))
+  if (!train && (c.has_out(1) || c.has_out(2) || c.has_out(3) || c.has_out(4)))
     c.error(ErrorKind::InvalidModel, "running statistics are outputs in training mode only");
   c.set_out(0, c.dtype(0), s);
-  c.set_out(1, c.dtype(0), {s[1]});
-  c.set_out(2, c.dtype(0), {s[1]});
+  for (int i = 1; i < 5; ++i) c.set_out(i, c.dtype(0), {s[1]});
 }
 struct BnView {
   int64_t N, C, S;  // batch, channels, spatial elements per channel and image
@@ -603,6 +604,8 @@ void batchnorm_kernel(KernelCtx& c) {
     if (!train) return;
     const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
     for (int64_t ch = 0; ch < v.C; ++ch) {
+      if (c.has_out(3)) c.out(3).data<T>()[ch] = static_cast<T>(mean[ch]);
+      if (c.has_out(4)) c.out(4).data<T>()[ch] = static_cast<T>(var[ch]);
       if (c.has_out(1))
         c.out(1).data<T>()[ch] = static_cast<T>(rm[ch] * mom + mean[ch] * (1 - mom));
       if (c.has_out(2))
@@ -610,7 +613,9 @@ void batchnorm_kernel(KernelCtx& c) {
     }
   });
 }
-// BatchNormGrad(dY, X, scale, mean, var; epsilon, training_mode) -> dX, dscale, dB.
+// BatchNormGrad(dY, X, scale, mean, var; epsilon, training_mode, batch_stats) -> dX, dscale, dB.
+// mean and var are the running statistics (inference mode), or with batch_stats = 1 the batch's,
+// saved by the forward (its outputs 3 and 4); training mode without them recomputes them from X.
 void infer_batchnorm_grad(InferCtx& c) {
   c.set_out(0, c.dtype(1), c.shape(1));
   c.set_out(1, c.dtype(2), c.shape(2));
@@ -628,7 +633,7 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     const bool train = c.attr_int("training_mode", 0) != 0;
     const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
     std::vector<double> mean(v.C), var(v.C);
-    if (train) {
+    if (train && c.attr_int("batch_stats", 0) == 0) {
       bn_batch_stats(px, v, mean, var);
     } else {
       for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -673,8 +678,12 @@ void grad_batchnorm(GradBuilder& g) {
          n.label() + ": a gradient through the running statistics is not supported");
   Attrs a;
   a.set_float("epsilon", n.attrs.get_float("epsilon", 1e-5));
-  a.set_int("training_mode", n.attrs.get_int("training_mode", 0));
-  auto outs = g.emit("BatchNormGrad", {g.dy(0), g.x(0), g.x(1), g.x(3), g.x(4)}, a, 3, "graft");
+  const bool train = n.attrs.get_int("training_mode", 0) != 0;
+  a.set_int("training_mode", train);
+  a.set_int("batch_stats", train);
+  // Training: the batch statistics the forward computed (its outputs 3, 4), not the running ones.
+  const int mean = train ? g.y(3) : g.x(3), var = train ? g.y(4) : g.x(4);
+  auto outs = g.emit("BatchNormGrad", {g.dy(0), g.x(0), g.x(1), mean, var}, a, 3, "graft");
   if (g.needs(0)) g.set_dx(0, outs[0]);
   if (g.needs(1)) g.set_dx(1, outs[1]);
   if (g.needs(2)) g.set_dx(2, outs[2]);
@@ -684,7 +693,7 @@ const OpDef kOps[] = {
     {.name = "BatchNormalization",
      .min_in = 5,
      .max_in = 5,
-     .max_out = 3,
+     .max_out = 5,
      .infer = infer_batchnorm,
      .kernel = batchnorm_kernel,
      .grad = grad_batchnorm,
