@@ -239,7 +239,7 @@ bool is_pointwise(const Window& w) {
 ConvShape conv_shape(const Window& w, int64_t N, int64_t C, int64_t M, int64_t g) {
   return ConvShape{N, C, M, g, w.in, w.out, w.k, w.stride, w.dil, w.pad_begin, w.pad_end};
 }
-// Scratch for the oneDNN passes, or an empty tensor when `bytes` < 0 (then: not oneDNN).
+// The oneDNN passes' scratch (dnnl_conv_scratch bytes), from graft's allocator.
 Tensor dnnl_scratch(int64_t bytes, Allocator& a) {
   return Tensor::empty({std::max<int64_t>(1, (bytes + 3) / 4)}, DType::F32, a, Category::Workspace,
                        "oneDNN convolution scratch");
@@ -416,11 +416,9 @@ void conv_kernel(KernelCtx& c) {
     }
     if constexpr (std::is_same_v<T, float>) {
       const ConvShape cs = conv_shape(w, N, C, M, g);
-      const bool bf16 = bf16_gemm_active();
-      const int64_t bytes = dnnl_conv_scratch(cs, ConvPass::Forward, bf16, b != nullptr);
-      if (bytes >= 0) {
-        Tensor scratch = dnnl_scratch(bytes, c.alloc);
-        dnnl_conv_forward(cs, bf16, px, pw, b, y, scratch.data<float>());
+      if (const DnnlConv* d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr)) {
+        Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
+        dnnl_conv_forward(*d, px, pw, b, y, scratch.data<float>());
         return;
       }
     }
@@ -524,22 +522,20 @@ void conv_grad_kernel(KernelCtx& c) {
     if constexpr (std::is_same_v<T, float>) {
       const ConvShape cs = conv_shape(w, N, C, M, g);
       const bool bf16 = bf16_gemm_active();
-      const int64_t bd = dx ? dnnl_conv_scratch(cs, ConvPass::BackwardData, bf16, false) : 0;
-      const int64_t bw = dw ? dnnl_conv_scratch(cs, ConvPass::BackwardWeights, bf16, db) : 0;
-      if (bd >= 0 && bw >= 0) {
-        Tensor scratch = dnnl_scratch(std::max(bd, bw), c.alloc);
-        if (dx) dnnl_conv_backward_data(cs, bf16, pdy, pw, dx, scratch.data<float>());
-        if (dw) dnnl_conv_backward_weights(cs, bf16, pdy, px, dw, db, scratch.data<float>());
-        if (db && !dw)
-          parallel_for(M, N * O, [&](int, int64_t m0, int64_t m1) {
-            for (int64_t m = m0; m < m1; ++m)
-              for (int64_t n = 0; n < N; ++n) {
-                const float* d = pdy + (n * M + m) * O;
-                float s = 0;
-                for (int64_t o = 0; o < O; ++o) s += d[o];
-                db[m] += s;
-              }
-          });
+      const DnnlConv* dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
+      const DnnlConv* wgrad =
+          dw ? dnnl_conv(cs, ConvPass::BackwardWeights, bf16, db != nullptr) : nullptr;
+      if ((!dx || dgrad) && (!dw || wgrad)) {
+        Tensor scratch = dnnl_scratch(
+            std::max(dgrad ? dnnl_conv_scratch(*dgrad) : 0, wgrad ? dnnl_conv_scratch(*wgrad) : 0),
+            c.alloc);
+        if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
+        if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, px, dw, db, scratch.data<float>());
+        if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images and positions
+          Shape per_channel(dy.shape().size(), 1);
+          per_channel[1] = M;
+          sum_to_shape(pdy, dy.shape(), db, per_channel, false);
+        }
         return;
       }
     }

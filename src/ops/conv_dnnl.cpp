@@ -31,16 +31,12 @@
 #include <unordered_map>
 
 #include "graft/core.h"
+#include "util.h"
 
 namespace graft::opsutil {
 namespace {
 using dnnl::memory;
 using dt = memory::data_type;
-
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
 
 memory::format_tag plain_tag(size_t rank) {
   using t = memory::format_tag;
@@ -81,28 +77,35 @@ Plain plain(const ConvShape& s) {
 // One operand of a primitive: when the primitive's layout/type differs from the plain float32
 // one, it is reordered into (or, for an output, out of) scratch at `offset`.
 struct Operand {
-  memory::desc want;
+  memory::desc user, want;  // graft's plain float32 layout, the primitive's
   bool reorder = false;
   dnnl::reorder to, from;  // plain -> want (inputs), want -> plain (outputs)
   size_t offset = 0;
 };
-struct Entry {
+}  // namespace
+
+struct DnnlConv {
   dnnl::primitive prim;
   Operand a, b, c;  // forward: x, w, y; data: dy, w, dx; weights: x, dy, dw
-  bool bias = false;
+  int arg_a = 0, arg_b = 0, arg_c = 0, arg_bias = 0;  // their DNNL_ARG_*, and the bias's
+  memory::desc bias;                                  // [M], plain
   memory::desc pad;  // oneDNN's scratchpad, at pad_offset in the scratch
   size_t pad_offset = 0, bytes = 0;
 };
 
+namespace {
+
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 
 void prepare(Operand& o, const memory::desc& user, bool input, size_t& bytes) {
+  o.user = user;
   o.reorder = o.want != user;
   if (!o.reorder) return;
   if (input)
-    o.to = dnnl::reorder(dnnl::reorder::primitive_desc(engine(), user, engine(), o.want));
+    o.to = dnnl::reorder(dnnl::reorder::primitive_desc(dnnl_engine(), user, dnnl_engine(), o.want));
   else
-    o.from = dnnl::reorder(dnnl::reorder::primitive_desc(engine(), o.want, engine(), user));
+    o.from =
+        dnnl::reorder(dnnl::reorder::primitive_desc(dnnl_engine(), o.want, dnnl_engine(), user));
   o.offset = bytes;
   bytes += align64(o.want.get_size());
 }
@@ -117,7 +120,7 @@ Key key_of(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
 }
 
 // Creates the entry; throws dnnl::error when oneDNN has no implementation.
-Entry create(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+DnnlConv create(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   const Plain p = plain(s);
   const dt lo = bf16 ? dt::bf16 : dt::f32;  // the products' operand type
   auto any = [](const memory::desc& d, dt t) {
@@ -143,57 +146,61 @@ Entry create(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
       bias && pass == ConvPass::Forward
           ? fwd::desc(dnnl::prop_kind::forward_training, alg, xa, wa, p.b, ya, stride, dil, pl, pr)
           : fwd::desc(dnnl::prop_kind::forward_training, alg, xa, wa, ya, stride, dil, pl, pr);
-  Entry e;
-  e.bias = bias;
+  DnnlConv e;
+  e.bias = p.b;
   size_t bytes = 0;
-  memory::desc& pad = e.pad;
   if (pass == ConvPass::Forward) {
-    fwd::primitive_desc pd(fd, attr, engine());
+    e.arg_a = DNNL_ARG_SRC, e.arg_b = DNNL_ARG_WEIGHTS, e.arg_c = DNNL_ARG_DST;
+    e.arg_bias = DNNL_ARG_BIAS;
+    fwd::primitive_desc pd(fd, attr, dnnl_engine());
     e.a.want = pd.src_desc(), e.b.want = pd.weights_desc(), e.c.want = pd.dst_desc();
     prepare(e.a, p.x, true, bytes), prepare(e.b, p.w, true, bytes), prepare(e.c, p.y, false, bytes);
-    pad = pd.scratchpad_desc();
+    e.pad = pd.scratchpad_desc();
     e.prim = fwd(pd);
   } else if (pass == ConvPass::BackwardData) {
-    fwd::primitive_desc hint(fd, engine());
+    e.arg_a = DNNL_ARG_DIFF_DST, e.arg_b = DNNL_ARG_WEIGHTS, e.arg_c = DNNL_ARG_DIFF_SRC;
+    fwd::primitive_desc hint(fd, dnnl_engine());
     using bwd = dnnl::convolution_backward_data;
     bwd::primitive_desc pd(bwd::desc(alg, any(p.x, dt::f32), wa, any(p.y, lo), stride, dil, pl, pr),
-                           attr, engine(), hint);
+                           attr, dnnl_engine(), hint);
     e.a.want = pd.diff_dst_desc(), e.b.want = pd.weights_desc(), e.c.want = pd.diff_src_desc();
     prepare(e.a, p.y, true, bytes), prepare(e.b, p.w, true, bytes), prepare(e.c, p.x, false, bytes);
-    pad = pd.scratchpad_desc();
+    e.pad = pd.scratchpad_desc();
     e.prim = bwd(pd);
   } else {
-    fwd::primitive_desc hint(fd, engine());
+    e.arg_a = DNNL_ARG_SRC, e.arg_b = DNNL_ARG_DIFF_DST, e.arg_c = DNNL_ARG_DIFF_WEIGHTS;
+    e.arg_bias = DNNL_ARG_DIFF_BIAS;
+    fwd::primitive_desc hint(fd, dnnl_engine());
     using bwd = dnnl::convolution_backward_weights;
     const memory::desc dwa = any(p.w, dt::f32), dya = any(p.y, lo);
     bwd::primitive_desc pd(bias ? bwd::desc(alg, xa, dwa, p.b, dya, stride, dil, pl, pr)
                                 : bwd::desc(alg, xa, dwa, dya, stride, dil, pl, pr),
-                           attr, engine(), hint);
+                           attr, dnnl_engine(), hint);
     e.a.want = pd.src_desc(), e.b.want = pd.diff_dst_desc(), e.c.want = pd.diff_weights_desc();
     prepare(e.a, p.x, true, bytes), prepare(e.b, p.y, true, bytes), prepare(e.c, p.w, false, bytes);
     if (bias && pd.diff_bias_desc() != p.b)
       throw dnnl::error(dnnl_unimplemented, "the bias gradient's layout is not plain");
-    pad = pd.scratchpad_desc();
+    e.pad = pd.scratchpad_desc();
     e.prim = bwd(pd);
   }
   e.pad_offset = bytes;
-  e.bytes = bytes + align64(pad.get_size());
+  e.bytes = bytes + align64(e.pad.get_size());
   return e;
 }
 
-// The cached entry, or null when oneDNN cannot run this convolution.
-const Entry* entry(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+// The cached pass, or null when oneDNN cannot run this convolution.
+const DnnlConv* cached(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   static std::mutex mu;
-  static std::map<Key, std::unique_ptr<Entry>> cache;
+  static std::map<Key, std::unique_ptr<DnnlConv>> cache;
   std::lock_guard<std::mutex> lk(mu);
   const Key key = key_of(s, pass, bf16, bias);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second.get();
-  std::unique_ptr<Entry> e;
+  std::unique_ptr<DnnlConv> e;
   const size_t rank = s.in.size() + 2;
   if (rank >= 3 && rank <= 5) {
     try {
-      e = std::make_unique<Entry>(create(s, pass, bf16, bias));
+      e = std::make_unique<DnnlConv>(create(s, pass, bf16, bias));
     } catch (const dnnl::error&) {
       e.reset();  // no implementation (e.g. bf16 on a CPU without AVX-512): the im2col path
     }
@@ -201,67 +208,55 @@ const Entry* entry(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   return cache.emplace(key, std::move(e)).first->second.get();
 }
 
-// Runs e: a and b are inputs, c the output (plain float32 data described by ua, ub, uc).
-void run(const Entry& e, const memory::desc& ua, const memory::desc& ub, const memory::desc& uc,
-         int arg_a, int arg_b, int arg_c, const float* a, const float* b, float* c,
-         const memory::desc& bias_md, int arg_bias, const float* bias, void* scratch) {
-  dnnl::stream st(engine());
+// Runs e: a and b are inputs, c the output, `bias` the bias (forward) or its gradient (weights),
+// all plain float32.
+void run(const DnnlConv& e, const float* a, const float* b, float* c, const float* bias,
+         void* scratch) {
+  dnnl::stream st(dnnl_engine());
   char* base = static_cast<char*>(scratch);
-  auto input = [&](const Operand& o, const memory::desc& user, const float* ptr) {
-    memory mu(user, engine(), const_cast<float*>(ptr));
+  auto input = [&](const Operand& o, const float* ptr) {
+    memory mu(o.user, dnnl_engine(), const_cast<float*>(ptr));
     if (!o.reorder) return mu;
-    memory mw(o.want, engine(), base + o.offset);
+    memory mw(o.want, dnnl_engine(), base + o.offset);
     o.to.execute(st, mu, mw);
     return mw;
   };
-  memory ma = input(e.a, ua, a), mb = input(e.b, ub, b);
-  memory mu_c(uc, engine(), c);
-  memory mc = e.c.reorder ? memory(e.c.want, engine(), base + e.c.offset) : mu_c;
-  std::unordered_map<int, memory> args{{arg_a, ma}, {arg_b, mb}, {arg_c, mc}};
+  memory ma = input(e.a, a), mb = input(e.b, b);
+  memory mu_c(e.c.user, dnnl_engine(), c);
+  memory mc = e.c.reorder ? memory(e.c.want, dnnl_engine(), base + e.c.offset) : mu_c;
+  std::unordered_map<int, memory> args{{e.arg_a, ma}, {e.arg_b, mb}, {e.arg_c, mc}};
   if (e.pad.get_size() > 0)
-    args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.pad, engine(), base + e.pad_offset));
-  if (bias) args.emplace(arg_bias, memory(bias_md, engine(), const_cast<float*>(bias)));
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.pad, dnnl_engine(), base + e.pad_offset));
+  if (bias) args.emplace(e.arg_bias, memory(e.bias, dnnl_engine(), const_cast<float*>(bias)));
   e.prim.execute(st, args);
   if (e.c.reorder) e.c.from.execute(st, mc, mu_c);
   st.wait();
 }
 }  // namespace
 
-bool dnnl_conv_enabled() {
+const DnnlConv* dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   static const bool on = [] {
     const char* v = std::getenv("GRAFT_CONV");
     return !(v && std::string(v) == "im2col");
   }();
-  return on;
+  return on ? cached(s, pass, bf16, bias) : nullptr;
 }
 
-int64_t dnnl_conv_scratch(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
-  const Entry* e = dnnl_conv_enabled() ? entry(s, pass, bf16, bias) : nullptr;
-  return e ? static_cast<int64_t>(e->bytes) : -1;
+int64_t dnnl_conv_scratch(const DnnlConv& c) { return static_cast<int64_t>(c.bytes); }
+
+void dnnl_conv_forward(const DnnlConv& c, const float* x, const float* w, const float* b, float* y,
+                       void* scratch) {
+  run(c, x, w, y, b, scratch);
 }
 
-void dnnl_conv_forward(const ConvShape& s, bool bf16, const float* x, const float* w,
-                       const float* b, float* y, void* scratch) {
-  const Entry* e = entry(s, ConvPass::Forward, bf16, b != nullptr);
-  const Plain p = plain(s);
-  run(*e, p.x, p.w, p.y, DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST, x, w, y, p.b, DNNL_ARG_BIAS,
-      b, scratch);
+void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w, float* dx,
+                             void* scratch) {
+  run(c, dy, w, dx, nullptr, scratch);
 }
 
-void dnnl_conv_backward_data(const ConvShape& s, bool bf16, const float* dy, const float* w,
-                             float* dx, void* scratch) {
-  const Entry* e = entry(s, ConvPass::BackwardData, bf16, false);
-  const Plain p = plain(s);
-  run(*e, p.y, p.w, p.x, DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC, dy, w, dx, p.b,
-      DNNL_ARG_DIFF_BIAS, nullptr, scratch);
-}
-
-void dnnl_conv_backward_weights(const ConvShape& s, bool bf16, const float* dy, const float* x,
-                                float* dw, float* db, void* scratch) {
-  const Entry* e = entry(s, ConvPass::BackwardWeights, bf16, db != nullptr);
-  const Plain p = plain(s);
-  run(*e, p.x, p.y, p.w, DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS, x, dy, dw, p.b,
-      DNNL_ARG_DIFF_BIAS, db, scratch);
+void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const float* x, float* dw,
+                                float* db, void* scratch) {
+  run(c, x, dy, dw, db, scratch);
 }
 
 }  // namespace graft::opsutil

@@ -14,21 +14,24 @@ struct ConvShape {
 };
 enum class ConvPass : uint8_t { Forward, BackwardData, BackwardWeights };
 
-// Whether oneDNN convolutions are used at all (not when GRAFT_CONV=im2col is set: the A/B switch
-// of bench_conv and the tests).
-bool dnnl_conv_enabled();
-// The scratch bytes one pass needs (layout reorders and oneDNN's scratchpad; the caller allocates
-// them, so they are counted like every other workspace), or -1 when oneDNN has no primitive for
-// it. `bf16`: operands rounded to bfloat16, float32 accumulation and results (Note [bf16 GEMMs]).
-int64_t dnnl_conv_scratch(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
-// y = conv(x, w) + b (b may be null).
-void dnnl_conv_forward(const ConvShape& s, bool bf16, const float* x, const float* w,
-                       const float* b, float* y, void* scratch);
-// dx = conv's input gradient from dy (overwritten).
-void dnnl_conv_backward_data(const ConvShape& s, bool bf16, const float* dy, const float* w,
-                             float* dx, void* scratch);
-// dw (and db when not null) from dy and x (overwritten).
-void dnnl_conv_backward_weights(const ConvShape& s, bool bf16, const float* dy, const float* x,
-                                float* dw, float* db, void* scratch);
+// One pass of one convolution, ready to run: its primitive, layout reorders and scratch layout,
+// created on first use and cached for the process (conv_dnnl.cpp).
+struct DnnlConv;
+// The pass, or null when oneDNN has no primitive for it or GRAFT_CONV=im2col is set (the A/B switch
+// of bench_conv and the tests): then the caller runs im2col + GEMM. `bf16`: operands rounded to
+// bfloat16, float32 accumulation and results (Note [bf16 GEMMs]).
+const DnnlConv* dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
+// The scratch bytes the pass needs (layout reorders and oneDNN's scratchpad; the caller allocates
+// them, so they are counted like every other workspace).
+int64_t dnnl_conv_scratch(const DnnlConv& c);
+// Forward: y = conv(x, w) + b (b may be null; the pass was created with bias = (b != null)).
+void dnnl_conv_forward(const DnnlConv& c, const float* x, const float* w, const float* b, float* y,
+                       void* scratch);
+// BackwardData: dx = conv's input gradient from dy (overwritten).
+void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w, float* dx,
+                             void* scratch);
+// BackwardWeights: dw, and db when the pass was created with bias, from dy and x (overwritten).
+void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const float* x, float* dw,
+                                float* db, void* scratch);
 
 }  // namespace graft::opsutil

@@ -42,11 +42,6 @@ struct Scratch {
 };
 thread_local Scratch t_a, t_b;
 
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
-
 // f32 -> bf16 bits, round to nearest even (NaN stays NaN): the one rounding rule of both paths.
 inline uint16_t bf16_bits(float x) {
   uint32_t b;
@@ -110,7 +105,7 @@ Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t ldc, 
     attr.set_post_ops(po);
   }
   try {
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, engine());
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
     return cache.emplace(key, Prim{dnnl::matmul(pd), a, b, c}).first->second;
   } catch (const dnnl::error& e) {
     fail(ErrorKind::Unsupported,
@@ -135,6 +130,11 @@ bool bf16_matmul_native() {
 }
 
 namespace opsutil {
+
+dnnl::engine& dnnl_engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
 
 bool bf16_gemm_active() { return t_bf16; }
 
@@ -166,8 +166,9 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   uint16_t* b = t_b.get(static_cast<size_t>(K * N));
   to_bf16(A, ra, ca, lda, a);
   to_bf16(B, rb, cb, ldb, b);
-  dnnl::stream s(engine());
-  dnnl::memory ma(p.a, engine(), a), mb(p.b, engine(), b), mc(p.c, engine(), C);
+  dnnl::stream s(opsutil::dnnl_engine());
+  dnnl::memory ma(p.a, opsutil::dnnl_engine(), a), mb(p.b, opsutil::dnnl_engine(), b),
+      mc(p.c, opsutil::dnnl_engine(), C);
   p.mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
 }

@@ -8,6 +8,10 @@
 
 #include "graft/ops.h"
 
+namespace dnnl {
+struct engine;
+}
+
 namespace graft::opsutil {
 
 // Numpy/ONNX multidirectional broadcast of two shapes; empty optional on mismatch.
@@ -125,6 +129,8 @@ void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
 // Note [bf16 GEMMs] (gemm_bf16.cpp): whether this thread is in a Bf16MatmulScope, and the float32
 // GEMM that rounds its operands to bfloat16 (what gemm_ld runs then).
 bool bf16_gemm_active();
+// The process's oneDNN CPU engine (gemm_bf16.cpp), shared by the bf16 GEMMs and the convolutions.
+dnnl::engine& dnnl_engine();
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 

@@ -80,22 +80,26 @@ def _torch_conv(x, w, b, s, p, d, g):
     return f(x, w, b, tuple(s), 0, tuple(d), g)
 
 
-def _graft_conv(name, x, w, b, dy_seed=2, bf16=False):
-    """One Conv layer through graft (hold mode): y, dW, dB and dX (None for an image)."""
+def _graft_conv(name, x, w, b, dy_seed=2, bf16=False, freeze_w=False):
+    """One Conv layer through graft (hold mode): y, dW (None when frozen), dB and dX (None for an
+    image)."""
     xs, m, k, s, p, d, g, needs_dx = CASES[name]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "conv.onnx")
         onnx.save(_model(xs, m, k, s, p, d, g, x.dtype), path)
-        sess = _graft.Session(path, {}, ["y"], [], ["x"] if needs_dx else [], ["W", "B"], "hold")
+        sess = _graft.Session(path, {}, ["y"], ["W"] if freeze_w else [], ["x"] if needs_dx else [],
+                              ["W", "B"], "hold")
     sess.bind_param("W", w.data_ptr(), list(w.shape), DT[w.dtype][0])
     sess.bind_param("B", b.data_ptr(), list(b.shape), DT[b.dtype][0])
     step, outs = sess.forward({"x": _spec(x)}, 0, True, bf16)
     y = torch.from_numpy(outs[0]).clone()
     dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(dy_seed)).to(x.dtype)
-    for pn in ("W", "B"):
+    trainable = ("B",) if freeze_w else ("W", "B")
+    for pn in trainable:
         sess.bind_grad(pn, None, [], "")
     sess.backward(step, {"y": _spec(dy)})
-    gw, gb = torch.from_numpy(sess.take_grad("W")), torch.from_numpy(sess.take_grad("B"))
+    gw = None if freeze_w else torch.from_numpy(sess.take_grad("W"))
+    gb = torch.from_numpy(sess.take_grad("B"))
     gx = torch.from_numpy(step.input_grads()[0]).clone() if needs_dx else None
     sess.release(step)
     return y, gw, gb, gx, dy
@@ -140,6 +144,22 @@ def test_conv_float32_matches_torch(name):
     """float32: dense convolutions run oneDNN's primitives (Note [oneDNN convolutions]), depthwise
     ones graft's direct kernels; unless GRAFT_CONV=im2col (test_conv_float32_im2col_fallback)."""
     _check(name, torch.float32, 2e-5)
+
+
+@pytest.mark.parametrize("name", ["gemm_pad_stride", "gemm_batched_patch_no_dx", "conv1d"])
+def test_conv_float32_frozen_weight(name):
+    """A frozen weight: ConvGrad produces no dW (so oneDNN runs no backward-weights pass), and dB
+    (and dX) still equal PyTorch's."""
+    xs, m, k, s, p, d, g, needs_dx = CASES[name]
+    x, w, b = _inputs(name, torch.float32)
+    y, gw, gb, gx, dy = _graft_conv(name, x, w, b, freeze_w=True)
+    assert gw is None
+    xr, br = x.double().requires_grad_(), b.double().requires_grad_()
+    yr = _torch_conv(xr, w.double(), br, s, p, d, g)
+    yr.backward(dy.double())
+    for a, ref in ((gb, br.grad),) + (((gx, xr.grad),) if needs_dx else ()):
+        err = float((a.double() - ref).abs().max() / max(1.0, float(ref.abs().max())))
+        assert err < 2e-5, f"{name}: max error {err:.3g}"
 
 
 def test_conv_float32_im2col_fallback():
