@@ -29,6 +29,7 @@ void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
   const auto lc = static_cast<blasint>(ldc);
   if constexpr (std::is_same_v<T, float>) {
     if (bf16_gemm_active()) return gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (gemm_f32_dnnl(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
     cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
   } else {
     cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, A, la, B, lb, beta, C, lc);
@@ -811,7 +812,7 @@ extern "C" int openblas_get_num_threads(void);
 void set_num_threads(int n) {
   if (n > 0) {
     openblas_set_num_threads(n);
-    omp_set_num_threads(n);  // oneDNN's threads (bf16 GEMMs)
+    omp_set_num_threads(n);  // oneDNN's threads (float32 and bf16 GEMMs, convolutions)
   }
 }
 int num_threads() { return openblas_get_num_threads(); }

@@ -126,13 +126,17 @@ template <class T>
 void gemm_ld(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
              const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
-// Note [bf16 GEMMs] (gemm_bf16.cpp): whether this thread is in a Bf16MatmulScope, and the float32
+// Note [bf16 GEMMs] (gemm_dnnl.cpp): whether this thread is in a Bf16MatmulScope, and the float32
 // GEMM that rounds its operands to bfloat16 (what gemm_ld runs then).
 bool bf16_gemm_active();
-// The process's oneDNN CPU engine (gemm_bf16.cpp), shared by the bf16 GEMMs and the convolutions.
+// The process's oneDNN CPU engine (gemm_dnnl.cpp), shared by the bf16 GEMMs and the convolutions.
 dnnl::engine& dnnl_engine();
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Note [float32 GEMM backend] (gemm_dnnl.cpp): runs a float32 GEMM on oneDNN's matmul primitive
+// and returns true, or returns false (the size or GRAFT_GEMM says OpenBLAS) without touching C.
+bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
 // Threads for the op families' own loops (per channel, per plane): num_threads(), at least one.
 inline int max_threads() { return std::max(1, num_threads()); }

@@ -2,7 +2,7 @@
 // fused Gelu / Silu / Erf forward and gradient formulas, over arrays.
 //
 // The build targets baseline x86-64, so the vector code is compiled for AVX-512F and for AVX2+FMA
-// with target attributes (as gemm_bf16.cpp does) and picked at run time with
+// with target attributes (as gemm_dnnl.cpp does) and picked at run time with
 // __builtin_cpu_supports. Without either (or with GRAFT_VMATH=0 in the environment) active() is
 // false and the kernels keep their scalar libm loops; float64 kernels always do.
 //

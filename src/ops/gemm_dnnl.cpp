@@ -9,9 +9,25 @@
 // Primitives are created once per shape and transposition and kept (oneDNN's creation costs far
 // more than a small GEMM); products under 2^18 multiply-adds skip oneDNN and run the same
 // arithmetic (rounded operands, float32 accumulation) through OpenBLAS. float64 GEMMs never change.
+//
+// Note [float32 GEMM backend]
+// Outside a Bf16MatmulScope, float32 GEMMs of medium size run oneDNN's float32 matmul primitive
+// (brgemm kernels, JIT for AVX-512) on the operands in place (strides express lda/ldb and the
+// transpositions), the rest OpenBLAS's sgemm. Measured here, each library alone in its process
+// (docs/performance.md, "One GEMM library"): on the narrow products of small models, convolutions
+// in the zoo's CNNs' Linear layers and weight gradients (64x256x256, 3136x96x384, 784x768x192,
+// 8192x256x256) oneDNN runs at 1.1-2x OpenBLAS's rate, on 1024^3 about 1.1x, but on the seed's
+// 1024x4096x4096 about 0.95x, so products above 2^31 multiply-adds stay on OpenBLAS, and those
+// under 2^18 too (a primitive call costs microseconds). oneDNN's dnnl_sgemm is faster still on
+// the large products, but mallocs up to 7 MiB of packing buffers per call, outside graft's
+// accounting; the primitive's scratchpad is at most ~0.5 MiB, graft's (per thread, kept, like the
+// bf16 operand scratch). It also runs on the OpenMP team oneDNN's convolutions and PyTorch's loops
+// use, instead of OpenBLAS's own pthreads. GRAFT_GEMM=openblas runs every float32 GEMM on
+// OpenBLAS, GRAFT_GEMM=dnnl every one from 2^18 up on oneDNN (A/B switches for benchmarks).
 #include <cblas.h>
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -77,27 +93,32 @@ void to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t*
   });
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, float, float>;
+// A matmul primitive per (shape, transpositions, leading dimensions, alpha, beta, dtype). For
+// bf16 the operands are the dense rounded copies, so lda and ldb are those of the copies.
+using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, float,
+                       float, bool>;
 struct Prim {
   dnnl::matmul mm;
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, scratch;
 };
 
-Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t ldc, float alpha,
-                float beta) {
+Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                int64_t ldc, float alpha, float beta, bool bf16) {
   static std::mutex mu;
   static std::map<Key, Prim> cache;
   std::lock_guard<std::mutex> lk(mu);
-  const Key key{M, N, K, ta, tb, ldc, alpha, beta};
+  const Key key{M, N, K, ta, tb, lda, ldb, ldc, alpha, beta, bf16};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   using dt = dnnl::memory::data_type;
-  // The bf16 copies are dense: op(A) is M x K stored as M x K (or K x M when transposed), and
-  // likewise op(B); strides express the transposition, so no transposing copy is made.
-  dnnl::memory::desc a({M, K}, dt::bf16, ta ? dnnl::memory::dims{1, M} : dnnl::memory::dims{K, 1});
-  dnnl::memory::desc b({K, N}, dt::bf16, tb ? dnnl::memory::dims{1, K} : dnnl::memory::dims{N, 1});
+  const dt in = bf16 ? dt::bf16 : dt::f32;
+  // op(A) is M x K, stored as M rows of stride lda (K x M, stride lda, when transposed); likewise
+  // op(B): strides express the transposition, so no transposing copy is made.
+  dnnl::memory::desc a({M, K}, in, ta ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1});
+  dnnl::memory::desc b({K, N}, in, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
   dnnl::memory::desc c({M, N}, dt::f32, dnnl::memory::dims{ldc, 1});
   dnnl::primitive_attr attr;
+  if (!bf16) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (alpha != 1.f) attr.set_output_scales(0, {alpha});
   if (beta != 0.f) {
     dnnl::post_ops po;
@@ -106,13 +127,30 @@ Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t ldc, 
   }
   try {
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
-    return cache.emplace(key, Prim{dnnl::matmul(pd), a, b, c}).first->second;
+    return cache.emplace(key, Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()}).first->second;
   } catch (const dnnl::error& e) {
+    if (!bf16) throw;  // the caller falls back to OpenBLAS
     fail(ErrorKind::Unsupported,
          std::string("bf16 matrix products are not available on this CPU (oneDNN: ") + e.what() +
              "); they need AVX-512 (fast with AVX512-BF16 or AMX): use fp32 precision");
   }
 }
+
+// Which library runs a float32 GEMM of M*N*K multiply-adds (Note [float32 GEMM backend]).
+enum class Sgemm { Auto, OpenBlas, Dnnl };
+Sgemm sgemm_choice() {
+  static const Sgemm c = [] {
+    const char* v = std::getenv("GRAFT_GEMM");
+    if (v && std::strcmp(v, "openblas") == 0) return Sgemm::OpenBlas;
+    if (v && std::strcmp(v, "dnnl") == 0) return Sgemm::Dnnl;
+    return Sgemm::Auto;
+  }();
+  return c;
+}
+
+// The primitive's scratchpad, per thread, grown as needed and kept (at most ~0.5 MiB measured).
+thread_local std::unique_ptr<char[]> t_scratch;
+thread_local size_t t_scratch_n = 0;
 }  // namespace
 
 Bf16MatmulScope::Bf16MatmulScope(bool bf16) : prev_(t_bf16) { t_bf16 = bf16; }
@@ -161,7 +199,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                 static_cast<blasint>(ldc));
     return;
   }
-  Prim& p = primitive(ta, tb, M, N, K, ldc, alpha, beta);
+  Prim& p = primitive(ta, tb, M, N, K, ta ? M : K, tb ? K : N, ldc, alpha, beta, true);
   uint16_t* a = t_a.get(static_cast<size_t>(M * K));
   uint16_t* b = t_b.get(static_cast<size_t>(K * N));
   to_bf16(A, ra, ca, lda, a);
@@ -171,6 +209,34 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
       mc(p.c, opsutil::dnnl_engine(), C);
   p.mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
+}
+
+bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const Sgemm choice = sgemm_choice();
+  const int64_t macs = M * N * K;
+  if (choice == Sgemm::OpenBlas || macs < (int64_t{1} << 18)) return false;
+  if (choice == Sgemm::Auto && macs > (int64_t{1} << 31)) return false;
+  Prim* p;
+  try {
+    p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
+  } catch (const dnnl::error&) {
+    return false;  // no float32 matmul for this CPU or layout: OpenBLAS runs it
+  }
+  const size_t need = p->scratch.get_size();
+  if (need > t_scratch_n) {
+    t_scratch.reset(new char[need]);
+    t_scratch_n = need;
+  }
+  auto& eng = opsutil::dnnl_engine();
+  dnnl::stream s(eng);
+  dnnl::memory ma(p->a, eng, const_cast<float*>(A)), mb(p->b, eng, const_cast<float*>(B)),
+      mc(p->c, eng, C), ms(p->scratch, eng, t_scratch.get());
+  p->mm.execute(
+      s,
+      {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
+  s.wait();
+  return true;
 }
 
 }  // namespace opsutil

@@ -1,0 +1,103 @@
+// Float32 GEMMs (Note [float32 GEMM backend]): oneDNN's matmul primitive on operands in place
+// (transposed, sub-matrices of wider buffers, alpha, beta) and the dispatch in gemm_ld, against a
+// float64 reference loop.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../src/ops/util.h"
+
+using namespace graft;
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t M, N, K;
+  int64_t pad;  // extra columns of every stored matrix: lda = cols + pad
+  float alpha, beta;
+};
+
+std::string name(const Case& c) {
+  return std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) +
+         (c.ta ? " A^T" : "") + (c.tb ? " B^T" : "") + " pad " + std::to_string(c.pad) + " alpha " +
+         std::to_string(c.alpha) + " beta " + std::to_string(c.beta);
+}
+
+// Runs `gemm` on random operands and checks C against float64 arithmetic within float32's
+// rounding of a K-term dot product (relative to the sum of absolute products).
+template <class G>
+void check(const Case& c, G gemm) {
+  std::mt19937 rng(static_cast<uint32_t>(c.M * 131 + c.N * 7 + c.K));
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  const int64_t ra = c.ta ? c.K : c.M, ca = c.ta ? c.M : c.K, rb = c.tb ? c.N : c.K,
+                cb = c.tb ? c.K : c.N;
+  const int64_t lda = ca + c.pad, ldb = cb + c.pad, ldc = c.N + c.pad;
+  std::vector<float> A(ra * lda), B(rb * ldb), C(c.M * ldc);
+  for (float& x : A) x = d(rng);
+  for (float& x : B) x = d(rng);
+  for (float& x : C) x = d(rng);
+  const std::vector<float> C0 = C;
+  gemm(c.ta, c.tb, c.M, c.N, c.K, c.alpha, A.data(), lda, B.data(), ldb, c.beta, C.data(), ldc);
+  for (int64_t i = 0; i < c.M; ++i)
+    for (int64_t j = 0; j < c.N + c.pad; ++j) {
+      if (j >= c.N) {  // the padding of C is not written
+        ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << name(c) << " wrote C's padding";
+        continue;
+      }
+      double ref = 0, mag = 0;
+      for (int64_t k = 0; k < c.K; ++k) {
+        const double a = c.ta ? A[k * lda + i] : A[i * lda + k];
+        const double b = c.tb ? B[j * ldb + k] : B[k * ldb + j];
+        ref += a * b;
+        mag += std::fabs(a * b);
+      }
+      ref = c.alpha * ref + (c.beta == 0.f ? 0.0 : c.beta * double(C0[i * ldc + j]));
+      mag = std::fabs(c.alpha) * mag + std::fabs(c.beta * double(C0[i * ldc + j]));
+      ASSERT_NEAR(C[i * ldc + j], ref, 4e-7 * std::sqrt(double(c.K)) * mag + 1e-30)
+          << name(c) << " at (" << i << ", " << j << ")";
+    }
+}
+
+const std::vector<Case> kMedium = {
+    {false, false, 64, 256, 256, 0, 1.f, 0.f}, {false, true, 64, 256, 256, 0, 1.f, 0.f},
+    {true, false, 256, 256, 64, 0, 1.f, 1.f},  {true, true, 100, 70, 50, 3, 0.5f, -0.25f},
+    {false, true, 1, 1024, 512, 0, 1.f, 0.f},  {false, false, 513, 3, 200, 5, 2.f, 1.f},
+    {true, false, 37, 129, 97, 1, 1.f, 0.f},   {false, true, 300, 300, 8, 0, -1.f, 0.5f},
+};
+
+}  // namespace
+
+TEST(Gemm, OneDnnMatmulMatchesFloat64) {
+  if (const char* v = std::getenv("GRAFT_GEMM"); v && std::string(v) == "openblas")
+    GTEST_SKIP() << "GRAFT_GEMM=openblas: oneDNN runs no float32 GEMM";
+  for (const Case& c : kMedium) {
+    SCOPED_TRACE(name(c));
+    bool ran = false;
+    check(c, [&](auto... args) { ran = opsutil::gemm_f32_dnnl(args...); });
+    ASSERT_TRUE(ran) << "oneDNN declined a product of oneDNN's size";
+  }
+}
+
+TEST(Gemm, DispatchMatchesFloat64AtEverySize) {
+  std::vector<Case> cases = kMedium;
+  cases.push_back({false, false, 8, 16, 32, 0, 1.f, 0.f});        // tiny: OpenBLAS
+  cases.push_back({true, true, 12, 9, 20, 2, 0.5f, 1.f});         // tiny, transposed, padded
+  cases.push_back({false, true, 1300, 1300, 1300, 0, 1.f, 0.f});  // above 2^31: OpenBLAS
+  for (const Case& c : cases) {
+    SCOPED_TRACE(name(c));
+    check(c, [](auto... args) { opsutil::gemm_ld<float>(args...); });
+  }
+}
+
+TEST(Gemm, OneDnnDeclinesTinyProductsWithoutTouchingC) {
+  std::vector<float> A(8 * 8, 1.f), B(8 * 8, 1.f), C(8 * 8, 3.f);
+  EXPECT_FALSE(opsutil::gemm_f32_dnnl(false, false, 8, 8, 8, 1.f, A.data(), 8, B.data(), 8, 0.f,
+                                      C.data(), 8));
+  for (float x : C) ASSERT_EQ(x, 3.f);
+}
