@@ -6,6 +6,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -161,6 +164,61 @@ std::atomic<bool> g_forked{false};
 void mark_forked() { g_forked.store(true); }
 }  // namespace
 
+// libgomp's entry points (graft links libgomp, the OpenMP runtime of Debian's oneDNN and PyTorch):
+// GOMP_parallel is what `#pragma omp parallel num_threads(t)` compiles to with GCC, called
+// directly so that no file needs -fopenmp or <omp.h> (clang builds have neither).
+extern "C" void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+extern "C" int omp_get_thread_num(void);
+
+namespace {
+// Note [one thread pool]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// By default run_tasks runs its tasks on libgomp's OpenMP team, the threads oneDNN's convolutions
+// and float32 matmuls and PyTorch's own loops already use: with a pool of graft's own beside it,
+// libgomp's workers kept spinning after each oneDNN call and took a core from graft's (32% of
+// mobilenet_v2's samples). Measured on the zoo (docs/performance.md, "One thread pool"): resnet18
+// 1.12 -> 0.78x eager, mobilenet_v2 1.36 -> 1.28x, the rest within noise. It was tried before the
+// float32 GEMMs moved to oneDNN and lost then on convnext (its GEMMs ran on OpenBLAS's pthreads,
+// a third set of threads). GRAFT_POOL=own runs graft's own pool below (an A/B switch).
+bool pool_is_omp() {
+  static const bool omp = [] {
+    const char* v = std::getenv("GRAFT_POOL");
+    return !(v && std::strcmp(v, "own") == 0);
+  }();
+  return omp;
+}
+// run_tasks' contract on the OpenMP team: tasks claimed from a counter, slot = the team index.
+void run_tasks_omp(int n, void (*fn)(void*, int, int), void* ctx) {
+  std::atomic<int> next{0};
+  std::exception_ptr err;
+  std::mutex err_m;
+  struct Team {
+    void (*fn)(void*, int, int);
+    void* ctx;
+    int n;
+    std::atomic<int>* next;
+    std::exception_ptr* err;
+    std::mutex* err_m;
+  } team{fn, ctx, n, &next, &err, &err_m};
+  GOMP_parallel(
+      [](void* p) {
+        auto* t = static_cast<Team*>(p);
+        const int slot = omp_get_thread_num();
+        for (int i; (i = t->next->fetch_add(1)) < t->n;) {
+          try {
+            t->fn(t->ctx, i, slot);
+          } catch (...) {  // an exception must not leave a team thread
+            std::lock_guard<std::mutex> g(*t->err_m);
+            if (!*t->err) *t->err = std::current_exception();
+            t->next->store(t->n);
+          }
+        }
+      },
+      &team, static_cast<unsigned>(std::min(n, max_threads())), 0);
+  if (err) std::rethrow_exception(err);
+}
+}  // namespace
+
 void run_tasks(int n, void (*fn)(void*, int, int), void* ctx) {
   static const bool atfork = [] { return pthread_atfork(nullptr, nullptr, mark_forked) == 0; }();
   (void)atfork;
@@ -170,6 +228,7 @@ void run_tasks(int n, void (*fn)(void*, int, int), void* ctx) {
     for (int i = 0; i < n; ++i) fn(ctx, i, 0);
     return;
   }
+  if (pool_is_omp()) return run_tasks_omp(n, fn, ctx);
   const int want = std::min(n, max_threads()) - 1;
   while (p.workers < want) {
     const int slot = ++p.workers;

@@ -141,9 +141,10 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
 // Threads for the op families' own loops (per channel, per plane): num_threads(), at least one.
 inline int max_threads() { return std::max(1, num_threads()); }
 
-// Runs fn(ctx, task, slot) for every task in [0, n) on a small persistent pool of max_threads() - 1
-// workers plus the calling thread, and returns when all have finished. Threads claim tasks as they
-// come free (a descheduled worker on a busy machine leaves its share to the others), so which
+// Runs fn(ctx, task, slot) for every task in [0, n) on up to max_threads() threads, the calling
+// thread among them (libgomp's OpenMP team, or graft's own persistent pool with GRAFT_POOL=own:
+// Note [one thread pool], util.cpp), and returns when all have finished. Threads claim tasks as
+// they come free (a descheduled worker on a busy machine leaves its share to the others), so which
 // thread runs which task is not fixed and tasks must be independent; `slot` (< max_threads()) is
 // the running thread's, distinct among tasks running at once. Runs all tasks inline, in order, in
 // slot 0 when called from a pool task (nesting), while another thread has the pool, or in a
@@ -157,8 +158,8 @@ constexpr int64_t kParallelGrain = 32768;
 // Splits [0, n) into contiguous ranges, up to 4 per thread and none under kParallelGrain element
 // operations (n * work_per_item), and runs f(slot, begin, end) on each, slot < max_threads() being
 // the running thread's (an index into per-thread scratch). For loops between GEMMs, never around
-// them: OpenBLAS runs its own threads inside each GEMM. Callers split over independent items only,
-// so results do not depend on the number of threads or on which thread ran what.
+// them: the GEMMs run their own threads (oneDNN's team, OpenBLAS's). Callers split over independent
+// items only, so results do not depend on the number of threads or on which thread ran what.
 template <class F>
 void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
   if (n <= 0) return;
