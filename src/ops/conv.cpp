@@ -294,8 +294,19 @@ void pad_into(const T* x, int64_t H, int64_t W, T* xp, int64_t rows, int64_t col
     std::copy(x + h * W, x + h * W + w1, xp + (h + r0) * cols + c0);
 }
 // B outputs of one row, starting at x (the first tap's input of the first output).
+// Note [depthwise ISA clones]: the depthwise kernels below are plain loops the compiler
+// vectorizes; graft builds for baseline x86-64 (SSE2, 4 floats), so their float32 entry points
+// are also compiled for AVX2 and AVX-512 (GCC's target_clones, picked once at load time) with
+// every helper inlined into each copy.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define GRAFT_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GRAFT_ISA_CLONES
+#endif
+#define GRAFT_INLINE [[gnu::always_inline]] inline
+
 template <int B, bool kUnit, class T>
-inline void dw_block(const Plane2& p, const T* x, const T* wk, T b, T* out) {
+GRAFT_INLINE void dw_block(const Plane2& p, const T* x, const T* wk, T b, T* out) {
   T acc[B];
   for (int i = 0; i < B; ++i) acc[i] = b;
   for (int64_t kh = 0; kh < p.KH; ++kh) {
@@ -311,7 +322,7 @@ inline void dw_block(const Plane2& p, const T* x, const T* wk, T b, T* out) {
 // One output row in blocks of B; the last block overlaps the one before (outputs are written,
 // not added, so recomputing a few is harmless).
 template <int B, bool kUnit, class T>
-void dw_row(const Plane2& p, const T* x, const T* wk, T b, T* y) {
+GRAFT_INLINE void dw_row(const Plane2& p, const T* x, const T* wk, T b, T* y) {
   for (int64_t o = 0;; o += B) {
     const int64_t o0 = std::min(o, p.OW - B);
     dw_block<B, kUnit>(p, x + o0 * p.sw, wk, b, y + o0);
@@ -319,7 +330,7 @@ void dw_row(const Plane2& p, const T* x, const T* wk, T b, T* y) {
   }
 }
 template <bool kUnit, class T>
-void dw_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
+GRAFT_INLINE void dw_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
   constexpr int kB = 128 / sizeof(T);  // 32 floats: enough independent sums to hide the latency
   for (int64_t oh = 0; oh < p.OH; ++oh) {
     const T* x = xp + oh * p.sh * p.ld;
@@ -333,15 +344,23 @@ void dw_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
   }
 }
 template <class T>
-void depthwise_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
+GRAFT_INLINE void depthwise_forward_impl(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
   if (p.sw == 1)
     dw_forward<true>(p, xp, wk, b, y);
   else
     dw_forward<false>(p, xp, wk, b, y);
 }
+template <class T>
+void depthwise_forward(const Plane2& p, const T* xp, const T* wk, T b, T* y) {
+  depthwise_forward_impl(p, xp, wk, b, y);
+}
+GRAFT_ISA_CLONES void depthwise_forward(const Plane2& p, const float* xp, const float* wk, float b,
+                                        float* y) {
+  depthwise_forward_impl(p, xp, wk, b, y);
+}
 // dwk[k] += sum over the plane of dy * (the inputs tap k reads).
 template <bool kUnit, class T>
-void dw_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
+GRAFT_INLINE void dw_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
   constexpr int kB = 64 / sizeof(T);
   for (int64_t kh = 0; kh < p.KH; ++kh)
     for (int64_t kw = 0; kw < p.KW; ++kw) {
@@ -360,11 +379,19 @@ void dw_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
     }
 }
 template <class T>
-void depthwise_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
+GRAFT_INLINE void depthwise_wgrad_impl(const Plane2& p, const T* xp, const T* dy, T* dwk) {
   if (p.sw == 1)
     dw_wgrad<true>(p, xp, dy, dwk);
   else
     dw_wgrad<false>(p, xp, dy, dwk);
+}
+template <class T>
+void depthwise_wgrad(const Plane2& p, const T* xp, const T* dy, T* dwk) {
+  depthwise_wgrad_impl(p, xp, dy, dwk);
+}
+GRAFT_ISA_CLONES void depthwise_wgrad(const Plane2& p, const float* xp, const float* dy,
+                                      float* dwk) {
+  depthwise_wgrad_impl(p, xp, dy, dwk);
 }
 // Strided dX: dxp[oh * sh + kh * dh, ow * sw + kw * dw] += w[k] * dy[oh, ow] (dxp padded).
 template <class T>
