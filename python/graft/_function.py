@@ -80,6 +80,28 @@ class _Deliver(torch.autograd.Function):
         return ctx.box.pop(), None
 
 
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+_ONES = {}
+
+
+def _deliver(p, box):
+    """Runs the one-node graph of _Deliver: box's gradient reaches p's AccumulateGrad through the
+    autograd engine, so p's hooks (DDP's among them) fire. The engine is called as
+    torch.autograd.backward calls it, without that wrapper's argument handling (about a fifth of a
+    delivery's cost, per parameter per step); not torch.autograd.backward(param, grad) either:
+    torch 2.x imports sympy, ~35 MB, for its shape check."""
+    with torch.enable_grad():
+        out = _Deliver.apply(p, box)
+    if _ENGINE is None:
+        torch.autograd.backward(out)
+        return
+    one = _ONES.get(out.dtype)
+    if one is None:
+        one = _ONES[out.dtype] = torch.ones((), dtype=out.dtype)
+    # (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
+    _ENGINE.run_backward((out,), (one,), False, False, (), True, True)
+
+
 def _step_one(opt, p, g, defer=False):
     """Step mode: applies `opt`'s update to parameter p alone, with gradient g, the moment graft
     completes g: the optimizer's step() over a one-parameter copy of p's group (its current
@@ -285,17 +307,12 @@ class GraftFunction(torch.autograd.Function):
                         returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
                     elif t == "deliver":  # PyTorch's own accumulation path: AccumulateGrad, hooks, DDP
                         if exclusive:  # graft keeps no other reference: AccumulateGrad may adopt it
-                            box = [torch.from_numpy(array)]
-                            with torch.enable_grad():
-                                torch.autograd.backward(_Deliver.apply(by_name[name], box))
+                            _deliver(by_name[name], [torch.from_numpy(array)])
                         else:  # graft keeps the buffer: AccumulateGrad must not adopt it (copy if .grad is None)
-                            # (not torch.autograd.backward(param, grad): torch 2.x imports sympy, ~35 MB, for
-                            # its shape check)
                             g = torch.from_numpy(array)
                             box = [g.clone() if by_name[name].grad is None else g]
                             del g
-                            with torch.enable_grad():
-                                torch.autograd.backward(_Deliver.apply(by_name[name], box))
+                            _deliver(by_name[name], box)
 
                 sess.backward(step, grads, deliver)
             elif entry.mode == "step":
