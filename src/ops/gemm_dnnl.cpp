@@ -14,15 +14,16 @@
 // Outside a Bf16MatmulScope, float32 GEMMs of medium size run oneDNN's float32 matmul primitive
 // (brgemm kernels, JIT for AVX-512) on the operands in place (strides express lda/ldb and the
 // transpositions), the rest OpenBLAS's sgemm. Measured here, each library alone in its process
-// (docs/performance.md, "One GEMM library"): on the narrow products of small models, convolutions
-// in the zoo's CNNs' Linear layers and weight gradients (64x256x256, 3136x96x384, 784x768x192,
-// 8192x256x256) oneDNN runs at 1.1-2x OpenBLAS's rate, on 1024^3 about 1.1x, but on the seed's
-// 1024x4096x4096 about 0.95x, so products above 2^31 multiply-adds stay on OpenBLAS, and those
-// under 2^18 too (a primitive call costs microseconds). oneDNN's dnnl_sgemm is faster still on
-// the large products, but mallocs up to 7 MiB of packing buffers per call, outside graft's
-// accounting; the primitive's scratchpad is at most ~0.5 MiB, graft's (per thread, kept, like the
-// bf16 operand scratch). It also runs on the OpenMP team oneDNN's convolutions and PyTorch's loops
-// use, instead of OpenBLAS's own pthreads. GRAFT_GEMM=openblas runs every float32 GEMM on
+// (python3 -m graft.bench_gemm, docs/performance.md "One GEMM library"): on narrow products (the
+// Linear layers of small models, convnext's MLPs, weight gradients: 64x256x256, 256x256x64,
+// 3136x96x384, 8192x256x256) oneDNN runs at 1.2-1.6x OpenBLAS's rate; on 1024^3 and the seed's
+// 1024x4096x4096 products the two are within this machine's ~10% noise, OpenBLAS ahead more often,
+// so products above 2^31 multiply-adds stay on OpenBLAS, and those under 2^18 too (a primitive call
+// costs microseconds). oneDNN's dnnl_sgemm is faster on the large products, but mallocs up to
+// 7 MiB of packing buffers per call, outside graft's accounting; the primitive's scratchpad is at
+// most ~0.5 MiB, graft's (one buffer per thread, kept between calls). It also runs on the
+// OpenMP team oneDNN's convolutions and PyTorch's loops use, instead of OpenBLAS's own pthreads
+// (Note [one thread pool], util.cpp). GRAFT_GEMM=openblas runs every float32 GEMM on
 // OpenBLAS, GRAFT_GEMM=dnnl every one from 2^18 up on oneDNN (A/B switches for benchmarks).
 #include <cblas.h>
 #include <immintrin.h>
