@@ -653,6 +653,14 @@ void infer_pool(InferCtx& c) {
   Shape out{c.shape(0)[0], c.shape(0)[1]};
   out.insert(out.end(), w.out.begin(), w.out.end());
   c.set_out(0, c.dtype(0), out);
+  // graft's own output 2 of a 2-D MaxPool (added by its gradient rule): each output's argmax,
+  // the int32 index within its input plane, which the backward scatters through (as PyTorch's
+  // max_pool2d saves int64 indices) instead of searching every window again.
+  if (c.has_out(2)) {
+    c.check(c.node().op == "MaxPool" && w.nd == 2 && w.in_size() <= INT32_MAX,
+            "output 2 (graft's argmax) needs a 2-D MaxPool with planes under 2^31 elements");
+    c.set_out(2, DType::I32, out);
+  }
 }
 // Per (image, channel) plane: max or average over each window. For MaxPool `arg` receives the flat
 // input index of each output's maximum (the first one on ties, as PyTorch).
@@ -699,8 +707,8 @@ void pool_plane(const Window& w, bool is_max, bool count_pad, const T* x, T* y, 
 // MaxPool over one 2-D plane without the generic tap walker: per output, the window clipped to
 // the image once, taps visited in the same order (rows, then columns) with the same rule (first
 // tap taken, then a larger value or a NaN, which then stays), so y and arg equal pool_plane's.
-template <class T>
-void max_plane_2d(const Window& w, const T* x, T* y, int64_t* arg) {
+template <class T, class Idx>
+void max_plane_2d(const Window& w, const T* x, T* y, Idx* arg) {
   const int64_t H = w.in[0], W = w.in[1], OH = w.out[0], OW = w.out[1];
   const int64_t sh = w.stride[0], sw = w.stride[1], dh = w.dil[0], dw = w.dil[1];
   auto range = [](int64_t start, int64_t k, int64_t d, int64_t n, int64_t& lo, int64_t& hi) {
@@ -726,7 +734,7 @@ void max_plane_2d(const Window& w, const T* x, T* y, int64_t* arg) {
         }
       }
       y[oh * OW + ow] = best;
-      if (arg) arg[oh * OW + ow] = bi;
+      if (arg) arg[oh * OW + ow] = static_cast<Idx>(bi);
     }
   }
 }
@@ -739,10 +747,12 @@ void pool_kernel(KernelCtx& c) {
     const bool is_max = c.node.op == "MaxPool";
     const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
+    int32_t* arg = c.has_out(2) ? c.out(2).data<int32_t>() : nullptr;
     parallel_for(planes, O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         if (is_max && w.nd == 2)
-          max_plane_2d<T>(w, x.data<T>() + p * I, c.out(0).data<T>() + p * O, nullptr);
+          max_plane_2d<T>(w, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
+                          arg ? arg + p * O : nullptr);
         else
           pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
                         nullptr);
@@ -751,8 +761,38 @@ void pool_kernel(KernelCtx& c) {
   });
 }
 // PoolGrad(dY, X; the pool's attributes, op = MaxPool | AveragePool) -> dX.
-void infer_pool_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
+// With argmax = 1: PoolGrad(dY, argmax; x_shape) -> dX, the argmax the 2-D MaxPool saved (its
+// output 2): each dY element added at its index in its plane; X itself is not kept for this.
+void infer_pool_grad(InferCtx& c) {
+  if (c.node().attrs.get_int("argmax", 0, c.node().label()) == 0) {
+    c.set_out(0, c.dtype(1), c.shape(1));
+    return;
+  }
+  c.check(c.dtype(1) == DType::I32, "the argmax input must be int32");
+  c.set_out(0, c.dtype(0), c.node().attrs.get_ints("x_shape", {}, c.node().label()));
+}
+void pool_grad_argmax(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const Tensor &dy = c.in(0), &arg = c.in(1);
+    Tensor& dx = c.out(0);
+    const int64_t planes = dx.dim(0) * dx.dim(1), I = dx.numel() / std::max<int64_t>(1, planes),
+                  O = dy.numel() / std::max<int64_t>(1, planes);
+    const T* pdy = dy.data<T>();
+    const int32_t* pa = arg.data<int32_t>();
+    T* pdx = dx.data<T>();
+    parallel_for(planes, I + O, [&](int, int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        T* d = pdx + p * I;
+        std::fill(d, d + I, T(0));
+        const T* g = pdy + p * O;
+        const int32_t* a = pa + p * O;
+        for (int64_t o = 0; o < O; ++o) d[a[o]] += g[o];
+      }
+    });
+  });
+}
 void pool_grad_kernel(KernelCtx& c) {
+  if (c.attr_int("argmax", 0) != 0) return pool_grad_argmax(c);
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &dy = c.in(0), &x = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
@@ -761,7 +801,6 @@ void pool_grad_kernel(KernelCtx& c) {
     const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
     T* dx = c.out(0).data<T>();
-    std::fill(dx, dx + x.numel(), T(0));
     const std::vector<T> ones(is_max ? 0 : I, T(1));
     std::vector<int64_t> cnt(is_max ? 0 : O, 0);
     if (!is_max) for_each_tap(w, [&](int64_t o, int64_t, int64_t) { ++cnt[o]; });
@@ -773,9 +812,10 @@ void pool_grad_kernel(KernelCtx& c) {
       for (int64_t p = p0; p < p1; ++p) {
         const T* dyp = dy.data<T>() + p * O;
         T* dxp = dx + p * I;
+        std::fill(dxp, dxp + I, T(0));  // per plane, on its thread, just before the plane's adds
         if (is_max) {
           if (w.nd == 2)
-            max_plane_2d<T>(w, x.data<T>() + p * I, y.data(), arg.data());
+            max_plane_2d<T, int64_t>(w, x.data<T>() + p * I, y.data(), arg.data());
           else
             pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
           for (int64_t o = 0; o < O; ++o)
@@ -793,6 +833,17 @@ void pool_grad_kernel(KernelCtx& c) {
 void grad_pool(GradBuilder& g) {
   Attrs a = g.node().attrs;
   a.set_string("op", g.node().op);
+  const Shape& xs = g.shape(g.x(0));
+  const bool two_d = xs.size() == 4 && a.get_ints("kernel_shape", {}, g.node().label()).size() == 2;
+  if (g.node().op == "MaxPool" && two_d && xs[0] > 0 && xs[1] > 0 && xs[2] > 0 && xs[3] > 0 &&
+      xs[2] * xs[3] <= INT32_MAX) {
+    // Scatter through the argmax the forward saves (its output 2, int32): PyTorch's max_pool2d
+    // saves its input and int64 indices; graft keeps half those index bytes and not the input.
+    a.set_int("argmax", 1);
+    a.set_ints("x_shape", xs);
+    g.set_dx(0, g.emit1("PoolGrad", {g.dy(0), g.y(2)}, a, "graft"));
+    return;
+  }
   g.set_dx(0, g.emit1("PoolGrad", {g.dy(0), g.x(0)}, a, "graft"));
 }
 
@@ -844,7 +895,7 @@ const OpDef kOps[] = {
      .kernel = conv_kernel,
      .grad = grad_conv},
     {.name = "MaxPool",
-     .max_out = 2,
+     .max_out = 3,
      .infer = infer_pool,
      .kernel = pool_kernel,
      .grad = grad_pool},
