@@ -294,16 +294,8 @@ void pad_into(const T* x, int64_t H, int64_t W, T* xp, int64_t rows, int64_t col
     std::copy(x + h * W, x + h * W + w1, xp + (h + r0) * cols + c0);
 }
 // B outputs of one row, starting at x (the first tap's input of the first output).
-// Note [depthwise ISA clones]: the depthwise kernels below are plain loops the compiler
-// vectorizes; graft builds for baseline x86-64 (SSE2, 4 floats), so their float32 entry points
-// are also compiled for AVX2 and AVX-512 (GCC's target_clones, picked once at load time) with
-// every helper inlined into each copy.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define GRAFT_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define GRAFT_ISA_CLONES
-#endif
-#define GRAFT_INLINE [[gnu::always_inline]] inline
+// The depthwise kernels below are plain loops the compiler vectorizes; their float32 entry points
+// are GRAFT_ISA_CLONES (Note [ISA clones], util.h), their helpers GRAFT_INLINE.
 
 template <int B, bool kUnit, class T>
 GRAFT_INLINE void dw_block(const Plane2& p, const T* x, const T* wk, T b, T* out) {

@@ -625,6 +625,42 @@ void infer_batchnorm_grad(InferCtx& c) {
 // dx = scale * inv / n * (n * dy - dB - xh * dscale) (training) or dy * scale * inv, written as
 // dx = k1 * dy + k2 * (x - mean) + k0 with per-channel constants (in T: vectorizable). Parallel
 // over channels; the sums are in double.
+// One channel's sums sum dy and sum dy * (x - m) over the batch, and its dX (Note [ISA clones]).
+template <class T>
+GRAFT_INLINE void bn_grad_sums_impl(const T* dy, const T* px, BnView v, int64_t ch, double m,
+                                    double& sdy, double& sdyx) {
+  for (int64_t b = 0; b < v.N; ++b) {
+    const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+    sdy += sum8(v.S, [&](int64_t i) { return static_cast<double>(d[i]); });
+    sdyx += sum8(v.S, [&](int64_t i) { return d[i] * (xp[i] - m); });
+  }
+}
+template <class T>
+GRAFT_INLINE void bn_grad_dx_impl(const T* dy, const T* px, BnView v, int64_t ch, T t1, T t2, T t0,
+                                  T tm, T* dx) {
+  for (int64_t b = 0; b < v.N; ++b) {
+    const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+    T* o = dx + (b * v.C + ch) * v.S;
+    for (int64_t i = 0; i < v.S; ++i) o[i] = t1 * d[i] + t2 * (xp[i] - tm) + t0;
+  }
+}
+template <class T>
+void bn_grad_sums(const T* dy, const T* px, BnView v, int64_t ch, double m, double& sdy,
+                  double& sdyx) {
+  bn_grad_sums_impl(dy, px, v, ch, m, sdy, sdyx);
+}
+GRAFT_ISA_CLONES void bn_grad_sums(const float* dy, const float* px, BnView v, int64_t ch, double m,
+                                   double& sdy, double& sdyx) {
+  bn_grad_sums_impl(dy, px, v, ch, m, sdy, sdyx);
+}
+template <class T>
+void bn_grad_dx(const T* dy, const T* px, BnView v, int64_t ch, T t1, T t2, T t0, T tm, T* dx) {
+  bn_grad_dx_impl(dy, px, v, ch, t1, t2, t0, tm, dx);
+}
+GRAFT_ISA_CLONES void bn_grad_dx(const float* dy, const float* px, BnView v, int64_t ch, float t1,
+                                 float t2, float t0, float tm, float* dx) {
+  bn_grad_dx_impl(dy, px, v, ch, t1, t2, t0, tm, dx);
+}
 void batchnorm_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(1);
@@ -647,11 +683,7 @@ void batchnorm_grad_kernel(KernelCtx& c) {
       for (int64_t ch = c0; ch < c1; ++ch) {
         const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
         double sdy = 0, sdyx = 0;
-        for (int64_t b = 0; b < v.N; ++b) {
-          const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
-          sdy += sum8(v.S, [&](int64_t i) { return static_cast<double>(d[i]); });
-          sdyx += sum8(v.S, [&](int64_t i) { return d[i] * (xp[i] - m); });
-        }
+        bn_grad_sums(dy, px, v, ch, m, sdy, sdyx);
         sdyx *= inv;
         if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
         if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
@@ -660,12 +692,7 @@ void batchnorm_grad_kernel(KernelCtx& c) {
         const double k2 = train && n ? -k1 * inv * sdyx / n : 0.0;
         const double k0 = train && n ? -k1 * sdy / n : 0.0;
         const T t1 = static_cast<T>(k1), t2 = static_cast<T>(k2), t0 = static_cast<T>(k0);
-        const T tm = static_cast<T>(m);
-        for (int64_t b = 0; b < v.N; ++b) {
-          const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
-          T* o = dx + (b * v.C + ch) * v.S;
-          for (int64_t i = 0; i < v.S; ++i) o[i] = t1 * d[i] + t2 * (xp[i] - tm) + t0;
-        }
+        bn_grad_dx(dy, px, v, ch, t1, t2, t0, static_cast<T>(m), dx);
       }
     });
   });
