@@ -8,6 +8,7 @@
 #include <deque>
 #include <map>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -149,6 +150,29 @@ struct ImportOptions {
 Graph load_onnx(const std::string& path, const ImportOptions& opt = {});
 Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir = "",
                       const ImportOptions& opt = {});
+// The parts of an ONNX file's graph that graft.GraftModule reads and edits before it builds a
+// session (python/graft/frontend.py): through graft's own protobuf classes, so the Python process
+// never loads the onnx package (Note [export in a child process], python/graft/_export.py).
+struct OnnxValueInfo {
+  std::string name;
+  int elem_type = 0;          // TensorProto element type, 0 if not a tensor
+  std::vector<int64_t> dims;  // 0 for a symbolic dimension
+};
+struct OnnxNodeInfo {
+  std::string op_type, name;
+  std::vector<std::string> inputs, outputs;
+  std::vector<std::pair<std::string, int64_t>> ints;  // the node's integer attributes
+};
+struct OnnxGraphInfo {
+  std::vector<OnnxValueInfo> inputs, outputs;
+  std::vector<OnnxNodeInfo> nodes;
+};
+OnnxGraphInfo read_onnx_graph(const std::string& path);
+// Adds integer attributes (node index, name, value) and graph outputs; rewrites the file.
+void edit_onnx_graph(const std::string& path,
+                     const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
+                     const std::vector<OnnxValueInfo>& extra_outputs);
+
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
 Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);
 void save_tensor_pb(const std::string& path, const Tensor& t, const std::string& name);

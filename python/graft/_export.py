@@ -11,10 +11,15 @@
   exported one layer at a time with Dropout between the layers (_layered_rnn_forward).
 * After the export, every trainable parameter of a submodule that ran must be a graph input of
   its own shape: a graph that silently dropped or folded a parameter is refused.
+* The export runs in a forked child process (isolated): see Note [export in a child process].
 """
+import gc
 import inspect
 import os
+import pickle
 import re
+import signal
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -29,6 +34,19 @@ PREFIX = "m."  # the wrapped module's attribute name inside the exported wrapper
 
 
 @dataclass
+class Graph:
+    """An ONNX file's graph as graft._graft.read_onnx_graph gives it: inputs and outputs as
+    (name, elem_type, dims), nodes as (op_type, name, inputs, outputs, {int attribute: value})."""
+    inputs: list
+    outputs: list
+    nodes: list
+
+
+# ONNX TensorProto element types graft reads here.
+FLOAT, DOUBLE = 1, 11
+
+
+@dataclass
 class Exported:
     path: str
     input_names: List[str]                 # graph inputs fed from the call's tensors, in order
@@ -37,7 +55,155 @@ class Exported:
     output_names: List[str] = field(default_factory=list)
     output_template: Any = None
     has_dropout: bool = False
-    model: Any = None  # the exported onnx.ModelProto, read once (GraftModule edits it before graft loads it)
+    model: Any = None  # the exported graph (a Graph), read once (GraftModule edits it before graft loads it)
+    # Warnings for the caller to issue (the export may run in another process, see isolated):
+    # (GraftWarning message, None, None, None) or (message, category, filename, lineno).
+    warnings: List[Tuple[Any, Any, Any, Any]] = field(default_factory=list)
+
+
+# Note [export in a child process]
+# torch.onnx.export costs the process that runs it 11-13 MiB that it never gives back: ONNX's
+# operator-schema registry (built by the exporter's shape inference and checker), the tracer's and
+# the ONNX passes' code pages of libtorch, the Python onnx package graft reads the graph with, heap
+# the exporter keeps. Eager never pays that, and on small models it put GraftModule's whole-process
+# peak 30-90% above eager's (README, "Memory against eager"). So GraftModule exports in a forked
+# child: the child traces the module (its copy of it, sharing the parent's parameter pages
+# copy-on-write), edits the graph, writes the ONNX file and sends back, pickled through a pipe, what
+# the parent needs (names, the output structure, warnings, or the exception); then it leaves with
+# os._exit, taking all of that memory with it. The parent only builds the graft session from the
+# file. Side effects of the export on the module (BatchNorm statistics, training flags, the RNG
+# the trace's Dropout draws from) stay in the child, where before they had to be undone.
+#
+# Honest accounting: while the child runs, the system holds the parent's RSS plus the child's own
+# pages: at the end of the export its private pages (smaps_rollup: its heap, the parent's pages it
+# wrote to, which copy-on-write duplicated, code pages only it maps) plus what its RSS had been
+# above that (VmHWM - VmRSS: pages it allocated and freed again). GraftModule records the sum
+# (GraftModule.export_peak_rss) and the memory benchmarks take the larger of it and the process's
+# own peak. Measured on the zoo's lstm (tools/zoo-report --memory): the child's pages are 25 MiB,
+# 13 of them copies of the parent's (Python's reference counts and allocations into the parent's
+# heap write to shared pages), so on a model this small the moment of the export costs the system
+# more than an export in the process did (which kept 11 MiB for good); the training process itself
+# then runs below eager's peak.
+#
+# The child runs torch with one thread: after fork only the forking thread exists, and an
+# OpenMP team of the parent's would wait for threads that are not there. Where fork is missing
+# or fails (no os.fork, ENOMEM), the result cannot be pickled (a class defined inside a
+# function), or GRAFT_EXPORT=inprocess is set, the export runs in this process as before. A child
+# that dies (a crash inside the exporter) becomes a GraftExportError instead of taking the
+# user's process down.
+
+_IN_CHILD = False
+
+
+def _status_bytes(field_name: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _private_bytes() -> Tuple[int, int]:
+    """(private bytes, RSS bytes) of this process from /proc/self/smaps_rollup; (0, 0) without it."""
+    got = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    got[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        return 0, 0
+    return got.get("Private_Clean", 0) + got.get("Private_Dirty", 0), got.get("Rss", 0)
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def isolated(fn, *args):
+    """Returns (fn(*args), peak): fn run in a forked child process (Note [export in a child
+    process]); peak is the parent's RSS plus the child's peak rise in bytes, 0 when fn ran here."""
+    global _IN_CHILD
+    if os.environ.get("GRAFT_EXPORT", "fork") == "inprocess" or not hasattr(os, "fork") or _IN_CHILD:
+        return fn(*args), 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  (a closed or replaced stream)
+            pass
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return fn(*args), 0
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            os.close(r)
+            _IN_CHILD = True
+            gc.disable()
+            torch.set_num_threads(1)
+            _reset_peak()
+            try:
+                out = ("ok", fn(*args))
+            except BaseException as ex:  # noqa: BLE001  (sent to the parent, raised there)
+                traceback.clear_frames(ex.__traceback__)
+                out = ("raise", ex)
+            # The child's own pages at its peak: those private now (its heap, copies of the
+            # parent's pages it wrote, code pages only it maps) plus what it freed since the peak.
+            private, rss = _private_bytes()
+            rise = private + max(0, _status_bytes("VmHWM") - rss)
+            try:
+                data = pickle.dumps((out, rise), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as ex:  # noqa: BLE001
+                data = pickle.dumps((("fallback", f"{type(ex).__name__}: {ex}"), rise))
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            os._exit(code)
+    os.close(w)
+    here = _status_bytes("VmRSS")
+    try:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+               else f"exit status {os.WEXITSTATUS(status)}")
+        raise GraftExportError(
+            f"the export process (a fork of this one, see GRAFT_EXPORT in the README) ended without a result "
+            f"({why}); the exporter crashed on this module. Keep it in eager mode, or set GRAFT_EXPORT=inprocess "
+            "to export in this process.", "export")
+    try:
+        (kind, value), rise = pickle.loads(data)
+    except Exception:  # noqa: BLE001  (a class the parent cannot rebuild): export here
+        return fn(*args), 0
+    if kind == "ok":
+        return value, here + rise
+    if kind == "raise":
+        raise value
+    return fn(*args), 0  # the result could not be pickled: export here
 
 
 def _export_kwargs():
@@ -182,6 +348,7 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
             "running statistics...); graft does not replay in-place updates of module state yet, so the module "
             "would not match eager. Keep this module in eager mode.", "unsupported")
     branches = set()
+    pending = []
     torch_dir = os.path.dirname(torch.__file__)
     for w in caught:  # pass the exporter's warnings on; a branch on a tensor value gets ours
         if issubclass(w.category, torch.jit.TracerWarning) and "Python boolean" in str(w.message):
@@ -190,34 +357,32 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
             if (w.filename, w.lineno) in branches or os.path.abspath(w.filename).startswith(torch_dir):
                 continue
             branches.add((w.filename, w.lineno))
-            warnings.warn(GraftWarning(
+            pending.append((
                 f"{name}: the export traced through a Python branch on a tensor value "
                 f"({w.filename}:{w.lineno}); graft replays the branch this input took on every call "
                 "with these input shapes. If the condition depends on tensor values (not shapes), "
-                "keep this module in eager mode."), stacklevel=6)
+                "keep this module in eager mode.", None, None, None))
         elif issubclass(w.category, torch.jit.TracerWarning) or "Removing mutation" in str(w.message):
             continue
         elif issubclass(w.category, DeprecationWarning) and ("legacy TorchScript-based ONNX export" in str(w.message)
                                                              or "/torch/onnx/" in w.filename.replace("\\", "/")):
             continue  # torch >= 2.9 deprecates the exporter graft chooses (dynamo=False, see above): not the user's
         else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            pending.append((str(w.message), w.category, w.filename, w.lineno))
 
-    import onnx  # Debian's python3-onnx
-    m = onnx.load(path, load_external_data=False)
-    graph_inputs = {i.name: i for i in m.graph.input}
+    from . import _graft  # reads the file with graft's protobuf classes: no onnx package here
+    m = Graph(*_graft.read_onnx_graph(path))
+    graph_inputs = {gname: dims for gname, _, dims in m.inputs}
     e = Exported(path=path, input_names=[], input_index=[])
     for i, n in enumerate(input_names):
         if n in graph_inputs:  # the exporter drops unused inputs
             e.input_names.append(n)
             e.input_index.append(i)
     state_names = {PREFIX + n for n, _ in params} | {PREFIX + n for n, _ in buffers}
-    for i in m.graph.input:
-        if i.name in state_names:
-            e.params.append((i.name, i.name[len(PREFIX):]))
-    for init in m.graph.initializer:  # exported anyway (a constant the exporter made): graft keeps it
-        pass
-    e.output_names = [o.name for o in m.graph.output]
+    for gname, _, _ in m.inputs:
+        if gname in state_names:
+            e.params.append((gname, gname[len(PREFIX):]))
+    e.output_names = [oname for oname, _, _ in m.outputs]
     # The structure of the outputs, with empty tensors where the tensors were: the traced outputs
     # themselves would hold the trace's autograd graph, and with it every activation it saved, as
     # long as the export is cached.
@@ -225,8 +390,9 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     e.output_template = _flatten.rebuild(
         template, iter([torch.empty(0) for _ in _flatten.flatten_outputs(template)]))
     del template
-    e.has_dropout = any(n.op_type == "Dropout" for n in m.graph.node)
+    e.has_dropout = any(n[0] == "Dropout" for n in m.nodes)
     e.model = m
+    e.warnings = pending
 
     # Every trainable parameter of a submodule that ran must be in the graph with its own shape.
     in_graph = {pname: graph_inputs[gname] for gname, pname in e.params}
@@ -246,7 +412,7 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
                         "dropped it); graft refuses to train a graph that lost a parameter. Keep this module in "
                         "eager mode.", "export")
                 continue
-            dims = [d.dim_value for d in gi.type.tensor_type.shape.dim]
+            dims = list(gi)
             if dims != list(p.shape):
                 raise GraftExportError(
                     f"{name}: parameter '{full}' has shape {list(p.shape)} but the exported graph has {dims}",

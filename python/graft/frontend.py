@@ -154,52 +154,90 @@ class _Entry:
         return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-def _mark_padding_rows(model, module, e) -> bool:
+def _mark_padding_rows(model, module, e, edits) -> bool:
     """torch.onnx.export drops nn.Embedding's padding_idx; graft's Gather takes it as its own
-    attribute, so that row gets no gradient from the lookup, as in eager. True if any was set."""
-    import onnx
+    attribute, so that row gets no gradient from the lookup, as in eager. Appends the attribute
+    edits (node index, "padding_idx", row) for _graft.edit_onnx_graph; True if any."""
     name_of = {id(t): g for g, t in zip(e.param_inputs, e.current)}
     marked = False
     for mod in module.modules():
         if not isinstance(mod, torch.nn.Embedding) or mod.padding_idx is None:
             continue
         g = name_of.get(id(mod.weight))
-        for n in model.graph.node:
-            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-            if (n.op_type == "Gather" and n.input and n.input[0] == g and axis == 0
-                    and not any(a.name == "padding_idx" for a in n.attribute)):
-                n.attribute.append(onnx.helper.make_attribute("padding_idx", int(mod.padding_idx)))
+        for i, (op, _, inputs, _, ints) in enumerate(model.nodes):
+            if op == "Gather" and inputs and inputs[0] == g and ints.get("axis", 0) == 0 and "padding_idx" not in ints:
+                ints["padding_idx"] = int(mod.padding_idx)
+                edits.append((i, "padding_idx", int(mod.padding_idx)))
                 marked = True
     return marked
 
 
-def _expose_batchnorm_state(model, module, e) -> bool:
+def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs) -> bool:
     """A training-mode BatchNormalization computes the updated running statistics (outputs 1, 2)
     but the exporter drops them (PyTorch updates the buffers in place). graft makes them extra graph
-    outputs and copies them into the buffers after each forward, and counts num_batches_tracked,
-    so the module's state moves exactly as in eager. True if any was exposed."""
-    import onnx
+    outputs (appended to extra_outputs as (name, elem_type, dims)) and copies them into the buffers
+    after each forward, and counts num_batches_tracked, so the module's state moves exactly as in
+    eager. True if any was exposed."""
     slot_of = {g: i for i, g in enumerate(e.param_inputs)}
     by_name = dict(module.named_buffers())
     exposed = False
-    for n in model.graph.node:
-        train = next((a.i for a in n.attribute if a.name == "training_mode"), 0)
-        if n.op_type != "BatchNormalization" or not train or len(n.output) < 3:
+    for op, _, inputs, outputs, ints in model.nodes:
+        if op != "BatchNormalization" or not ints.get("training_mode", 0) or len(outputs) < 3:
             continue
         for k in (1, 2):
-            buf_input = n.input[2 + k]
-            if not n.output[k] or buf_input not in slot_of:
+            buf_input = inputs[2 + k]
+            if not outputs[k] or buf_input not in slot_of:
                 continue
             c = e.current[slot_of[buf_input]]
-            dtype = onnx.TensorProto.DOUBLE if c.dtype == torch.float64 else onnx.TensorProto.FLOAT
-            model.graph.output.append(onnx.helper.make_tensor_value_info(n.output[k], dtype, list(c.shape)))
-            e.state_updates.append((n.output[k], slot_of[buf_input]))
+            dtype = _export.DOUBLE if c.dtype == torch.float64 else _export.FLOAT
+            extra_outputs.append((outputs[k], dtype, list(c.shape)))
+            e.state_updates.append((outputs[k], slot_of[buf_input]))
             exposed = True
-        owner = n.input[3][len(_export.PREFIX):].rpartition(".")[0]
-        counter = by_name.get(f"{owner}.num_batches_tracked" if owner else "num_batches_tracked")
-        if counter is not None:
-            e.counters.append(counter)
+        owner = inputs[3][len(_export.PREFIX):].rpartition(".")[0]
+        counter = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+        if counter in by_name:
+            counter_names.append(counter)
     return exposed
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """What the export (run in a child process: _export.isolated) hands back; picklable."""
+    ex: Any = None                 # _export.Exported, its ONNX model dropped
+    float_outputs: List[str] = dataclasses.field(default_factory=list)
+    state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
+
+
+def _bind_params(module, params, e):
+    """Fills e.param_inputs / slots / current from the export's (graph input, state_dict name) pairs."""
+    for gname, sname in params:
+        owner_name, _, attr = sname.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        kind = "param" if attr in owner._parameters else "buffer"
+        t = (owner._parameters if kind == "param" else owner._buffers)[attr]
+        e.param_inputs.append(gname)
+        e.slots.append((owner, attr, kind))
+        e.current.append(t)
+
+
+def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
+    """Exports the module to `path` and edits the graph for GraftModule (padding rows, BatchNorm
+    statistics as outputs). Runs in the export's child process."""
+    ex = _export.export(module, args, kwargs, tensors, path, opset, name)
+    m = ex.model
+    ex.model = None
+    p = _Prepared(ex=ex)
+    e = _Entry()
+    _bind_params(module, ex.params, e)
+    # Differentiate every float output, once each (a module may return one tensor twice).
+    p.float_outputs = list(dict.fromkeys(o for o, t, _ in m.outputs if t in (_export.FLOAT, _export.DOUBLE)))
+    edits, extra_outputs = [], []
+    if _mark_padding_rows(m, module, e, edits) | _expose_batchnorm_state(m, module, e, p.counters, extra_outputs):
+        from . import _graft
+        _graft.edit_onnx_graph(path, edits, extra_outputs)
+    p.state_updates = e.state_updates
+    return p
 
 
 class _Call:
@@ -291,6 +329,7 @@ class GraftModule(torch.nn.Module):
         self.cache_size = cache_size
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
+        self._export_peak_rss = 0
         self._warned = set()
         self._under_ddp = False
         self._lock = threading.RLock()
@@ -309,6 +348,15 @@ class GraftModule(torch.nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._lock = threading.RLock()
+        self.__dict__.setdefault("_export_peak_rss", 0)
+
+    @property
+    def export_peak_rss(self) -> int:
+        """The most memory the system held during any of this module's exports, in bytes: this
+        process's RSS plus the export process's peak rise (Note [export in a child process],
+        graft/_export.py); 0 while nothing was exported, or when the exports ran in this process
+        (GRAFT_EXPORT=inprocess), whose peak RSS then covers them."""
+        return self._export_peak_rss
 
     # state_dict / load_state_dict are those of the wrapped module.
     def state_dict(self, *args, **kwargs):
@@ -370,36 +418,29 @@ class GraftModule(torch.nn.Module):
 
     def _build_in(self, path, args, kwargs, tensors) -> _Entry:
         name = self._name()
-        ex = _export.export(self.module, args, kwargs, tensors, path, self.opset, name)
+        prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name)
+        self._export_peak_rss = max(self._export_peak_rss, peak)
+        ex = prep.ex
+        for msg, category, filename, lineno in ex.warnings:
+            if category is None:
+                warnings.warn(GraftWarning(msg), stacklevel=5)
+            else:
+                warnings.warn_explicit(msg, category, filename, lineno)
         e = _Entry()
         e.module_name, e.mode, e.optimizer = name, self.gradients, self.optimizer
         e.step_flags = self._step_flags
         e.input_names, e.input_index = ex.input_names, ex.input_index
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         module = self.module
-        for gname, sname in ex.params:
-            owner_name, _, attr = sname.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            kind = "param" if attr in owner._parameters else "buffer"
-            t = (owner._parameters if kind == "param" else owner._buffers)[attr]
-            e.param_inputs.append(gname)
-            e.slots.append((owner, attr, kind))
-            e.current.append(t)
+        _bind_params(module, ex.params, e)
         e.refresh_trainable()
         trainable = {g for g, _ in e.trainable}
         freeze = [g for g in e.param_inputs if g not in trainable]
         in_tensors = [tensors[i] for i in e.input_index]
         e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
-        import onnx  # Debian's python3-onnx
-        m = ex.model  # read once, by the export
-        ex.model = None
-        # Differentiate every float output, once each (a module may return one tensor twice).
-        e.float_outputs = list(dict.fromkeys(o.name for o in m.graph.output if o.type.tensor_type.elem_type
-                                             in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)))
-        changed = _mark_padding_rows(m, self.module, e)
-        changed = _expose_batchnorm_state(m, self.module, e) or changed
-        if changed:
-            onnx.save(m, path)
+        e.float_outputs = prep.float_outputs
+        e.state_updates = prep.state_updates
+        e.counters = [module.get_buffer(n) for n in prep.counters]
         from . import _graft
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
@@ -408,10 +449,11 @@ class GraftModule(torch.nn.Module):
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
             msg = err.message.replace(f"{path}: ", "")
-            at = [n for n in m.graph.node if n.name == err.node and n.op_type == "Constant"]
+            nodes = _export.Graph(*_graft.read_onnx_graph(path)).nodes
+            at = [n for n in nodes if n[1] == err.node and n[0] == "Constant"]
             if at:  # name what the constant feeds
-                outs = set(at[0].output)
-                users = [f"{n.op_type} node '{n.name}'" for n in m.graph.node if outs & set(n.input)]
+                outs = set(at[0][3])
+                users = [f"{n[0]} node '{n[1]}'" for n in nodes if outs & set(n[2])]
                 if users:
                     msg += f" (the constant feeds {', '.join(users)})"
             if isinstance(err, GraftUnsupportedError):

@@ -430,14 +430,18 @@ Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir,
                        opt.unsupported);
 }
 
-Graph load_onnx(const std::string& path, const ImportOptions& opt) {
+namespace {
+
+// Parses an ONNX file into `mp`, bounded: a regular file of at most max_bytes (opened
+// non-blocking, so a FIFO cannot hang us).
+void parse_model_file(const std::string& path, int64_t max_bytes, onnx::ModelProto& mp) {
   std::error_code ec;
   GRAFT_CHECK(fs::is_regular_file(path, ec), ErrorKind::Io,
               "cannot open model file '" + path + "'");
   auto size = static_cast<int64_t>(fs::file_size(path, ec));
-  GRAFT_CHECK(!ec && size <= opt.max_file_bytes, ErrorKind::InvalidModel,
+  GRAFT_CHECK(!ec && size <= max_bytes, ErrorKind::InvalidModel,
               "model file '" + path + "' is " + std::to_string(size) +
-                  " bytes, over the limit of " + std::to_string(opt.max_file_bytes));
+                  " bytes, over the limit of " + std::to_string(max_bytes));
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   GRAFT_CHECK(fd >= 0, ErrorKind::Io,
               "cannot open model file '" + path + "': " + std::strerror(errno));
@@ -445,16 +449,31 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
+  google::protobuf::io::FileInputStream in(fd);
+  google::protobuf::io::CodedInputStream coded(&in);
+  coded.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  GRAFT_CHECK(mp.ParseFromCodedStream(&coded) && coded.ConsumedEntireMessage(),
+              ErrorKind::InvalidModel,
+              "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
+}
+
+OnnxValueInfo value_info(const onnx::ValueInfoProto& vi) {
+  OnnxValueInfo r;
+  r.name = vi.name();
+  if (vi.type().has_tensor_type()) {
+    const auto& tt = vi.type().tensor_type();
+    r.elem_type = tt.elem_type();
+    for (const auto& d : tt.shape().dim()) r.dims.push_back(d.has_dim_value() ? d.dim_value() : 0);
+  }
+  return r;
+}
+
+}  // namespace
+
+Graph load_onnx(const std::string& path, const ImportOptions& opt) {
   try {
     onnx::ModelProto mp;
-    {
-      google::protobuf::io::FileInputStream in(fd);
-      google::protobuf::io::CodedInputStream coded(&in);
-      coded.SetTotalBytesLimit(std::numeric_limits<int>::max());
-      GRAFT_CHECK(mp.ParseFromCodedStream(&coded) && coded.ConsumedEntireMessage(),
-                  ErrorKind::InvalidModel,
-                  "the model is not a valid ONNX protobuf (truncated or corrupt file?)");
-    }
+    parse_model_file(path, opt.max_file_bytes, mp);
     return convert_model(mp, fs::path(path).parent_path().string(),
                          opt.alloc ? *opt.alloc : Allocator::global(), opt.unsupported);
   } catch (const Error& e) {
@@ -462,6 +481,52 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt) {
       throw Error(e.kind(), path + ": " + e.message(), e.node());
     throw;
   }
+}
+
+OnnxGraphInfo read_onnx_graph(const std::string& path) {
+  onnx::ModelProto mp;
+  parse_model_file(path, ImportOptions{}.max_file_bytes, mp);
+  OnnxGraphInfo r;
+  const auto& g = mp.graph();
+  for (const auto& vi : g.input()) r.inputs.push_back(value_info(vi));
+  for (const auto& vi : g.output()) r.outputs.push_back(value_info(vi));
+  for (const auto& n : g.node()) {
+    OnnxNodeInfo ni;
+    ni.op_type = n.op_type();
+    ni.name = n.name();
+    ni.inputs.assign(n.input().begin(), n.input().end());
+    ni.outputs.assign(n.output().begin(), n.output().end());
+    for (const auto& a : n.attribute())
+      if (a.type() == onnx::AttributeProto::INT) ni.ints.emplace_back(a.name(), a.i());
+    r.nodes.push_back(std::move(ni));
+  }
+  return r;
+}
+
+void edit_onnx_graph(const std::string& path,
+                     const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
+                     const std::vector<OnnxValueInfo>& extra_outputs) {
+  onnx::ModelProto mp;
+  parse_model_file(path, ImportOptions{}.max_file_bytes, mp);
+  auto* g = mp.mutable_graph();
+  for (const auto& [index, name, value] : int_attrs) {
+    GRAFT_CHECK(index >= 0 && index < g->node_size(), ErrorKind::InvalidArgument,
+                "edit_onnx_graph: node index " + std::to_string(index) + " out of range");
+    auto* a = g->mutable_node(static_cast<int>(index))->add_attribute();
+    a->set_name(name);
+    a->set_type(onnx::AttributeProto::INT);
+    a->set_i(value);
+  }
+  for (const auto& o : extra_outputs) {
+    auto* vi = g->add_output();
+    vi->set_name(o.name);
+    auto* tt = vi->mutable_type()->mutable_tensor_type();
+    tt->set_elem_type(o.elem_type);
+    auto* shape = tt->mutable_shape();
+    for (int64_t d : o.dims) shape->add_dim()->set_dim_value(d);
+  }
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
 }
 
 Tensor load_tensor_pb(const std::string& path, std::string* name) {

@@ -142,6 +142,32 @@ PYBIND11_MODULE(_graft, m) {
     }
   });
   m.def("set_num_threads", &set_num_threads);
+  // The graph of an ONNX file as plain tuples: (inputs, outputs, nodes), a value as
+  // (name, elem_type, dims), a node as (op_type, name, inputs, outputs, {int attribute: value}).
+  m.def("read_onnx_graph", [](const std::string& path) {
+    OnnxGraphInfo g = read_onnx_graph(path);
+    using VI = std::tuple<std::string, int, std::vector<int64_t>>;
+    auto vis = [](const std::vector<OnnxValueInfo>& v) {
+      std::vector<VI> r;
+      for (const auto& x : v) r.emplace_back(x.name, x.elem_type, x.dims);
+      return r;
+    };
+    std::vector<std::tuple<std::string, std::string, std::vector<std::string>,
+                           std::vector<std::string>, std::map<std::string, int64_t>>>
+        nodes;
+    for (const auto& n : g.nodes)
+      nodes.emplace_back(n.op_type, n.name, n.inputs, n.outputs,
+                         std::map<std::string, int64_t>(n.ints.begin(), n.ints.end()));
+    return std::make_tuple(vis(g.inputs), vis(g.outputs), nodes);
+  });
+  m.def("edit_onnx_graph",
+        [](const std::string& path,
+           const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
+           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& outputs) {
+          std::vector<OnnxValueInfo> extra;
+          for (const auto& [name, type, dims] : outputs) extra.push_back({name, type, dims});
+          edit_onnx_graph(path, int_attrs, extra);
+        });
   m.def("num_threads", &num_threads);
 
   py::class_<PyStep>(m, "Step")
