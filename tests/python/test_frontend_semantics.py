@@ -840,3 +840,16 @@ def test_an_output_pickle_cannot_carry_is_exported_in_this_process(monkeypatch):
     (ref.y.square().sum() + ref.s).backward()
     for (n, a), b in zip(m.named_parameters(), e.parameters()):
         close(a.grad, b.grad, n)
+
+
+def test_reading_and_editing_a_graph_file_refuses_bad_files(tmp_path):
+    from graft import _graft
+    with pytest.raises(graft.errors.GraftIoError, match="cannot open model file"):
+        _graft.read_onnx_graph(str(tmp_path / "missing.onnx"))
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x0a\xff\xff\xff\xff\x0f not a protobuf")
+    with pytest.raises(graft.errors.GraftInvalidModelError, match="not a valid ONNX protobuf"):
+        _graft.read_onnx_graph(str(bad))
+    with pytest.raises(graft.errors.GraftInvalidModelError):
+        _graft.edit_onnx_graph(str(bad), [], [])
+    assert bad.read_bytes().startswith(b"\x0a\xff")  # a refused edit leaves the file as it was
