@@ -778,9 +778,10 @@ def _export_run(**env):
 def test_export_in_a_child_process_matches_the_export_in_this_one_and_eager():
     """The module's padding row and BatchNorm statistics (graph edits made in the child), gradients
     and state after one step: the same with the export forked (default) and in the process, and as
-    eager's. Neither path loads the Python onnx package (graft reads and edits the graph itself)."""
+    eager's. The training process never loads the Python onnx package with the export forked (graft
+    reads and edits the graph itself; torch 2.x's exporter imports it, in the child)."""
     forked, here = _export_run(), _export_run(GRAFT_EXPORT="inprocess")
-    assert not forked["onnx"] and not here["onnx"]
+    assert not forked["onnx"]
     assert forked["peak"] > 0 and here["peak"] == 0  # the system's peak during the forked export is recorded
     assert forked["grads"] == here["grads"] and forked["state"] == here["state"]
     for a, b in zip(forked["grads"], forked["eager_grads"]):
