@@ -66,32 +66,33 @@ def wrap_outputs(arrays, owners):
 
 
 class _Deliver(torch.autograd.Function):
-    """A one-node graph whose backward hands `box`'s gradient to the parameter's AccumulateGrad.
-    Unlike torch.autograd.backward(param, grad), no Python reference to the gradient is left when
+    """A one-node graph whose backward hands each box's gradient to its parameter's AccumulateGrad.
+    Unlike torch.autograd.backward(param, grad), no Python reference to a gradient is left when
     AccumulateGrad runs, so when .grad is None it adopts the buffer as eager PyTorch does."""
 
     @staticmethod
-    def forward(ctx, param, box):
-        ctx.box = box
-        return param.new_zeros(())
+    def forward(ctx, boxes, *params):
+        ctx.boxes = boxes
+        return params[0].new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        return ctx.box.pop(), None
+        return (None,) + tuple(box.pop() for box in ctx.boxes)
 
 
 _ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
 _ONES = {}
 
 
-def _deliver(p, box):
-    """Runs the one-node graph of _Deliver: box's gradient reaches p's AccumulateGrad through the
-    autograd engine, so p's hooks (DDP's among them) fire. The engine is called as
-    torch.autograd.backward calls it, without that wrapper's argument handling (about a fifth of a
-    delivery's cost, per parameter per step); not torch.autograd.backward(param, grad) either:
-    torch 2.x imports sympy, ~35 MB, for its shape check."""
+def _deliver(params, boxes):
+    """Runs the one-node graph of _Deliver: each box's gradient reaches its parameter's
+    AccumulateGrad through the autograd engine, so the parameter's hooks (DDP's among them) fire.
+    The engine is called as torch.autograd.backward calls it, without that wrapper's argument
+    handling (about a fifth of a delivery's cost, per parameter per step); not
+    torch.autograd.backward(param, grad) either: torch 2.x imports sympy, ~35 MB, for its shape
+    check."""
     with torch.enable_grad():
-        out = _Deliver.apply(p, box)
+        out = _Deliver.apply(boxes, *params)
     if _ENGINE is None:
         torch.autograd.backward(out)
         return
@@ -100,6 +101,17 @@ def _deliver(p, box):
         one = _ONES[out.dtype] = torch.ones((), dtype=out.dtype)
     # (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
     _ENGINE.run_backward((out,), (one,), False, False, (), True, True)
+
+
+# Note [batched delivery]
+# A delivery costs a custom Function's forward and a run of the autograd engine, ~10-15 us,
+# whatever it carries. Small gradients (biases, norm weights: at most SMALL_GRAD bytes together)
+# wait for the next gradient graft completes and go with it in one engine run; a larger one goes
+# at once, so what waits is bounded by SMALL_GRAD bytes and delays no large gradient (DDP's
+# buckets fill as before). Only gradients graft no longer holds wait (exclusive): a buffer graft
+# still uses is delivered the moment it is complete. What waits when graft's backward ends (or
+# fails) is delivered then, inside the backward.
+SMALL_GRAD = 64 << 10
 
 
 def _step_one(opt, p, g, defer=False):
@@ -301,20 +313,40 @@ class GraftFunction(torch.autograd.Function):
                 by_name = dict(entry.trainable)
                 target = {name: t for (name, _), t in zip(entry.trainable, targets)}
 
+                waiting_params, waiting_boxes, waiting_bytes = [], [], [0]
+
+                def flush():
+                    if waiting_params:
+                        params, boxes = waiting_params[:], waiting_boxes[:]
+                        del waiting_params[:], waiting_boxes[:]
+                        waiting_bytes[0] = 0
+                        _deliver(params, boxes)
+
                 def deliver(name, array, exclusive):
                     t = target.get(name, "skip")
                     if t == "return":
                         returned[name] = torch.from_numpy(array).clone() if not exclusive else torch.from_numpy(array)
                     elif t == "deliver":  # PyTorch's own accumulation path: AccumulateGrad, hooks, DDP
+                        p = by_name[name]
                         if exclusive:  # graft keeps no other reference: AccumulateGrad may adopt it
-                            _deliver(by_name[name], [torch.from_numpy(array)])
+                            box = [torch.from_numpy(array)]
                         else:  # graft keeps the buffer: AccumulateGrad must not adopt it (copy if .grad is None)
                             g = torch.from_numpy(array)
-                            box = [g.clone() if by_name[name].grad is None else g]
+                            box = [g.clone() if p.grad is None else g]
                             del g
-                            _deliver(by_name[name], box)
+                        waiting_params.append(p)
+                        waiting_boxes.append(box)
+                        del box
+                        # Note [batched delivery]
+                        if exclusive and waiting_bytes[0] + array.nbytes <= SMALL_GRAD:
+                            waiting_bytes[0] += array.nbytes
+                        else:
+                            flush()
 
-                sess.backward(step, grads, deliver)
+                try:
+                    sess.backward(step, grads, deliver)
+                finally:
+                    flush()
             elif entry.mode == "step":
                 by_name = dict(entry.trainable)
                 target = {name: t for (name, _), t in zip(entry.trainable, targets)}

@@ -854,3 +854,32 @@ def test_reading_and_editing_a_graph_file_refuses_bad_files(tmp_path):
     with pytest.raises(graft.errors.GraftInvalidModelError):
         _graft.edit_onnx_graph(str(bad), [], [])
     assert bad.read_bytes().startswith(b"\x0a\xff")  # a refused edit leaves the file as it was
+
+
+def test_small_gradients_wait_for_the_next_delivery_and_large_ones_never_wait(monkeypatch):
+    """Note [batched delivery] (graft/_function.py): every parameter's gradient reaches its
+    AccumulateGrad exactly once, with eager's value; gradients of at most SMALL_GRAD bytes together
+    share an engine run with the next one, and a larger gradient ends the run that carries it."""
+    from graft import _function
+    runs = []
+    real = _function._deliver
+
+    def counting(params, boxes):
+        runs.append([p.numel() * p.element_size() for p in params])
+        real(params, boxes)
+
+    monkeypatch.setattr(_function, "_deliver", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+    eager = copy.deepcopy(model)
+    g = GraftModule(model, gradients="hook")
+    x = torch.randn(8, 256)
+    g(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for (n, a), b in zip(model.named_parameters(), eager.parameters()):
+        close(a.grad, b.grad, n)
+    sizes = sorted(s for r in runs for s in r)
+    assert sizes == sorted(p.numel() * p.element_size() for p in model.parameters())  # each once
+    assert len(runs) < len(sizes)  # small ones went together
+    for r in runs:
+        assert sum(r[:-1]) <= _function.SMALL_GRAD, runs  # only small ones waited
