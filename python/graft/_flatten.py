@@ -104,17 +104,33 @@ def flatten_outputs(out):
     return tensors
 
 
+_PRIM_TYPES = frozenset(_PRIMS)
+
+
+def _plain(v) -> bool:
+    t = type(v)
+    if t in _PRIM_TYPES:
+        return True
+    if t is tuple:  # set(map(type, v)): no Python-level loop for the usual tuples of ints
+        return set(map(type, v)) <= _PRIM_TYPES or all(isinstance(x, _PRIMS) for x in v)
+    return isinstance(v, _PRIMS)  # a subclass (an IntEnum, numpy.float64)
+
+
 def module_state(module):
     """What of a module's Python state an export bakes in: every submodule's `training` flag and
     its other plain attributes (numbers, strings, tuples of them: a Dropout's p, a scale set by the
-    user). A change makes a new export."""
+    user). A change makes a new export. Runs on every call: the submodules in module.modules()'s
+    order (pre-order, each once) by an explicit walk, without the qualified names modules() builds."""
     state = []
-    for m in module.modules():
-        items = []
-        for k, v in m.__dict__.items():
-            if k[:1] == "_":
-                continue
-            if isinstance(v, _PRIMS) or (isinstance(v, tuple) and all(isinstance(x, _PRIMS) for x in v)):
-                items.append((k, v))
-        state.append(tuple(items))
+    seen = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        state.append(tuple([(k, v) for k, v in m.__dict__.items() if k[:1] != "_" and _plain(v)]))
+        children = [c for c in m._modules.values() if c is not None]
+        children.reverse()
+        stack.extend(children)
     return tuple(state)

@@ -883,3 +883,29 @@ def test_small_gradients_wait_for_the_next_delivery_and_large_ones_never_wait(mo
     assert len(runs) < len(sizes)  # small ones went together
     for r in runs:
         assert sum(r[:-1]) <= _function.SMALL_GRAD, runs  # only small ones waited
+
+
+def test_module_state_sees_every_plain_attribute_of_every_submodule_once():
+    """_flatten.module_state (run on every call) against the obvious walk over modules()."""
+    import enum
+
+    from graft import _flatten
+
+    class Kind(enum.IntEnum):
+        A = 1
+
+    def reference(module):
+        prims = _flatten._PRIMS
+        return tuple(tuple((k, v) for k, v in m.__dict__.items() if not k.startswith("_") and (
+            isinstance(v, prims) or (isinstance(v, tuple) and all(isinstance(x, prims) for x in v))))
+            for m in module.modules())
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Sequential(nn.ReLU(), shared, nn.Dropout(0.25)), nn.Conv1d(2, 2, 3))
+    model.add_module("gone", None)
+    model[1].scale, model[1].kind, model[1].mixed = np.float64(0.5), Kind.A, (1, "a", 2.0, None)
+    model[1].not_plain, model[2].shape = [1, 2], (1, [2])  # neither is part of the key
+    assert _flatten.module_state(model) == reference(model)
+    before = _flatten.module_state(model)
+    model[1][2].p = 0.5
+    assert _flatten.module_state(model) != before and _flatten.module_state(model) == reference(model)
