@@ -32,18 +32,7 @@ namespace {
 using json = nlohmann::json;
 using clock_t_ = std::chrono::steady_clock;
 
-// --- /proc readers
-// -------------------------------------------------------------------------------- A "Key:   123
-// kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
-int64_t proc_kb_field(const char* file, const char* key) {
-  std::ifstream f(file);
-  std::string line;
-  const size_t n = std::strlen(key);
-  while (std::getline(f, line))
-    if (line.compare(0, n, key) == 0 && line.size() > n && line[n] == ':')
-      return std::stoll(line.substr(n + 1)) * 1024;
-  return -1;
-}
+// --- /proc readers (proc_kb_field: src/cli/common.cpp)
 int64_t vm_rss() { return proc_kb_field("/proc/self/status", "VmRSS"); }
 int64_t vm_hwm() { return proc_kb_field("/proc/self/status", "VmHWM"); }
 int64_t mem_available() { return available_memory_bytes(); }

@@ -77,6 +77,8 @@ bool parse_precision(const std::string& p);
 double median(std::vector<double> v);
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
+// A "Key:   123 kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
+int64_t proc_kb_field(const char* file, const char* key);
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random
 // normal floats (zeros for int64/bool) of the given or declared shape.
 std::map<std::string, Tensor> make_inputs(const Graph& g,

@@ -20,6 +20,16 @@
 namespace graft::cli {
 namespace fs = std::filesystem;
 
+int64_t proc_kb_field(const char* file, const char* key) {
+  std::ifstream f(file);
+  std::string line;
+  const size_t n = std::strlen(key);
+  while (std::getline(f, line))
+    if (line.compare(0, n, key) == 0 && line.size() > n && line[n] == ':')
+      return std::stoll(line.substr(n + 1)) * 1024;
+  return -1;
+}
+
 int64_t parse_size(const std::string& flag, const std::string& text) {
   auto bad = [&](const std::string& why) -> int64_t {
     fail(ErrorKind::InvalidArgument,

@@ -118,3 +118,22 @@ def test_a_long_chain_trains_in_near_linear_time(tmp_path):
         times[n] = best
     print(times)
     assert times[80000] / times[20000] < 10, times
+
+
+def test_train_json_reports_the_whole_process_memory(tmp_path):
+    """graft train --json: RSS before the model was read, now, and at the peak; the model's
+    parameters, AdamW's two moments and the gradients are resident, so the peak rises by at least
+    their bytes over the RSS before the model (and the peak is the RUSAGE_CHILDREN a parent sees)."""
+    import json
+    path = tmp_path / "mlp.onnx"
+    mlp(path, hidden=1024, layers=4)
+    params = 4 * (1024 * 1024 + 1024) * 4  # bytes
+    args = ["train", path, "--loss", "loss", "--input", "x=64x1024", "--optimizer", "adamw", "--steps", "2", "--json"]
+    rc, peak, out = peak_rss(args)
+    assert rc == 0, out
+    steps = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert [s["step"] for s in steps] == [1, 2]
+    last = steps[-1]
+    assert 0 < last["rss_before_model_bytes"] < last["rss_bytes"] <= last["peak_rss_bytes"]
+    assert last["peak_rss_bytes"] - last["rss_before_model_bytes"] >= 4 * params  # weights, grads, 2 moments
+    assert abs(last["peak_rss_bytes"] - peak) <= 4 * MiB, (last["peak_rss_bytes"], peak)
