@@ -141,7 +141,11 @@ def isolated(fn, *args):
             pass
     r, w = os.pipe()
     try:
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns on fork() in a process with threads (PyTorch's and OpenMP's
+            # are there); the child only traces and exits (Note [export in a child process]).
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
+            pid = os.fork()
     except OSError:
         os.close(r)
         os.close(w)
