@@ -99,8 +99,9 @@ class TrainSession {
                                      bool keep_for_backward = true,
                                      std::optional<bool> bf16 = std::nullopt);
   // Runs that step's backward: gradients are delivered per mode; requested input gradients land in
-  // step.input_grads. A step runs backward once.
-  void backward(StepState& step, const std::map<std::string, Tensor>& output_grads = {});
+  // step.input_grads. A step runs backward once. The output gradients are taken by value: passed
+  // with std::move, the run holds their only handles and drops each after its last read.
+  void backward(StepState& step, std::map<std::string, Tensor> output_grads = {});
 
   // --- the simple loop (one step at a time) ---
   void set_input(const std::string& name, Tensor t);
@@ -108,7 +109,7 @@ class TrainSession {
   double step();
   // The same in two halves: forward keeps what backward needs.
   void forward();
-  void backward(const std::map<std::string, Tensor>& output_grads = {});
+  void backward(std::map<std::string, Tensor> output_grads = {});
   // Drops an in-flight step (forward without backward), releasing what it saved.
   void cancel();
   // Drops the session's references to the last forward's outputs and loss.

@@ -216,6 +216,66 @@ def apply_state_updates(entry, arrays):
             c.add_(1)
 
 
+# Note [output gradients handed over]
+# PyTorch's autograd engine holds a node's incoming gradients for its whole backward call. For
+# GraftFunction that call is the entire model's backward, so the gradient of the module's output
+# (with the loss outside the module: B x H for the seed's stack, B x T x vocab for a language
+# model's logits) stayed alive to the end, where eager frees it after the last layer's backward
+# has read it. So the outputs pass through _Relay, a node of their own: its backward puts the real
+# gradients in a box and gives GraftFunction stride-0 zeros (no memory); after _Relay's backward
+# returns the engine lets go of the real ones, GraftFunction's backward takes them out of the box
+# and hands them to graft (sess.backward's `owned`), whose run holds the only reference and drops
+# each after its last read. _Relay's outputs alias GraftFunction's (the same memory, no view
+# bookkeeping, so in-place ops on them behave as on any tensor).
+class _GradBox:
+    __slots__ = ("index", "grads")
+
+    def __init__(self, index):
+        self.index, self.grads = index, None
+
+    def take(self):
+        g, self.grads = self.grads or [None] * len(self.index), None
+        return g
+
+
+_ZERO = {}
+
+
+class _Relay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, box, *outs):
+        ctx.box = box
+        ctx.metas = [(o.shape, o.dtype) for o in outs]
+        ctx.set_materialize_grads(False)
+        return tuple(torch.empty(0, dtype=o.dtype).set_(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.box.grads = list(grads)
+        del grads
+        zeros = []
+        for shape, dtype in ctx.metas:
+            z = _ZERO.get(dtype)
+            if z is None:
+                z = _ZERO[dtype] = torch.zeros((), dtype=dtype)
+            zeros.append(z.expand(shape))
+        return (None, *zeros)
+
+
+def relay_outputs(outs, call):
+    """The module's outputs through _Relay (Note [output gradients handed over]); those that need
+    no gradient pass as they are."""
+    index = [i for i, o in enumerate(outs) if o.requires_grad]
+    if not index:
+        return outs
+    call.box = _GradBox(index)
+    relayed = _Relay.apply(call.box, *[outs[i] for i in index])
+    outs = list(outs)
+    for i, r in zip(index, relayed):
+        outs[i] = r
+    return tuple(outs)
+
+
 class GraftFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, call, dummy, *tensors_and_params):
@@ -232,6 +292,7 @@ class GraftFunction(torch.autograd.Function):
         apply_state_updates(entry, arrays[n_user:])
         del arrays
         ctx.entry, ctx.step, ctx.seed, ctx.n_in, ctx.n_params = entry, step, seed, n_in, len(params)
+        ctx.call = call  # call.box: the real output gradients (relay_outputs)
         ctx.training_run = training_run
         ctx.bf16 = call.bf16  # a retained graph's recompute uses the same precision
         ctx.tensors = tensors
@@ -243,6 +304,12 @@ class GraftFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        grad_outputs = list(grad_outputs)
+        box = ctx.call.box
+        if box is not None:  # Note [output gradients handed over]: the real ones came through _Relay
+            for i, g in zip(box.index, box.take()):
+                grad_outputs[i] = g
+            del g
         entry = ctx.entry
         n_out = (None, None, None) + (None,) * (ctx.n_in + ctx.n_params)
         dummy, = ctx.saved_tensors  # raises, as eager does, on a second backward of a freed graph
@@ -271,15 +338,18 @@ class GraftFunction(torch.autograd.Function):
             if name not in entry.float_outputs or out_grad is None:
                 continue
             summed[name] = summed[name] + out_grad if name in summed else out_grad
+        del grad_outputs, out_grad
         grads = {}
-        held = []  # the output gradients, alive until graft's backward returns (not after: see below)
+        owned = {}  # the output gradients: graft's backward takes them over (sess.backward empties this)
         for name, (oname, dt, shape) in zip(entry.output_names, entry.outputs_info):
             if name not in entry.float_outputs or name in grads:
                 continue
-            g = summed.get(name)
+            g = summed.pop(name, None)
             g = (g if g is not None else torch.zeros(shape, dtype=getattr(torch, dt))).detach().contiguous()
             grads[name] = (g.data_ptr(), list(g.shape), DTYPES[g.dtype])
-            held.append(g)
+            owned[name] = g
+            del g
+        summed.clear()
         trainable = entry.trainable_params()
         targets = _targets(entry, trainable, dummy, ctx.in_graph) if entry.mode != "hold" else ["return"] * len(trainable)
         returned = {}
@@ -294,7 +364,7 @@ class GraftFunction(torch.autograd.Function):
                     else:
                         sess.bind_grad(name, None, [], "")
                 try:
-                    sess.backward(step, grads)
+                    sess.backward(step, grads, None, owned)
                 finally:
                     for (name, p), t in zip(entry.trainable, targets):
                         g = sess.take_grad(name)  # a buffer graft adopted as .grad: hand it over
@@ -344,7 +414,7 @@ class GraftFunction(torch.autograd.Function):
                             flush()
 
                 try:
-                    sess.backward(step, grads, deliver)
+                    sess.backward(step, grads, deliver, owned)
                 finally:
                     flush()
             elif entry.mode == "step":
@@ -363,7 +433,7 @@ class GraftFunction(torch.autograd.Function):
                             g = g + pg if pg is not None else g
                             sumsq[0] += float(torch.sum(g * g, dtype=torch.float64))
 
-                    sess.backward(step, grads, norm)
+                    sess.backward(step, grads, norm)  # not owned: the second pass reads them again
                     sess.release(step)
                     total = math.sqrt(sumsq[0])
                     entry.step_flags["last_norm"] = total
@@ -384,11 +454,11 @@ class GraftFunction(torch.autograd.Function):
                                 g = g.mul_(coef) if exclusive else g.mul(coef)
                         _step_one(entry.optimizer, by_name[name], g, defer)
 
-                sess.backward(step, grads, update)
+                sess.backward(step, grads, update, owned)
             else:  # hold
                 for name, _ in entry.trainable:
                     sess.bind_grad(name, None, [], "")
-                sess.backward(step, grads)
+                sess.backward(step, grads, None, owned)
                 for name, _ in entry.trainable:
                     g = sess.take_grad(name)
                     if g is not None:
@@ -403,10 +473,8 @@ class GraftFunction(torch.autograd.Function):
                 if t == "deliver":  # graft returns None for it (see _hide_hooks_from_none)
                     _hide_hooks_from_none(p, entry.acc_node(p))
         arrays = step.input_grads()
-        igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors + held)))
-        # The output gradients are not kept with the graph (ctx lives as long as the outputs do):
-        # eager frees them when backward ends, and holding one pins freed heap below it.
-        del arrays, held
+        igrads = dict(zip(entry.input_grads, wrap_outputs(arrays, ctx.tensors)))
+        del arrays
         input_grads = [igrads.get(name) for name in entry.input_names]
         param_grads = [returned.get(name) for name, _ in entry.trainable] if ctx.in_graph else []
         return (None, None, None, *input_grads, *param_grads)

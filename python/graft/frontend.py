@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from . import _export, _flatten
-from ._function import DTYPES, GraftFunction, _accumulate_grad_node
+from ._function import DTYPES, GraftFunction, _accumulate_grad_node, relay_outputs
 from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftUnsupportedError,  # noqa: F401
                      GraftWarning, with_context)
 
@@ -242,10 +242,10 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
 
 class _Call:
     """What one call passes to the autograd Function besides tensors."""
-    __slots__ = ("n_in", "training_run", "bf16")
+    __slots__ = ("n_in", "training_run", "bf16", "box")
 
     def __init__(self, n_in, training_run, bf16=False):
-        self.n_in, self.training_run, self.bf16 = n_in, training_run, bf16
+        self.n_in, self.training_run, self.bf16, self.box = n_in, training_run, bf16, None
 
 
 def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -547,5 +547,5 @@ class GraftModule(torch.nn.Module):
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
         call = _Call(len(in_tensors), training_run, bf16)
-        outs = GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params)
+        outs = relay_outputs(GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params), call)
         return _flatten.rebuild(entry.output_template, iter(outs))

@@ -229,6 +229,10 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
     int r = release_step(v);
     if (r < static_cast<int>(order.size())) release_at[r].push_back(v);
   }
+  std::vector<std::vector<int>> inputs_at(order.size());
+  for (int v : opt.release_inputs)
+    if (v >= 0 && v < nv && !kept[v] && def_step[v] < 0 && p.last_use[v] >= 0)
+      inputs_at[p.last_use[v]].push_back(v);
   // Frees, and the buffer memory simulation.
   std::vector<int> remaining(nv, 0);  // live member count per buffer
   int64_t live = 0;
@@ -246,6 +250,7 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       p.planned_peak = live;
       p.peak_step = static_cast<int>(s);
     }
+    for (int v : inputs_at[s]) st.frees.push_back(v);  // a handle, not graft's memory
     for (int v : release_at[s]) {
       st.frees.push_back(v);
       int b = p.buffer[v];

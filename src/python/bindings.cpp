@@ -10,6 +10,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
+
 #include "graft/ops.h"
 #include "graft/train.h"
 
@@ -124,6 +126,36 @@ struct PySession {
 };
 
 using TensorSpec = std::tuple<uintptr_t, std::vector<int64_t>, std::string>;
+
+// Python objects (PyTorch tensors) whose graft handles died on a thread without the GIL: released
+// by the next binding call that holds it (graft's kernels never hold a handle, so in practice
+// every release happens in the thread running backward, with the GIL).
+std::mutex g_orphans_mu;
+std::vector<PyObject*> g_orphans;
+
+void release_orphans() {
+  std::vector<PyObject*> v;
+  {
+    std::lock_guard<std::mutex> lk(g_orphans_mu);
+    v.swap(g_orphans);
+  }
+  for (PyObject* o : v) Py_DECREF(o);
+}
+
+// A keepalive for graft memory that is a PyTorch tensor's: holds a reference to the tensor and
+// drops it when graft's last handle goes (an output gradient graft owns for its backward, released
+// after its last read: Note [output gradients handed over] in python/graft/_function.py).
+std::shared_ptr<void> hold_python(py::object o) {
+  return std::shared_ptr<void>(o.release().ptr(), [](void* p) {
+    auto* obj = static_cast<PyObject*>(p);
+    if (PyGILState_Check()) {
+      Py_DECREF(obj);
+    } else {
+      std::lock_guard<std::mutex> lk(g_orphans_mu);
+      g_orphans.push_back(obj);
+    }
+  });
+}
 
 }  // namespace
 
@@ -260,21 +292,32 @@ PYBIND11_MODULE(_graft, m) {
           py::arg("bf16") = false)
       .def(
           "backward",
+          // owned: {name: tensor} for output gradients graft takes over: each is held by graft's
+          // handle alone (the dict is emptied) and released after its last read.
           [](PySession& p, PyStep& step, const std::map<std::string, TensorSpec>& grads,
-             py::object hook) {
+             py::object hook, py::object owned) {
             std::map<std::string, Tensor> og;
-            for (const auto& [n, g] : grads)
-              og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g));
+            py::dict own = owned.is_none() ? py::dict() : py::reinterpret_borrow<py::dict>(owned);
+            for (const auto& [n, g] : grads) {
+              std::shared_ptr<void> keep;
+              if (own.contains(n)) keep = hold_python(own[py::str(n)]);
+              og[n] = Tensor::external(reinterpret_cast<void*>(std::get<0>(g)), std::get<1>(g),
+                                       parse_dtype(std::get<2>(g)), std::move(keep));
+            }
+            if (!owned.is_none()) own.clear();
             p.hook = hook;
             try {
-              p.s->backward(*step.st, og);
+              p.s->backward(*step.st, std::move(og));
             } catch (...) {
               p.hook = py::none();
+              release_orphans();
               throw;
             }
             p.hook = py::none();
+            release_orphans();
           },
-          py::arg("step"), py::arg("grads"), py::arg("hook") = py::none())
+          py::arg("step"), py::arg("grads"), py::arg("hook") = py::none(),
+          py::arg("owned") = py::none())
       .def("release",
            [](PySession& p, PyStep& step) {
              if (step.st && step.st->run && step.st->run->active()) step.st->run.reset();

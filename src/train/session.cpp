@@ -96,6 +96,7 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
   // does not need is not held through backward, and backward never writes into one.
   for (int o : g_.outputs) po.forward_outputs.push_back(o);
   if (bg_.loss >= 0) po.forward_outputs.push_back(bg_.loss);
+  po.release_inputs = bg_.output_grad_inputs;  // dropped at their last read (backward() below)
   auto keep = [&](int v) -> int {
     if (v < 0) return -1;
     for (size_t k = 0; k < po.keep.size(); ++k)
@@ -637,7 +638,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   return st;
 }
 
-void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& output_grads) {
+void TrainSession::backward(StepState& st, std::map<std::string, Tensor> output_grads) {
   GRAFT_CHECK(st.forward_done && st.run, ErrorKind::InvalidArgument,
               "backward of a step whose forward did not run");
   GRAFT_CHECK(!st.backward_done && st.run->active(), ErrorKind::InvalidArgument,
@@ -649,6 +650,8 @@ void TrainSession::backward(StepState& st, const std::map<std::string, Tensor>& 
                 "'" + name + "' is not one of the outputs this session differentiates");
     exec_->feed(*st.run, bg_.output_grad_inputs[it - opt_.output_grads.begin()], t);
   }
+  // The run holds the only handles now: each output gradient goes after its last read.
+  output_grads.clear();
   st.backward_done = true;
   if (opt_.mode == GradMode::Step && !st.defer_step && step_opt_ && !norm_pass_)
     step_opt_->count_step();
@@ -677,9 +680,9 @@ void TrainSession::forward() {
   cur_ = forward({}, std::nullopt, true);
 }
 
-void TrainSession::backward(const std::map<std::string, Tensor>& output_grads) {
+void TrainSession::backward(std::map<std::string, Tensor> output_grads) {
   GRAFT_CHECK(in_run(), ErrorKind::InvalidArgument, "backward() called without forward()");
-  backward(*cur_, output_grads);
+  backward(*cur_, std::move(output_grads));
 }
 
 void TrainSession::cancel() {

@@ -525,12 +525,14 @@ GRAD_SET = MEM_L * (MEM_H * MEM_H + MEM_H) * 4  # bytes of one full set of gradi
 # RSS slack for graft vs eager. Run-to-run noise of one step's delta here is about 150 KB (small
 # Python objects, heap growth below the mmap threshold): 256 KiB when graft runs the whole step
 # (loss inside the module; graft measures 200-400 KB below eager there). With the loss outside,
-# two known costs of the module output (256 KiB each) come on top: graft keeps the output until its
-# backward ends (see test_graft_releases_outputs_when_backward_no_longer_needs_them), and PyTorch's
-# engine holds the output's gradient for the whole backward call of any custom autograd.Function.
-# 1 MiB covers those and still catches any extra gradient-sized buffer (4 MiB per weight here) or
-# a second copy of the activations (2 MiB).
-MEM_SLACK = {"inside": 256 << 10, "outside": 1 << 20}
+# one known cost of the module output (256 KiB) comes on top: graft keeps the output until its
+# backward ends (see test_graft_releases_outputs_when_backward_no_longer_needs_them). (PyTorch's
+# engine no longer holds the output's gradient for the whole backward: Note [output gradients
+# handed over], test_the_output_gradient_is_freed_after_its_last_read_as_in_eager; measured with
+# it: set_to_none 44 KiB above eager in accumulate mode, 8 KiB below in hook mode.) 512 KiB covers
+# that and catches any extra gradient-sized buffer (4 MiB per weight here), a second copy of the
+# activations (2 MiB), or the output gradient held again (256 KiB, with the noise).
+MEM_SLACK = {"inside": 256 << 10, "outside": 512 << 10}
 
 
 def _status(key):
