@@ -27,7 +27,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import _flatten
+from . import _flatten, _proc
 from .errors import GraftExportError, GraftUnsupportedError, GraftWarning
 
 PREFIX = "m."  # the wrapped module's attribute name inside the exported wrapper
@@ -95,39 +95,6 @@ class Exported:
 _IN_CHILD = False
 
 
-def _status_bytes(field_name: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _private_bytes() -> Tuple[int, int]:
-    """(private bytes, RSS bytes) of this process from /proc/self/smaps_rollup; (0, 0) without it."""
-    got = {}
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 3 and parts[2] == "kB":
-                    got[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    except OSError:
-        return 0, 0
-    return got.get("Private_Clean", 0) + got.get("Private_Dirty", 0), got.get("Rss", 0)
-
-
-def _reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-
-
 def isolated(fn, *args):
     """Returns (fn(*args), peak): fn run in a forked child process (Note [export in a child
     process]); peak is the parent's RSS plus the child's peak rise in bytes, 0 when fn ran here."""
@@ -157,7 +124,7 @@ def isolated(fn, *args):
             _IN_CHILD = True
             gc.disable()
             torch.set_num_threads(1)
-            _reset_peak()
+            _proc.reset_peak()
             try:
                 out = ("ok", fn(*args))
             except BaseException as ex:  # noqa: BLE001  (sent to the parent, raised there)
@@ -165,8 +132,8 @@ def isolated(fn, *args):
                 out = ("raise", ex)
             # The child's own pages at its peak: those private now (its heap, copies of the
             # parent's pages it wrote, code pages only it maps) plus what it freed since the peak.
-            private, rss = _private_bytes()
-            rise = private + max(0, _status_bytes("VmHWM") - rss)
+            private, rss = _proc.private_bytes()
+            rise = private + max(0, _proc.status_bytes("VmHWM") - rss)
             try:
                 data = pickle.dumps((out, rise), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as ex:  # noqa: BLE001
@@ -183,7 +150,7 @@ def isolated(fn, *args):
                     pass
             os._exit(code)
     os.close(w)
-    here = _status_bytes("VmRSS")
+    here = max(0, _proc.status_bytes("VmRSS"))
     try:
         with os.fdopen(r, "rb") as f:
             data = f.read()

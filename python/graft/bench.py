@@ -51,6 +51,8 @@ import subprocess
 import sys
 import time
 
+from . import _proc
+
 MODES = ("hold", "accumulate", "hook")  # the default rows
 ALL_MODES = MODES + ("step",)  # step: the optimizer inside backward (--modes ...,step)
 PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -64,22 +66,9 @@ class BenchError(Exception):
     pass
 
 
-# --- measurement helpers (the same protocol as src/cli/bench.cpp) -------------------------------
-def _status_bytes(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def _reset_hwm():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+# --- measurement helpers (the same protocol as src/cli/bench.cpp; tools import these names) -------
+_status_bytes = _proc.status_bytes
+_reset_hwm = _proc.reset_peak
 
 
 def flops_per_step(b, h, layers):
