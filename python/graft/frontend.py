@@ -154,12 +154,11 @@ class _Entry:
         return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-def _mark_padding_rows(model, module, e, edits) -> bool:
+def _mark_padding_rows(model, module, e, edits):
     """torch.onnx.export drops nn.Embedding's padding_idx; graft's Gather takes it as its own
     attribute, so that row gets no gradient from the lookup, as in eager. Appends the attribute
-    edits (node index, "padding_idx", row) for _graft.edit_onnx_graph; True if any."""
+    edits (node index, "padding_idx", row) for _graft.edit_onnx_graph."""
     name_of = {id(t): g for g, t in zip(e.param_inputs, e.current)}
-    marked = False
     for mod in module.modules():
         if not isinstance(mod, torch.nn.Embedding) or mod.padding_idx is None:
             continue
@@ -168,19 +167,16 @@ def _mark_padding_rows(model, module, e, edits) -> bool:
             if op == "Gather" and inputs and inputs[0] == g and ints.get("axis", 0) == 0 and "padding_idx" not in ints:
                 ints["padding_idx"] = int(mod.padding_idx)
                 edits.append((i, "padding_idx", int(mod.padding_idx)))
-                marked = True
-    return marked
 
 
-def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs) -> bool:
+def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs):
     """A training-mode BatchNormalization computes the updated running statistics (outputs 1, 2)
     but the exporter drops them (PyTorch updates the buffers in place). graft makes them extra graph
     outputs (appended to extra_outputs as (name, elem_type, dims)) and copies them into the buffers
     after each forward, and counts num_batches_tracked, so the module's state moves exactly as in
-    eager. True if any was exposed."""
+    eager."""
     slot_of = {g: i for i, g in enumerate(e.param_inputs)}
     by_name = dict(module.named_buffers())
-    exposed = False
     for op, _, inputs, outputs, ints in model.nodes:
         if op != "BatchNormalization" or not ints.get("training_mode", 0) or len(outputs) < 3:
             continue
@@ -192,12 +188,10 @@ def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs) -> b
             dtype = _export.DOUBLE if c.dtype == torch.float64 else _export.FLOAT
             extra_outputs.append((outputs[k], dtype, list(c.shape)))
             e.state_updates.append((outputs[k], slot_of[buf_input]))
-            exposed = True
         owner = inputs[3][len(_export.PREFIX):].rpartition(".")[0]
         counter = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
         if counter in by_name:
             counter_names.append(counter)
-    return exposed
 
 
 @dataclasses.dataclass
@@ -233,7 +227,9 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
     # Differentiate every float output, once each (a module may return one tensor twice).
     p.float_outputs = list(dict.fromkeys(o for o, t, _ in m.outputs if t in (_export.FLOAT, _export.DOUBLE)))
     edits, extra_outputs = [], []
-    if _mark_padding_rows(m, module, e, edits) | _expose_batchnorm_state(m, module, e, p.counters, extra_outputs):
+    _mark_padding_rows(m, module, e, edits)
+    _expose_batchnorm_state(m, module, e, p.counters, extra_outputs)
+    if edits or extra_outputs:
         from . import _graft
         _graft.edit_onnx_graph(path, edits, extra_outputs)
     p.state_updates = e.state_updates
