@@ -32,9 +32,7 @@ namespace {
 using json = nlohmann::json;
 using clock_t_ = std::chrono::steady_clock;
 
-// --- /proc readers (proc_kb_field: src/cli/common.cpp)
-int64_t vm_rss() { return proc_kb_field("/proc/self/status", "VmRSS"); }
-int64_t vm_hwm() { return proc_kb_field("/proc/self/status", "VmHWM"); }
+// --- /proc readers (vm_rss, vm_hwm: src/cli/common.cpp)
 int64_t mem_available() { return available_memory_bytes(); }
 // Resets VmHWM to the current RSS. False where the kernel does not allow it.
 bool reset_hwm() {

@@ -79,6 +79,8 @@ std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs)
 std::string human_bytes(int64_t b);
 // A "Key:   123 kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
 int64_t proc_kb_field(const char* file, const char* key);
+int64_t vm_rss();  // this process's resident set now (VmRSS), bytes; -1 if unknown
+int64_t vm_hwm();  // and at its peak (VmHWM)
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random
 // normal floats (zeros for int64/bool) of the given or declared shape.
 std::map<std::string, Tensor> make_inputs(const Graph& g,

@@ -30,6 +30,9 @@ int64_t proc_kb_field(const char* file, const char* key) {
   return -1;
 }
 
+int64_t vm_rss() { return proc_kb_field("/proc/self/status", "VmRSS"); }
+int64_t vm_hwm() { return proc_kb_field("/proc/self/status", "VmHWM"); }
+
 int64_t parse_size(const std::string& flag, const std::string& text) {
   auto bad = [&](const std::string& why) -> int64_t {
     fail(ErrorKind::InvalidArgument,

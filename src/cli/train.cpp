@@ -147,7 +147,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   Allocator& alloc = Allocator::global();
   // The whole process's memory in --json (what a user pays: tools/zoo-report --memory --cli):
   // its RSS before the model is read, now, and at its peak (VmHWM).
-  const int64_t rss_before_model = proc_kb_field("/proc/self/status", "VmRSS");
+  const int64_t rss_before_model = vm_rss();
   ImportOptions io;
   io.alloc = &alloc;
   Graph g = load_onnx(a.model, io);
@@ -329,10 +329,9 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
           "%lld, \"rss_bytes\": %lld, \"peak_rss_bytes\": %lld, \"rss_before_model_bytes\": "
           "%lld%s}\n",
           step, loss, secs, static_cast<long long>(alloc.current()),
-          static_cast<long long>(alloc.peak()),
-          static_cast<long long>(proc_kb_field("/proc/self/status", "VmRSS")),
-          static_cast<long long>(proc_kb_field("/proc/self/status", "VmHWM")),
-          static_cast<long long>(rss_before_model), comm_json.c_str());
+          static_cast<long long>(alloc.peak()), static_cast<long long>(vm_rss()),
+          static_cast<long long>(vm_hwm()), static_cast<long long>(rss_before_model),
+          comm_json.c_str());
     else
       std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s%s\n", step, loss, secs * 1e3,
                   human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str(),

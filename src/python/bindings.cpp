@@ -30,8 +30,10 @@ DType parse_dtype(const std::string& s) {
        "dtype " + s + " is not supported by graft (float32, float64, int64, int32, bool)");
 }
 
-Tensor wrap(uintptr_t ptr, const std::vector<int64_t>& shape, const std::string& dtype) {
-  return Tensor::external(reinterpret_cast<void*>(ptr), shape, parse_dtype(dtype), nullptr);
+Tensor wrap(uintptr_t ptr, const std::vector<int64_t>& shape, const std::string& dtype,
+            std::shared_ptr<void> keepalive = nullptr) {
+  return Tensor::external(reinterpret_cast<void*>(ptr), shape, parse_dtype(dtype),
+                          std::move(keepalive));
 }
 
 // What a numpy array of graft memory keeps alive: the block, and the allocator it returns to
@@ -301,8 +303,7 @@ PYBIND11_MODULE(_graft, m) {
             for (const auto& [n, g] : grads) {
               std::shared_ptr<void> keep;
               if (own.contains(n)) keep = hold_python(own[py::str(n)]);
-              og[n] = Tensor::external(reinterpret_cast<void*>(std::get<0>(g)), std::get<1>(g),
-                                       parse_dtype(std::get<2>(g)), std::move(keep));
+              og[n] = wrap(std::get<0>(g), std::get<1>(g), std::get<2>(g), std::move(keep));
             }
             if (!owned.is_none()) own.clear();
             p.hook = hook;
