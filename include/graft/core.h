@@ -131,12 +131,35 @@ class Allocator {
   // A process-wide default.
   static Allocator& global();
 
+  // Note [block reuse within a run] (core.cpp): while a ReuseScope is alive, freed blocks of at
+  // least kMinReused bytes are kept and handed to the next allocation of exactly their size,
+  // never holding more than the live peak since the outermost scope began (live + kept <= that
+  // peak), and all go back to the system when the outermost scope ends. GRAFT_BLOCK_REUSE=0 and
+  // AddressSanitizer builds turn it off.
+  class ReuseScope {
+   public:
+    explicit ReuseScope(Allocator& a);
+    ~ReuseScope();
+    ReuseScope(const ReuseScope&) = delete;
+    ReuseScope& operator=(const ReuseScope&) = delete;
+
+   private:
+    Allocator& a_;
+  };
+  static constexpr size_t kMinReused = 32 << 10;
+  int64_t reused() const { return n_reused_; }  // allocations served from kept blocks
+  int64_t kept_bytes() const { return kept_bytes_; }
+
  private:
   friend struct Storage;
   void release(Storage& s);
-  mutable std::mutex mu_;  // runs on several threads share one allocator
+  void drop_kept(int64_t down_to);  // frees kept blocks (largest first) until kept <= down_to
+  mutable std::mutex mu_;           // runs on several threads share one allocator
   void record();
   int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;
+  int reuse_depth_ = 0;
+  int64_t reuse_high_ = 0, kept_bytes_ = 0, n_reused_ = 0;
+  std::vector<std::pair<size_t, void*>> kept_;
   std::array<int64_t, kNumCategories> by_cat_{}, at_peak_{};
   bool timeline_on_ = false;
   std::vector<MemoryEvent> timeline_;

@@ -1,6 +1,7 @@
 // Errors, dtypes, the tracking allocator and Tensor (see include/graft/core.h).
 #include "graft/core.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -144,7 +145,7 @@ Storage::~Storage() {
   if (owner) owner->release(*this);
 }
 
-Allocator::~Allocator() = default;
+Allocator::~Allocator() { drop_kept(0); }
 
 Allocator& Allocator::global() {
   static Allocator a;
@@ -159,8 +160,28 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
                                      " would exceed the memory limit of " + std::to_string(limit_) +
                                      " bytes (" + std::to_string(current_) + " in use)");
   auto s = std::make_shared<Storage>();
+  if (reuse_depth_ > 0 && bytes >= kMinReused) {
+    for (size_t i = 0; i < kept_.size(); ++i)
+      if (kept_[i].first == bytes) {
+        s->data = kept_[i].second;
+        kept_[i] = kept_.back();
+        kept_.pop_back();
+        kept_bytes_ -= static_cast<int64_t>(bytes);
+        ++n_reused_;
+        break;
+      }
+  }
+  if (!s->data && kept_bytes_ > 0) {
+    // A new block: what is kept shrinks so that live + kept stays within the live peak.
+    const int64_t live = current_ + static_cast<int64_t>(bytes);
+    drop_kept(live >= reuse_high_ ? 0 : reuse_high_ - live);
+  }
   // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the end.
-  s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
+  if (!s->data) s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
+  if (!s->data && kept_bytes_ > 0) {  // the system is short: give back every kept block first
+    drop_kept(0);
+    s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
+  }
   if (!s->data)
     fail(ErrorKind::OutOfMemory, "the system refused " + std::to_string(bytes) + " bytes" +
                                      (what.empty() ? "" : " for '" + what + "'"));
@@ -170,6 +191,7 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
   current_ += static_cast<int64_t>(bytes);
   by_cat_[static_cast<int>(c)] += static_cast<int64_t>(bytes);
   ++n_allocs_;
+  reuse_high_ = std::max(reuse_high_, current_);
   if (current_ > peak_) {
     peak_ = current_;
     at_peak_ = by_cat_;
@@ -180,11 +202,68 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
 
 void Allocator::release(Storage& s) {
   std::lock_guard<std::mutex> lock(mu_);
-  ::operator delete(s.data, std::align_val_t(64));
+  if (reuse_depth_ > 0 && s.bytes >= kMinReused && kept_.size() < 256) {
+    kept_.emplace_back(s.bytes, s.data);  // live + kept is unchanged: the invariant holds
+    kept_bytes_ += static_cast<int64_t>(s.bytes);
+  } else {
+    ::operator delete(s.data, std::align_val_t(64));
+  }
   current_ -= static_cast<int64_t>(s.bytes);
   by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
   s.data = nullptr;
   record();
+}
+
+// Note [block reuse within a run]
+// A run frees most of what it allocates, and much of it has the size of something allocated
+// later in the same run: a layer's activation gradient, the next layer's; a weight gradient
+// delivered to PyTorch, the next layer's. Returning each block to malloc and asking again costs
+// page faults whenever malloc maps large blocks afresh (blocks above its mmap threshold, and all
+// of them under MALLOC_MMAP_THRESHOLD_=65536, the benchmarks' memory policy): ~2 us per 4 KiB
+// page here, a third of a B=64 H=256 step. So while an executor run is going (a ReuseScope), a
+// freed block of at least kMinReused bytes is kept and the next allocation of exactly its size
+// takes it. The memory promise does not move: kept + live never exceeds the highest live byte
+// count since the outermost scope began (a free keeps the sum; an allocation that would push it
+// over first frees kept blocks, largest first), so the process holds no byte more than the run's
+// own live peak, and when the outermost scope ends every kept block goes back. Live bytes, the
+// peak, the categories and the limit count live blocks only, as before. Exact sizes only, so a
+// reused block is as large as a fresh one; off under AddressSanitizer (a reused block would
+// hide a use after free) and with GRAFT_BLOCK_REUSE=0.
+namespace {
+bool block_reuse_enabled() {
+#if defined(__SANITIZE_ADDRESS__)
+  return false;
+#else
+  static const bool on = [] {
+    const char* e = std::getenv("GRAFT_BLOCK_REUSE");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+#endif
+}
+}  // namespace
+
+Allocator::ReuseScope::ReuseScope(Allocator& a) : a_(a) {
+  if (!block_reuse_enabled()) return;
+  std::lock_guard<std::mutex> lock(a_.mu_);
+  if (a_.reuse_depth_++ == 0) a_.reuse_high_ = a_.current_;
+}
+
+Allocator::ReuseScope::~ReuseScope() {
+  if (!block_reuse_enabled()) return;
+  std::lock_guard<std::mutex> lock(a_.mu_);
+  if (--a_.reuse_depth_ == 0) a_.drop_kept(0);
+}
+
+void Allocator::drop_kept(int64_t down_to) {  // mu_ held
+  if (kept_bytes_ <= down_to) return;
+  std::sort(kept_.begin(), kept_.end(),
+            [](const auto& x, const auto& y) { return x.first < y.first; });
+  while (kept_bytes_ > down_to && !kept_.empty()) {
+    ::operator delete(kept_.back().second, std::align_val_t(64));
+    kept_bytes_ -= static_cast<int64_t>(kept_.back().first);
+    kept_.pop_back();
+  }
 }
 
 void Allocator::recategorize(Storage& s, Category c) {

@@ -1,6 +1,9 @@
 // Allocator accounting is exact: every assertion here is a byte count.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "graft/core.h"
 
 using namespace graft;
@@ -45,6 +48,64 @@ TEST(Allocator, LimitIsATypedErrorAndLeavesStateUsable) {
   EXPECT_EQ(a.current(), 80);
   Tensor more = Tensor::empty({5}, DType::F32, a, Category::Workspace);
   EXPECT_EQ(a.current(), 100);
+}
+
+// Note [block reuse within a run]: inside a scope a freed block goes to the next allocation of
+// its exact size; kept + live never exceeds the live peak since the scope began; nothing is kept
+// once the outermost scope ends.
+TEST(Allocator, ReuseWithinAScopeNeverHoldsMoreThanTheLivePeak) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "block reuse is off under AddressSanitizer";
+#endif
+  if (const char* e = std::getenv("GRAFT_BLOCK_REUSE"); e && std::string(e) == "0")
+    GTEST_SKIP() << "GRAFT_BLOCK_REUSE=0";
+  constexpr int64_t K = 1024;
+  auto f32 = [](int64_t bytes) { return Shape{bytes / 4}; };
+  Allocator a;
+  Tensor before = Tensor::empty(f32(64 * K), DType::F32, a, Category::Parameter);
+  {
+    Tensor freed_outside = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+    freed_outside = Tensor();
+    EXPECT_EQ(a.kept_bytes(), 0) << "no scope: a freed block goes back at once";
+  }
+  {
+    Allocator::ReuseScope scope(a);
+    Tensor x = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+    Tensor y = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+    const void* px = x.raw();
+    x = Tensor();
+    EXPECT_EQ(a.kept_bytes(), 128 * K);
+    EXPECT_EQ(a.current(), 192 * K) << "live bytes count live blocks only";
+    Tensor z = Tensor::empty(f32(128 * K), DType::F32, a, Category::Gradient);
+    EXPECT_EQ(z.raw(), px) << "the same size takes the kept block";
+    EXPECT_EQ(a.reused(), 1);
+    EXPECT_EQ(a.kept_bytes(), 0);
+    EXPECT_EQ(a.current(Category::Gradient), 128 * K);
+    y = Tensor();
+    z = Tensor();
+    EXPECT_EQ(a.kept_bytes(), 256 * K);  // live 64 K + kept 256 K = the peak, 320 K
+    {
+      Allocator::ReuseScope inner(a);
+      // A new block (no kept one has its size): live would be 64 + 4 K, so at most 320 - 68 K
+      // may stay kept: one 128 K block goes back.
+      Tensor small = Tensor::empty(f32(4 * K), DType::F32, a, Category::Workspace);
+      EXPECT_EQ(a.kept_bytes(), 128 * K);
+      EXPECT_LE(a.current() + a.kept_bytes(), 320 * K);
+      small = Tensor();
+      EXPECT_EQ(a.kept_bytes(), 128 * K) << "blocks under kMinReused are not kept";
+    }
+    EXPECT_EQ(a.kept_bytes(), 128 * K) << "an inner scope's end keeps the outer one's blocks";
+    Tensor w = Tensor::empty(f32(160 * K), DType::F32, a, Category::Activation);
+    EXPECT_EQ(a.kept_bytes(), 0) << "64 + 160 + 128 K would pass the 320 K peak";
+    EXPECT_EQ(a.peak(), 320 * K) << "kept blocks never count toward the peak";
+    // Past the peak: nothing may stay kept.
+    Tensor big = Tensor::empty(f32(512 * K), DType::F32, a, Category::Activation);
+    EXPECT_EQ(a.kept_bytes(), 0);
+    w = Tensor();
+    EXPECT_EQ(a.kept_bytes(), 160 * K);
+  }
+  EXPECT_EQ(a.kept_bytes(), 0) << "the outermost scope's end gives every kept block back";
+  EXPECT_EQ(a.current(), 64 * K);
 }
 
 TEST(Tensor, NumelRejectsOverflowAndNegative) {
