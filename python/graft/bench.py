@@ -82,8 +82,8 @@ def torch_worker(a):
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.worker == "graftmodule":
-        from . import _graft  # noqa: F401  (loaded before the baseline, as torch is)
+    if a.worker == "graftmodule":  # graft's code is loaded before the baseline, as torch's is
+        from . import _graft, frontend  # noqa: F401
     rss_before_model = _status_bytes("VmRSS")
     layers = []
     for _ in range(a.layer):
