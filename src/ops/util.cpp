@@ -267,6 +267,11 @@ void infer_same(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
 }  // namespace graft::opsutil
 
 namespace graft {
+void parallel_ranges(int64_t n, int64_t work_per_item, void (*fn)(void*, int64_t, int64_t),
+                     void* ctx) {
+  opsutil::parallel_elems(n, work_per_item, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+}
+
 void add_elements(Tensor& dst, const Tensor& src) {
   GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::Internal,
               "add_elements: tensors differ in dtype or size");
