@@ -153,7 +153,7 @@ class Allocator {
  private:
   friend struct Storage;
   void release(Storage& s);
-  void drop_kept(int64_t down_to);  // frees kept blocks (largest first) until kept <= down_to
+  void drop_kept(int64_t down_to);  // frees kept blocks until kept <= down_to
   mutable std::mutex mu_;           // runs on several threads share one allocator
   void record();
   int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;

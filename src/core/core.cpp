@@ -200,9 +200,13 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
   return s;
 }
 
+namespace {
+bool mapped_alone(const void* p);
+}  // namespace
+
 void Allocator::release(Storage& s) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (reuse_depth_ > 0 && s.bytes >= kMinReused && kept_.size() < 256) {
+  if (reuse_depth_ > 0 && s.bytes >= kMinReused && kept_.size() < 256 && mapped_alone(s.data)) {
     kept_.emplace_back(s.bytes, s.data);  // live + kept is unchanged: the invariant holds
     kept_bytes_ += static_cast<int64_t>(s.bytes);
   } else {
@@ -221,15 +225,32 @@ void Allocator::release(Storage& s) {
 // page faults whenever malloc maps large blocks afresh (blocks above its mmap threshold, and all
 // of them under MALLOC_MMAP_THRESHOLD_=65536, the benchmarks' memory policy): ~2 us per 4 KiB
 // page here, a third of a B=64 H=256 step. So while an executor run is going (a ReuseScope), a
-// freed block of at least kMinReused bytes is kept and the next allocation of exactly its size
-// takes it. The memory promise does not move: kept + live never exceeds the highest live byte
-// count since the outermost scope began (a free keeps the sum; an allocation that would push it
-// over first frees kept blocks, largest first), so the process holds no byte more than the run's
-// own live peak, and when the outermost scope ends every kept block goes back. Live bytes, the
-// peak, the categories and the limit count live blocks only, as before. Exact sizes only, so a
-// reused block is as large as a fresh one; off under AddressSanitizer (a reused block would
-// hide a use after free) and with GRAFT_BLOCK_REUSE=0.
+// freed block of at least kMinReused bytes that malloc had mapped alone is kept and the next
+// allocation of exactly its size takes it (blocks from malloc's heap stay malloc's business: it
+// reuses them itself, and keeping them would pile them at the heap's top, to be trimmed and
+// faulted in again next run). The memory promise does not move: kept + live never exceeds the
+// highest live byte count since the outermost scope began (a free keeps the sum; an allocation that
+// would push it over first frees kept blocks: the smallest that suffices, else the largest), so the
+// process holds no byte more than the run's own live peak, and when the outermost scope ends every
+// kept block goes back. Live bytes, the peak, the categories and the limit count live blocks only,
+// as before. Exact sizes only, so a reused block is as large as a fresh one; off under
+// AddressSanitizer (a reused block would hide a use after free) and with GRAFT_BLOCK_REUSE=0.
 namespace {
+// Whether malloc mapped this block by itself (glibc marks the size word before the block with
+// IS_MMAPPED, 0x2): freeing it unmaps it, and the next block of its size faults in anew. A block
+// from malloc's heap is left to malloc, which reuses it without faults, and holding it here
+// would only pile freed chunks at the heap's top for malloc to trim at the run's end.
+bool mapped_alone(const void* p) {
+#if defined(__GLIBC__)
+  size_t head;
+  std::memcpy(&head, static_cast<const char*>(p) - sizeof(size_t), sizeof head);
+  return (head & 0x2) != 0;
+#else
+  (void)p;
+  return true;
+#endif
+}
+
 bool block_reuse_enabled() {
 #if defined(__SANITIZE_ADDRESS__)
   return false;
@@ -256,12 +277,19 @@ Allocator::ReuseScope::~ReuseScope() {
 }
 
 void Allocator::drop_kept(int64_t down_to) {  // mu_ held
-  if (kept_bytes_ <= down_to) return;
-  std::sort(kept_.begin(), kept_.end(),
-            [](const auto& x, const auto& y) { return x.first < y.first; });
+  // The smallest block that alone brings kept down far enough goes; failing one, the largest,
+  // and again: a 1 KiB allocation should not cost a 256 KiB block that a later one would take.
   while (kept_bytes_ > down_to && !kept_.empty()) {
-    ::operator delete(kept_.back().second, std::align_val_t(64));
-    kept_bytes_ -= static_cast<int64_t>(kept_.back().first);
+    const int64_t need = kept_bytes_ - down_to;
+    size_t pick = 0;
+    for (size_t i = 1; i < kept_.size(); ++i) {
+      const int64_t a = static_cast<int64_t>(kept_[i].first),
+                    b = static_cast<int64_t>(kept_[pick].first);
+      if (b >= need ? (a >= need && a < b) : a > b) pick = i;
+    }
+    ::operator delete(kept_[pick].second, std::align_val_t(64));
+    kept_bytes_ -= static_cast<int64_t>(kept_[pick].first);
+    kept_[pick] = kept_.back();
     kept_.pop_back();
   }
 }
