@@ -16,7 +16,8 @@ measures the peak resident-memory delta of a step the same way: write "5" to /pr
 start. peak_total_bytes is the whole process's peak RSS during the timed steps minus its RSS before
 the model was created (parameters, gradients, optimizer state, activations, framework overhead:
 what a user pays). Children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set), so that glibc returns freed
-large blocks and the RSS delta reflects live memory at small sizes too. Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
+large blocks and the RSS delta reflects live memory at small sizes too; --malloc default leaves
+glibc's own policy instead (for timing: the memory policy makes large blocks fault in every step). Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
 allocator statistics), the peak RSS delta (max over the timed steps), seconds per step (median),
 and the ratios of RSS delta and time to PyTorch eager.
 
@@ -139,6 +140,7 @@ def torch_worker(a):
         "loss": float(loss),
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),  # the policy it ran under
     }
 
 
@@ -464,13 +466,21 @@ def _size_args(a):
     return out
 
 
+MALLOC_POLICY = "memory"  # --malloc
+
+
 def _child_env(env=None):
-    # Every system runs with the same malloc policy: blocks above 64 KiB are mmap'ed and returned
-    # on free, so the peak RSS delta tracks what is live rather than what glibc cached from the
-    # previous step. (At the seed's size every large block is mmap'ed anyway.) An explicit
-    # MALLOC_MMAP_THRESHOLD_ in the environment wins.
+    # Every system runs with the same malloc policy. "memory" (the default): blocks above 64 KiB
+    # are mmap'ed and returned on free, so the peak RSS delta tracks what is live rather than what
+    # glibc cached from the previous step (at the seed's size every large block is mmap'ed anyway);
+    # an explicit MALLOC_MMAP_THRESHOLD_ in the environment wins. It makes every such block cost
+    # page faults each time, which at small sizes slows both systems by up to 2x, so "default"
+    # leaves glibc's own adaptive thresholds (what a user's process runs with) for timing. Setting
+    # the mmap threshold by hand also fixes the trim threshold at 128 KiB, so that freeing any
+    # block at the heap's top unmaps it: not a fair timing policy either.
     env = dict(os.environ if env is None else env)
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if MALLOC_POLICY == "memory":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     return env
 
 
@@ -625,6 +635,10 @@ def build_parser():
     p.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                    help="sgd (lr 0.01) or adamw (torch.optim.AdamW's defaults), both systems")
+    p.add_argument("--malloc", choices=["memory", "default"], default="memory",
+                   help="glibc policy of every row's process: memory (blocks above 64 KiB mapped and "
+                        "returned, so RSS tracks live bytes; the default) or default (glibc's adaptive "
+                        "thresholds, for timing)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both systems (default: os.cpu_count(); with --zoo 2)")
     p.add_argument("--activation-budget", type=int, default=0, metavar="BYTES",
@@ -699,6 +713,8 @@ def main(argv=None):
             return 0
         if a.zoo is not None:
             return zoo_main(a)
+        global MALLOC_POLICY
+        MALLOC_POLICY = a.malloc
         graft_bin = find_graft_bin(a.graft_bin)
         torch_row = run_torch(a)
         rows = [torch_row]
@@ -733,6 +749,8 @@ def main(argv=None):
                 "flops_per_step": flops_per_step(a.batch, a.hidden, a.layer),
                 "sgemm_gflops": max(sg) if sg else None, "graft_bin": graft_bin,
                 "python": sys.executable,
+                "malloc": ("glibc default" if a.malloc == "default" else
+                           "MALLOC_MMAP_THRESHOLD_=" + os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536")),
             },
             "rows": rows,
         }

@@ -219,8 +219,8 @@ def test_memory_refusal_names_the_estimate():
 
 
 # --- the Python driver -------------------------------------------------------------------------------
-def run_py_bench(*args, check=True):
-    env = dict(os.environ)
+def run_py_bench(*args, check=True, env=None):
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = str(ROOT / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["GRAFT_BIN"] = graft_bin()
     p = subprocess.run([sys.executable, "-m", "graft.bench", *map(str, args)], capture_output=True, text=True,
@@ -259,6 +259,20 @@ def test_python_bench_json_and_plot(tmp_path):
     assert rows["hold"]["max_ma_bytes"] - rows["accumulate"]["max_ma_bytes"] == G - 3 * A
     assert rows["hook"]["max_ma_bytes"] - rows["accumulate"]["max_ma_bytes"] == W - A
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("policy,threshold", [("memory", "65536"), ("default", None)])
+def test_python_bench_malloc_policy_reaches_the_rows(policy, threshold):
+    """--malloc memory maps and returns every block above 64 KiB in each row's process (RSS tracks
+    live bytes); --malloc default leaves glibc's own policy (timing)."""
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    p = run_py_bench("--batch", 2, "--hidden", 32, "--layer", 2, "--steps", 1, "--threads", 1,
+                     "--modes", "accumulate", "--malloc", policy, "--json", env=env)
+    doc = json.loads(p.stdout)
+    assert doc["rows"][0]["system"] == "pytorch"
+    assert doc["rows"][0]["malloc_mmap_threshold"] == threshold
+    assert doc["config"]["malloc"] == ("glibc default" if threshold is None else "MALLOC_MMAP_THRESHOLD_=65536")
 
 
 def test_python_bench_table():
