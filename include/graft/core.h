@@ -99,7 +99,7 @@ struct MemoryEvent {
 
 class Allocator {
  public:
-  Allocator() = default;
+  Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
   ~Allocator();
@@ -132,10 +132,10 @@ class Allocator {
   static Allocator& global();
 
   // Note [block reuse within a run] (core.cpp): while a ReuseScope is alive, freed blocks of at
-  // least kMinReused bytes are kept and handed to the next allocation of exactly their size,
-  // never holding more than the live peak since the outermost scope began (live + kept <= that
-  // peak), and all go back to the system when the outermost scope ends. GRAFT_BLOCK_REUSE=0 and
-  // AddressSanitizer builds turn it off.
+  // least reuse_min_bytes() (those malloc maps alone) are kept and handed to the next allocation
+  // of exactly their size, never holding more than the live peak since the outermost scope began
+  // (live + kept <= that peak), and all go back to the system when the outermost scope ends.
+  // GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds turn it off.
   class ReuseScope {
    public:
     explicit ReuseScope(Allocator& a);
@@ -146,7 +146,8 @@ class Allocator {
    private:
     Allocator& a_;
   };
-  static constexpr size_t kMinReused = 32 << 10;
+  size_t reuse_min_bytes() const { return reuse_min_; }
+  void set_reuse_min_bytes(size_t bytes) { reuse_min_ = bytes; }  // tests
   int64_t reused() const { return n_reused_; }  // allocations served from kept blocks
   int64_t kept_bytes() const { return kept_bytes_; }
 
@@ -158,6 +159,7 @@ class Allocator {
   void record();
   int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;
   int reuse_depth_ = 0;
+  size_t reuse_min_;
   int64_t reuse_high_ = 0, kept_bytes_ = 0, n_reused_ = 0;
   std::vector<std::pair<size_t, void*>> kept_;
   std::array<int64_t, kNumCategories> by_cat_{}, at_peak_{};

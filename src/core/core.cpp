@@ -145,6 +145,12 @@ Storage::~Storage() {
   if (owner) owner->release(*this);
 }
 
+namespace {
+size_t default_reuse_min();
+}  // namespace
+
+Allocator::Allocator() : reuse_min_(default_reuse_min()) {}
+
 Allocator::~Allocator() { drop_kept(0); }
 
 Allocator& Allocator::global() {
@@ -160,7 +166,7 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
                                      " would exceed the memory limit of " + std::to_string(limit_) +
                                      " bytes (" + std::to_string(current_) + " in use)");
   auto s = std::make_shared<Storage>();
-  if (reuse_depth_ > 0 && bytes >= kMinReused) {
+  if (reuse_depth_ > 0 && bytes >= reuse_min_) {
     for (size_t i = 0; i < kept_.size(); ++i)
       if (kept_[i].first == bytes) {
         s->data = kept_[i].second;
@@ -200,13 +206,9 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
   return s;
 }
 
-namespace {
-bool mapped_alone(const void* p);
-}  // namespace
-
 void Allocator::release(Storage& s) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (reuse_depth_ > 0 && s.bytes >= kMinReused && kept_.size() < 256 && mapped_alone(s.data)) {
+  if (reuse_depth_ > 0 && s.bytes >= reuse_min_ && kept_.size() < 256) {
     kept_.emplace_back(s.bytes, s.data);  // live + kept is unchanged: the invariant holds
     kept_bytes_ += static_cast<int64_t>(s.bytes);
   } else {
@@ -225,30 +227,32 @@ void Allocator::release(Storage& s) {
 // page faults whenever malloc maps large blocks afresh (blocks above its mmap threshold, and all
 // of them under MALLOC_MMAP_THRESHOLD_=65536, the benchmarks' memory policy): ~2 us per 4 KiB
 // page here, a third of a B=64 H=256 step. So while an executor run is going (a ReuseScope), a
-// freed block of at least kMinReused bytes that malloc had mapped alone is kept and the next
-// allocation of exactly its size takes it (blocks from malloc's heap stay malloc's business: it
-// reuses them itself, and keeping them would pile them at the heap's top, to be trimmed and
-// faulted in again next run). The memory promise does not move: kept + live never exceeds the
-// highest live byte count since the outermost scope began (a free keeps the sum; an allocation that
-// would push it over first frees kept blocks: the smallest that suffices, else the largest), so the
-// process holds no byte more than the run's own live peak, and when the outermost scope ends every
-// kept block goes back. Live bytes, the peak, the categories and the limit count live blocks only,
-// as before. Exact sizes only, so a reused block is as large as a fresh one; off under
-// AddressSanitizer (a reused block would hide a use after free) and with GRAFT_BLOCK_REUSE=0.
+// freed block that malloc would have mapped alone is kept and the next allocation of exactly its
+// size takes it. "Would have mapped alone": at least MALLOC_MMAP_THRESHOLD_ bytes where that is
+// set (glibc then maps every block from there up), else at least 32 MiB, glibc's ceiling for its
+// adaptive threshold. Blocks from malloc's heap stay malloc's business: it reuses them itself,
+// and keeping them to the run's end piled them at the heap's top, to be trimmed and faulted in
+// again next run. (Asking glibc whether a block is mapped means reading its chunk header, which
+// is not there when jemalloc or tcmalloc is preloaded; the size rule needs nothing from malloc.)
+// The memory promise does not move: kept + live never exceeds the highest live byte count since
+// the outermost scope began (a free keeps the sum; an allocation that would push it over first
+// frees kept blocks: the smallest that suffices, else the largest), so the process holds no byte
+// more than the run's own live peak, and when the outermost scope ends every kept block goes
+// back. Live bytes, the peak, the categories and the limit count live blocks only, as before.
+// Exact sizes only, so a reused block is as large as a fresh one; off under AddressSanitizer (a
+// reused block would hide a use after free) and with GRAFT_BLOCK_REUSE=0.
 namespace {
-// Whether malloc mapped this block by itself (glibc marks the size word before the block with
-// IS_MMAPPED, 0x2): freeing it unmaps it, and the next block of its size faults in anew. A block
-// from malloc's heap is left to malloc, which reuses it without faults, and holding it here
-// would only pile freed chunks at the heap's top for malloc to trim at the run's end.
-bool mapped_alone(const void* p) {
-#if defined(__GLIBC__)
-  size_t head;
-  std::memcpy(&head, static_cast<const char*>(p) - sizeof(size_t), sizeof head);
-  return (head & 0x2) != 0;
-#else
-  (void)p;
-  return true;
-#endif
+size_t default_reuse_min() {
+  static const size_t n = [] {
+    size_t bytes = size_t{32} << 20;
+    if (const char* e = std::getenv("MALLOC_MMAP_THRESHOLD_")) {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(e, &end, 10);
+      if (end != e && *end == '\0' && v > 0) bytes = static_cast<size_t>(v);
+    }
+    return std::max<size_t>(bytes, 32 << 10);
+  }();
+  return n;
 }
 
 bool block_reuse_enabled() {

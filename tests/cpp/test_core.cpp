@@ -1,10 +1,8 @@
 // Allocator accounting is exact: every assertion here is a byte count.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include <string>
 
 #include "graft/core.h"
@@ -62,12 +60,10 @@ TEST(Allocator, ReuseWithinAScopeNeverHoldsMoreThanTheLivePeak) {
 #endif
   if (const char* e = std::getenv("GRAFT_BLOCK_REUSE"); e && std::string(e) == "0")
     GTEST_SKIP() << "GRAFT_BLOCK_REUSE=0";
-#if defined(__GLIBC__)
-  mallopt(M_MMAP_THRESHOLD, 16 << 10);  // every block below maps alone, as kept blocks must
-#endif
   constexpr int64_t K = 1024;
   auto f32 = [](int64_t bytes) { return Shape{bytes / 4}; };
   Allocator a;
+  a.set_reuse_min_bytes(32 * K);  // as under MALLOC_MMAP_THRESHOLD_=32768
   Tensor before = Tensor::empty(f32(64 * K), DType::F32, a, Category::Parameter);
   {
     Tensor freed_outside = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
@@ -98,7 +94,7 @@ TEST(Allocator, ReuseWithinAScopeNeverHoldsMoreThanTheLivePeak) {
       EXPECT_EQ(a.kept_bytes(), 128 * K);
       EXPECT_LE(a.current() + a.kept_bytes(), 320 * K);
       small = Tensor();
-      EXPECT_EQ(a.kept_bytes(), 128 * K) << "blocks under kMinReused are not kept";
+      EXPECT_EQ(a.kept_bytes(), 128 * K) << "blocks under reuse_min_bytes() are not kept";
     }
     EXPECT_EQ(a.kept_bytes(), 128 * K) << "an inner scope's end keeps the outer one's blocks";
     Tensor w = Tensor::empty(f32(160 * K), DType::F32, a, Category::Activation);
@@ -112,6 +108,14 @@ TEST(Allocator, ReuseWithinAScopeNeverHoldsMoreThanTheLivePeak) {
   }
   EXPECT_EQ(a.kept_bytes(), 0) << "the outermost scope's end gives every kept block back";
   EXPECT_EQ(a.current(), 64 * K);
+}
+
+// Kept are the blocks malloc maps alone: from MALLOC_MMAP_THRESHOLD_ up where it is set, else
+// from glibc's 32 MiB ceiling for its adaptive threshold.
+TEST(Allocator, ReusesOnlyBlocksMallocMapsAlone) {
+  const char* e = std::getenv("MALLOC_MMAP_THRESHOLD_");
+  const size_t expect = e ? std::max<size_t>(std::strtoull(e, nullptr, 10), 32 << 10) : 32 << 20;
+  EXPECT_EQ(Allocator().reuse_min_bytes(), expect);
 }
 
 TEST(Tensor, NumelRejectsOverflowAndNegative) {
