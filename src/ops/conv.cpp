@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <type_traits>
 
 #include "conv_dnnl.h"
 #include "util.h"
@@ -408,6 +409,73 @@ Plane2 dx_plane(const Plane2& p) {
 }
 int64_t dy_pad_rows(const Plane2& p) { return p.OH + 2 * (p.KH - 1) * p.dh; }
 
+// ---- depthwise on narrow planes, 16 channels side by side ----------------------------------
+// Planes under 16 outputs wide (MobileNet's and EfficientNet's later stages at small images:
+// 8x8, 4x4, 2x2) leave the row loops above scalar, and oneDNN's blocked layouts beat them by
+// vectorizing across channels. So here 16 channels go side by side: their planes are transposed
+// into one zero-padded [rows][cols][16] buffer (in cache at these sizes) and each tap of each
+// output is one 16-wide multiply-add. Per output the taps add in dw_block's order (bias first,
+// then kh, kw); dW sums over the plane in another order than dw_wgrad. Float32 only.
+constexpr int kLanes = 16;
+bool narrow_planes(const Plane2& p) { return p.OW < kLanes && p.W < kLanes; }
+
+// dst[(r * cols + c) * kLanes + l] = plane l of src (H x W, `plane` apart) at (r - r0, c - c0),
+// zeros elsewhere and in the lanes past nc; clipped to rows x cols.
+void transpose_pad(const float* src, int64_t plane, int64_t nc, int64_t H, int64_t W, float* dst,
+                   int64_t rows, int64_t cols, int64_t r0, int64_t c0) {
+  std::fill(dst, dst + rows * cols * kLanes, 0.f);
+  for (int64_t l = 0; l < nc; ++l)
+    for (int64_t h = 0; h < H && h + r0 < rows; ++h)
+      for (int64_t w = 0; w < W && w + c0 < cols; ++w)
+        dst[((h + r0) * cols + w + c0) * kLanes + l] = src[l * plane + h * W + w];
+}
+// out[o * kLanes + l] = bias[l] + sum over taps of wt[k * kLanes + l] * (the input tap k reads),
+// the input a transposed padded buffer with row stride ld starting at tp.
+GRAFT_ISA_CLONES void dwc_forward(const Plane2& p, const float* tp, int64_t ld, const float* wt,
+                                  const float* bias, float* out) {
+  for (int64_t oh = 0; oh < p.OH; ++oh)
+    for (int64_t ow = 0; ow < p.OW; ++ow) {
+      float acc[kLanes];
+      for (int l = 0; l < kLanes; ++l) acc[l] = bias[l];
+      const float* x0 = tp + (oh * p.sh * ld + ow * p.sw) * kLanes;
+      for (int64_t kh = 0; kh < p.KH; ++kh)
+        for (int64_t kw = 0; kw < p.KW; ++kw) {
+          const float* xs = x0 + (kh * p.dh * ld + kw * p.dw) * kLanes;
+          const float* wv = wt + (kh * p.KW + kw) * kLanes;
+          for (int l = 0; l < kLanes; ++l) acc[l] += wv[l] * xs[l];
+        }
+      float* o = out + (oh * p.OW + ow) * kLanes;
+      for (int l = 0; l < kLanes; ++l) o[l] = acc[l];
+    }
+}
+// dw[k * kLanes + l] += sum over outputs of dy[o * kLanes + l] * (the input tap k reads), the
+// input a transposed padded buffer with row stride p.Wp.
+GRAFT_ISA_CLONES void dwc_wgrad(const Plane2& p, const float* tp, const float* dy, float* dw) {
+  for (int64_t kh = 0; kh < p.KH; ++kh)
+    for (int64_t kw = 0; kw < p.KW; ++kw) {
+      float acc[kLanes] = {};
+      for (int64_t oh = 0; oh < p.OH; ++oh)
+        for (int64_t ow = 0; ow < p.OW; ++ow) {
+          const float* xs = tp + ((oh * p.sh + kh * p.dh) * p.Wp + ow * p.sw + kw * p.dw) * kLanes;
+          const float* d = dy + (oh * p.OW + ow) * kLanes;
+          for (int l = 0; l < kLanes; ++l) acc[l] += d[l] * xs[l];
+        }
+      float* o = dw + (kh * p.KW + kw) * kLanes;
+      for (int l = 0; l < kLanes; ++l) o[l] += acc[l];
+    }
+}
+// w[(c0 + l) * K + k] (flipped: w[.. + K - 1 - k]) as wt[k * kLanes + l], zeros past nc.
+void transpose_taps(const float* w, int64_t K, int64_t nc, bool flip, float* wt) {
+  std::fill(wt, wt + K * kLanes, 0.f);
+  for (int64_t l = 0; l < nc; ++l)
+    for (int64_t k = 0; k < K; ++k) wt[k * kLanes + l] = w[l * K + (flip ? K - 1 - k : k)];
+}
+// dst plane l (n outputs each, `plane` apart) = src[o * kLanes + l], for l < nc.
+void untranspose(const float* src, int64_t n, int64_t nc, float* dst, int64_t plane) {
+  for (int64_t l = 0; l < nc; ++l)
+    for (int64_t o = 0; o < n; ++o) dst[l * plane + o] = src[o * kLanes + l];
+}
+
 void conv_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &x = c.in(0), &wt = c.in(1);
@@ -419,6 +487,27 @@ void conv_kernel(KernelCtx& c) {
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
     T* y = c.out(0).data<T>();
     Plane2 p;
+    if constexpr (std::is_same_v<T, float>) {
+      if (depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p)) {
+        const int64_t CB = (C + kLanes - 1) / kLanes, per = (p.Hp * p.Wp + K + 1 + O) * kLanes;
+        Tensor ws = Tensor::empty({max_threads(), per}, x.dtype(), c.alloc, Category::Workspace,
+                                  "channel-blocked planes");
+        parallel_for(N * CB, kLanes * O * K, [&](int t, int64_t q0, int64_t q1) {
+          float *tp = ws.data<float>() + t * per, *wt = tp + p.Hp * p.Wp * kLanes,
+                *bias = wt + K * kLanes, *out = bias + kLanes;
+          for (int64_t q = q0; q < q1; ++q) {
+            const int64_t n = q / CB, c0 = (q % CB) * kLanes,
+                          nc = std::min<int64_t>(kLanes, C - c0);
+            transpose_pad(px + (n * C + c0) * I, I, nc, p.H, p.W, tp, p.Hp, p.Wp, p.ph, p.pw);
+            transpose_taps(pw + c0 * K, K, nc, false, wt);
+            for (int64_t l = 0; l < kLanes; ++l) bias[l] = b && l < nc ? b[c0 + l] : 0.f;
+            dwc_forward(p, tp, p.Wp, wt, bias, out);
+            untranspose(out, O, nc, y + (n * M + c0) * O, O);
+          }
+        });
+        return;
+      }
+    }
     if (depthwise_plane(w, Cg, p)) {
       Tensor ws = Tensor::empty({max_threads(), p.Hp * p.Wp}, x.dtype(), c.alloc,
                                 Category::Workspace, "padded plane");
@@ -493,6 +582,52 @@ void conv_grad_kernel(KernelCtx& c) {
     if (db) std::fill(db, db + M, T(0));
     const T *pdy = dy.data<T>(), *px = x.data<T>(), *pw = wt.data<T>();
     Plane2 p;
+    if constexpr (std::is_same_v<T, float>) {
+      if (depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p) &&
+          (!dx || (p.sh == 1 && p.sw == 1))) {
+        // One task per block of 16 channels: its dW rows sum over the images.
+        const Plane2 q = dx_plane(p);
+        const int64_t CB = (C + kLanes - 1) / kLanes, DYR = dy_pad_rows(p);
+        const int64_t per = (p.Hp * p.Wp + O + 2 * K + DYR * q.ld + I + 1) * kLanes;
+        Tensor ws = Tensor::empty({max_threads(), per}, x.dtype(), c.alloc, Category::Workspace,
+                                  "channel-blocked planes");
+        parallel_for(CB, 2 * N * kLanes * O * K, [&](int t, int64_t b0, int64_t b1) {
+          float *tp = ws.data<float>() + t * per, *dyt = tp + p.Hp * p.Wp * kLanes,
+                *dw16 = dyt + O * kLanes, *flip = dw16 + K * kLanes, *dyp = flip + K * kLanes,
+                *out = dyp + DYR * q.ld * kLanes, *zero = out + I * kLanes;
+          std::fill(zero, zero + kLanes, 0.f);
+          for (int64_t cb = b0; cb < b1; ++cb) {
+            const int64_t c0 = cb * kLanes, nc = std::min<int64_t>(kLanes, C - c0);
+            std::fill(dw16, dw16 + K * kLanes, 0.f);
+            if (dx) transpose_taps(pw + c0 * K, K, nc, true, flip);
+            for (int64_t n = 0; n < N; ++n) {
+              const float* dyn = pdy + (n * M + c0) * O;
+              if (db)
+                for (int64_t l = 0; l < nc; ++l) {
+                  float s = 0;
+                  for (int64_t o = 0; o < O; ++o) s += dyn[l * O + o];
+                  db[c0 + l] += s;
+                }
+              if (dw) {
+                transpose_pad(px + (n * C + c0) * I, I, nc, p.H, p.W, tp, p.Hp, p.Wp, p.ph, p.pw);
+                transpose_pad(dyn, O, nc, p.OH, p.OW, dyt, p.OH, p.OW, 0, 0);
+                dwc_wgrad(p, tp, dyt, dw16);
+              }
+              if (dx) {  // a forward over dy padded by the kernel's extent, kernel flipped
+                transpose_pad(dyn, O, nc, p.OH, p.OW, dyp, DYR, q.ld, (p.KH - 1) * p.dh,
+                              (p.KW - 1) * p.dw);
+                dwc_forward(q, dyp + (p.ph * q.ld + p.pw) * kLanes, q.ld, flip, zero, out);
+                untranspose(out, I, nc, dx + (n * C + c0) * I, I);
+              }
+            }
+            if (dw)
+              for (int64_t l = 0; l < nc; ++l)
+                for (int64_t k = 0; k < K; ++k) dw[(c0 + l) * K + k] += dw16[k * kLanes + l];
+          }
+        });
+        return;
+      }
+    }
     if (depthwise_plane(w, Cg, p)) {
       // One task per group (input channel): its dW rows sum over the images.
       const Plane2 q = dx_plane(p);

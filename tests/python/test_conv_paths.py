@@ -37,6 +37,13 @@ CASES = {
     "depthwise_wide_rows": ((1, 2, 4, 70), 2, (3, 5), (1, 1), (1, 2, 1, 2), (1, 1), 2, True),
     "depthwise_1d": ((2, 4, 50), 4, (5,), (1,), (2, 2), (1,), 4, True),
     "depthwise_1d_stride": ((2, 4, 23), 8, (3,), (2,), (1, 0), (1,), 4, True),
+    # Narrow planes (< 16 outputs wide): 16 channels side by side, float32 (two full blocks and
+    # a tail of 5); strided: the forward and dW blocked, dX by the scatter; dilated 1-D.
+    "depthwise_narrow_blocked": ((2, 37, 7, 6), 37, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 37, True),
+    "depthwise_narrow_5x5_asym": ((3, 16, 5, 9), 16, (5, 5), (1, 1), (2, 1, 2, 3), (1, 1), 16, True),
+    "depthwise_narrow_stride2": ((2, 20, 8, 9), 20, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 20, True),
+    "depthwise_narrow_1d_dilated": ((2, 18, 9), 18, (3,), (1,), (2, 2), (2,), 18, True),
+    "depthwise_narrow_no_dx": ((2, 17, 4, 4), 17, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 17, False),
     "conv1d": ((2, 3, 20), 4, (3,), (2,), (1, 1), (1,), 1, True),
     "conv3d": ((2, 2, 5, 6, 4), 3, (2, 3, 2), (1, 2, 1), (1, 0, 1, 0, 1, 0), (1, 1, 2), 1, True),
     "depthwise_3d_gemm": ((1, 2, 5, 5, 5), 2, (3, 3, 3), (1, 1, 1), (1, 1, 1, 1, 1, 1), (1, 1, 1), 2, True),
