@@ -4,8 +4,10 @@
 // (loss = sum_k sum(y_k * R_k)), and compares graft's gradients with (f(x+h) - f(x-h)) / 2h.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <random>
 
 #include "graft/ops.h"
@@ -541,5 +543,85 @@ TEST(GradCheckErrors, OpWithoutGradientRuleIsNamed) {
     EXPECT_NE(m.find("no_rule"), std::string::npos) << m;
     EXPECT_NE(m.find("ReluGrad"), std::string::npos) << m;
     EXPECT_NE(m.find("weight"), std::string::npos) << m;
+  }
+}
+
+// The float32 depthwise kernels for planes under 16 wide (16 channels side by side, conv.cpp)
+// against the float64 row kernels on the same values: y, dX, dW, dB. The Python tests check the
+// same path against PyTorch; this one also runs under the sanitizers (tools/sanitize).
+TEST(DepthwiseNarrowPlanes, Float32ChannelBlocksMatchFloat64) {
+  struct Geo {
+    Shape x;
+    std::vector<int64_t> k, pads, strides, dil;
+  };
+  const std::vector<Geo> geos = {
+      {{2, 37, 7, 6}, {3, 3}, {1, 1, 1, 1}, {1, 1}, {1, 1}},  // two blocks and a tail of 5
+      {{3, 16, 5, 9}, {5, 5}, {2, 1, 2, 3}, {1, 1}, {1, 1}},  // asymmetric pads
+      {{1, 20, 8, 9}, {3, 3}, {1, 1, 1, 1}, {2, 2}, {1, 1}},  // strided: dX by the scatter
+      {{2, 18, 9}, {3}, {2, 2}, {1}, {2}},                    // dilated 1-D
+  };
+  for (const Geo& geo : geos) {
+    const int64_t C = geo.x[1];
+    const size_t nd = geo.k.size();
+    SCOPED_TRACE(shape_str(geo.x));
+    Node conv;
+    conv.op = "Conv";
+    conv.name = "dw";
+    conv.attrs.set_int("group", C);
+    conv.attrs.set_ints("kernel_shape", geo.k);
+    conv.attrs.set_ints("pads", geo.pads);
+    conv.attrs.set_ints("strides", geo.strides);
+    conv.attrs.set_ints("dilations", geo.dil);
+    conv.inputs = {0, 1, 2};  // value ids: run_node takes the tensors directly
+    conv.outputs = {3};
+    Node grad = conv;
+    grad.op = "ConvGrad";
+    grad.domain = "graft";
+    grad.outputs = {3, 4, 5};
+    Shape ws{C, 1}, ys{geo.x[0], C};
+    for (size_t i = 0; i < nd; ++i) {
+      ws.push_back(geo.k[i]);
+      const int64_t span = geo.dil[i] * (geo.k[i] - 1) + 1;
+      ys.push_back((geo.x[2 + i] + geo.pads[i] + geo.pads[nd + i] - span) / geo.strides[i] + 1);
+    }
+    Allocator alloc;
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<double> u(-1, 1);
+    auto fill = [&](const Shape& s) {
+      std::vector<double> v(static_cast<size_t>(numel(s)));
+      for (double& e : v) e = u(rng);
+      return v;
+    };
+    const std::vector<double> xv = fill(geo.x), wv = fill(ws), bv = fill({C}), dyv = fill(ys);
+    std::map<DType, std::vector<Tensor>> got;  // y, dx, dw, db
+    for (DType dt : {DType::F64, DType::F32}) {
+      auto make = [&](const Shape& s, const std::vector<double>& v) {
+        Tensor t = Tensor::empty(s, dt, alloc, Category::Workspace);
+        for (size_t i = 0; i < v.size(); ++i)
+          if (dt == DType::F64)
+            t.data<double>()[i] = v[i];
+          else
+            t.data<float>()[i] = static_cast<float>(v[i]);
+        return t;
+      };
+      Tensor x = make(geo.x, xv), w = make(ws, wv), b = make({C}, bv), dy = make(ys, dyv);
+      Tensor y = Tensor::empty(ys, dt, alloc, Category::Workspace);
+      Tensor dx = Tensor::empty(geo.x, dt, alloc, Category::Workspace);
+      Tensor dw = Tensor::empty(ws, dt, alloc, Category::Workspace);
+      Tensor db = Tensor::empty({C}, dt, alloc, Category::Workspace);
+      std::vector<Tensor*> outs{&y};
+      run_node(conv, {&x, &w, &b}, outs, alloc);
+      std::vector<Tensor*> gouts{&dx, &dw, &db};
+      run_node(grad, {&dy, &x, &w}, gouts, alloc);
+      got[dt] = {y, dx, dw, db};
+    }
+    const char* what[] = {"y", "dX", "dW", "dB"};
+    for (int k = 0; k < 4; ++k) {
+      const Tensor &a = got[DType::F32][k], &r = got[DType::F64][k];
+      double scale = 1, err = 0;
+      for (int64_t i = 0; i < r.numel(); ++i) scale = std::max(scale, std::abs(r.at(i)));
+      for (int64_t i = 0; i < r.numel(); ++i) err = std::max(err, std::abs(a.at(i) - r.at(i)));
+      EXPECT_LT(err / scale, 1e-5) << what[k];
+    }
   }
 }
