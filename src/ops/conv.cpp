@@ -448,16 +448,17 @@ GRAFT_ISA_CLONES void dwc_forward(const Plane2& p, const float* tp, int64_t ld, 
       for (int l = 0; l < kLanes; ++l) o[l] = acc[l];
     }
 }
-// dw[k * kLanes + l] += sum over outputs of dy[o * kLanes + l] * (the input tap k reads), the
-// input a transposed padded buffer with row stride p.Wp.
-GRAFT_ISA_CLONES void dwc_wgrad(const Plane2& p, const float* tp, const float* dy, float* dw) {
+// dw[k * kLanes + l] += sum over outputs (oh, ow) of dy[(oh * ldy + ow) * kLanes + l] * (the
+// input tap k reads), the input a transposed padded buffer with row stride p.Wp.
+GRAFT_ISA_CLONES void dwc_wgrad(const Plane2& p, const float* tp, const float* dy, int64_t ldy,
+                                float* dw) {
   for (int64_t kh = 0; kh < p.KH; ++kh)
     for (int64_t kw = 0; kw < p.KW; ++kw) {
       float acc[kLanes] = {};
       for (int64_t oh = 0; oh < p.OH; ++oh)
         for (int64_t ow = 0; ow < p.OW; ++ow) {
           const float* xs = tp + ((oh * p.sh + kh * p.dh) * p.Wp + ow * p.sw + kw * p.dw) * kLanes;
-          const float* d = dy + (oh * p.OW + ow) * kLanes;
+          const float* d = dy + (oh * ldy + ow) * kLanes;
           for (int l = 0; l < kLanes; ++l) acc[l] += d[l] * xs[l];
         }
       float* o = dw + (kh * p.KW + kw) * kLanes;
@@ -608,14 +609,23 @@ void conv_grad_kernel(KernelCtx& c) {
                   for (int64_t o = 0; o < O; ++o) s += dyn[l * O + o];
                   db[c0 + l] += s;
                 }
-              if (dw) {
-                transpose_pad(px + (n * C + c0) * I, I, nc, p.H, p.W, tp, p.Hp, p.Wp, p.ph, p.pw);
-                transpose_pad(dyn, O, nc, p.OH, p.OW, dyt, p.OH, p.OW, 0, 0);
-                dwc_wgrad(p, tp, dyt, dw16);
-              }
-              if (dx) {  // a forward over dy padded by the kernel's extent, kernel flipped
+              // dy transposed once: padded by the kernel's extent when dX is wanted (dW reads
+              // the same buffer at the padding's offset), else unpadded.
+              const float* dyt16 = dyt;
+              int64_t ldy = p.OW;
+              if (dx) {
                 transpose_pad(dyn, O, nc, p.OH, p.OW, dyp, DYR, q.ld, (p.KH - 1) * p.dh,
                               (p.KW - 1) * p.dw);
+                dyt16 = dyp + ((p.KH - 1) * p.dh * q.ld + (p.KW - 1) * p.dw) * kLanes;
+                ldy = q.ld;
+              } else if (dw) {
+                transpose_pad(dyn, O, nc, p.OH, p.OW, dyt, p.OH, p.OW, 0, 0);
+              }
+              if (dw) {
+                transpose_pad(px + (n * C + c0) * I, I, nc, p.H, p.W, tp, p.Hp, p.Wp, p.ph, p.pw);
+                dwc_wgrad(p, tp, dyt16, ldy, dw16);
+              }
+              if (dx) {  // a forward over dy padded by the kernel's extent, kernel flipped
                 dwc_forward(q, dyp + (p.ph * q.ld + p.pw) * kLanes, q.ld, flip, zero, out);
                 untranspose(out, I, nc, dx + (n * C + c0) * I, I);
               }
