@@ -466,10 +466,7 @@ def _size_args(a):
     return out
 
 
-MALLOC_POLICY = "memory"  # --malloc
-
-
-def _child_env(env=None):
+def _child_env(malloc, env=None):
     # Every system runs with the same malloc policy. "memory" (the default): blocks above 64 KiB
     # are mmap'ed and returned on free, so the peak RSS delta tracks what is live rather than what
     # glibc cached from the previous step (at the seed's size every large block is mmap'ed anyway);
@@ -479,13 +476,13 @@ def _child_env(env=None):
     # the mmap threshold by hand also fixes the trim threshold at 128 KiB, so that freeing any
     # block at the heap's top unmaps it: not a fair timing policy either.
     env = dict(os.environ if env is None else env)
-    if MALLOC_POLICY == "memory":
+    if malloc == "memory":
         env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     return env
 
 
-def _run_json(cmd, what, env=None):
-    env = _child_env(env)
+def _run_json(cmd, what, malloc, env=None):
+    env = _child_env(malloc, env)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     except OSError as e:
@@ -504,7 +501,7 @@ def run_torch(a):
     parent = os.path.dirname(PKG_DIR)
     env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "graft.bench", "--worker", "torch", *_size_args(a)]
-    return _run_json(cmd, "the PyTorch worker", env)
+    return _run_json(cmd, "the PyTorch worker", a.malloc, env)
 
 
 def run_graftmodule(a, mode):
@@ -512,14 +509,14 @@ def run_graftmodule(a, mode):
     parent = os.path.dirname(PKG_DIR)
     env["PYTHONPATH"] = parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "graft.bench", "--worker", "graftmodule", "--gm-mode", mode, *_size_args(a)]
-    return _run_json(cmd, f"the GraftModule worker ({mode})", env)
+    return _run_json(cmd, f"the GraftModule worker ({mode})", a.malloc, env)
 
 
 def run_graft(a, graft_bin, mode, timeline):
     cmd = [graft_bin, "bench", "--mode", mode, "--json", *_size_args(a)]
     if timeline:
         cmd.append("--timeline-json")
-    return _run_json(cmd, f"graft bench --mode {mode}")
+    return _run_json(cmd, f"graft bench --mode {mode}", a.malloc)
 
 
 def _ratio(x, ref):
@@ -713,8 +710,6 @@ def main(argv=None):
             return 0
         if a.zoo is not None:
             return zoo_main(a)
-        global MALLOC_POLICY
-        MALLOC_POLICY = a.malloc
         graft_bin = find_graft_bin(a.graft_bin)
         torch_row = run_torch(a)
         rows = [torch_row]
