@@ -11,20 +11,24 @@
 // arithmetic (rounded operands, float32 accumulation) through OpenBLAS. float64 GEMMs never change.
 //
 // Note [float32 GEMM backend]
-// Outside a Bf16MatmulScope, float32 GEMMs of medium size run oneDNN's float32 matmul primitive
-// (brgemm kernels, JIT for AVX-512) on the operands in place (strides express lda/ldb and the
-// transpositions), the rest OpenBLAS's sgemm. Measured here, each library alone in its process
-// (python3 -m graft.bench_gemm, docs/performance.md "One GEMM library"): on narrow products (the
-// Linear layers of small models, convnext's MLPs, weight gradients: 64x256x256, 256x256x64,
-// 3136x96x384, 8192x256x256) oneDNN runs at 1.2-1.6x OpenBLAS's rate; on 1024^3 and the seed's
-// 1024x4096x4096 products the two are within this machine's ~10% noise, OpenBLAS ahead more often,
-// so products above 2^31 multiply-adds stay on OpenBLAS, and those under 2^18 too (a primitive call
-// costs microseconds). oneDNN's dnnl_sgemm is faster on the large products, but mallocs up to
-// 7 MiB of packing buffers per call, outside graft's accounting; the primitive's scratchpad is at
-// most ~0.5 MiB, graft's (one buffer per thread, kept between calls). It also runs on the
-// OpenMP team oneDNN's convolutions and PyTorch's loops use, instead of OpenBLAS's own pthreads
-// (Note [one thread pool], util.cpp). GRAFT_GEMM=openblas runs every float32 GEMM on
-// OpenBLAS, GRAFT_GEMM=dnnl every one from 2^18 up on oneDNN (A/B switches for benchmarks).
+// Outside a Bf16MatmulScope, float32 GEMMs of at least 2^18 multiply-adds run oneDNN's float32
+// matmul primitive (brgemm kernels, JIT for AVX-512) on the operands in place (strides express
+// lda/ldb and the transpositions); smaller ones run OpenBLAS's sgemm (a primitive call costs
+// microseconds). Measured here, each library alone in its process (python3 -m graft.bench_gemm,
+// docs/performance.md "One GEMM library"): on narrow products (the Linear layers of small models,
+// convnext's MLPs, weight gradients: 64x256x256, 256x256x64, 3136x96x384, 8192x256x256) oneDNN
+// runs at 1.2-1.6x OpenBLAS's rate; on 1024^3 and the seed's 1024x4096x4096 products the two are
+// within this machine's ~10% noise. Products above 2^31 multiply-adds used to stay on OpenBLAS for
+// that reason, but in a training step they cost more there: OpenBLAS's pthreads spin on one core
+// after each product while graft's loops (ReLU, bias gradients, SGD) run on the OpenMP team, so
+// those loops ran ~5x slower (the B=1024 H=4096 L=4 stack: 11% per step; docs/performance.md,
+// "Large products on oneDNN too"). The primitive runs on the OpenMP team oneDNN's convolutions and
+// PyTorch's loops use (Note [one thread pool], util.cpp). oneDNN's dnnl_sgemm is faster still on
+// the large products, but mallocs up to 7 MiB of packing buffers per call, outside graft's
+// accounting; the primitive's scratchpad is graft's: one buffer per thread, kept between calls,
+// as large as the largest product needed (0.5 MiB for the medium products, 3.3 MiB for the
+// 4096x4096x1024 weight gradient). GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS,
+// GRAFT_GEMM=dnnl every one from 2^18 up on oneDNN (the default now; A/B switches for benchmarks).
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -149,7 +153,7 @@ Sgemm sgemm_choice() {
   return c;
 }
 
-// The primitive's scratchpad, per thread, grown as needed and kept (at most ~0.5 MiB measured).
+// The primitive's scratchpad, per thread, grown as needed and kept (Note [float32 GEMM backend]).
 thread_local std::unique_ptr<char[]> t_scratch;
 thread_local size_t t_scratch_n = 0;
 }  // namespace
@@ -217,7 +221,6 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   const Sgemm choice = sgemm_choice();
   const int64_t macs = M * N * K;
   if (choice == Sgemm::OpenBlas || macs < (int64_t{1} << 18)) return false;
-  if (choice == Sgemm::Auto && macs > (int64_t{1} << 31)) return false;
   Prim* p;
   try {
     p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
