@@ -513,6 +513,17 @@ class GraftModule(torch.nn.Module):
             entry = next(reversed(self._cache.values()))
         return list(entry.session.saved_for_backward())
 
+    def op_times(self) -> List[Tuple[str, str, float]]:
+        """Wall time of each graft op in the last run of the most recently called graph (forward,
+        then backward once it ran), in execution order: (node, op, seconds). Recorded only when
+        the environment had GRAFT_PROFILE=1 as that graph's session was built (its first call);
+        empty otherwise."""
+        with self._lock:
+            if not self._cache:
+                return []
+            entry = next(reversed(self._cache.values()))
+        return list(entry.session.op_times())
+
     def forward(self, *args, **kwargs):
         name = self._name()
         bf16 = self.precision == "bf16"

@@ -10,6 +10,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "graft/ops.h"
@@ -116,6 +118,9 @@ struct PySession {
     o.check_finite = check_finite;
     o.max_memory = max_memory;
     o.activation_budget = activation_budget;
+    // GRAFT_PROFILE=1: per-op wall times of the last forward and backward (op_times below).
+    const char* prof = std::getenv("GRAFT_PROFILE");
+    o.profile = prof && *prof && std::strcmp(prof, "0") != 0;
     o.alloc = alloc.get();
     std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
     s = TrainSession::open(path, o, sh);
@@ -334,6 +339,17 @@ PYBIND11_MODULE(_graft, m) {
              std::vector<std::tuple<std::string, std::string, std::string, int64_t>> r;
              for (const auto& s : p.s->saved_for_backward())
                r.emplace_back(s.value, s.op, s.node, s.bytes);
+             return r;
+           })
+      // [(node, op, seconds)] of the last forward or backward run, with GRAFT_PROFILE=1 set
+      // when the session was made (empty otherwise).
+      .def("op_times",
+           [](PySession& p) {
+             std::vector<std::tuple<std::string, std::string, double>> r;
+             const Graph& g = p.s->graph();
+             for (const OpTime& t : p.s->op_times())
+               if (t.node >= 0 && t.node < static_cast<int>(g.nodes.size()))
+                 r.emplace_back(g.nodes[t.node].name, g.nodes[t.node].op, t.seconds);
              return r;
            })
       // [(value, op, node, bytes)]: the buffers alive at the planned activation peak.

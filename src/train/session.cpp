@@ -620,6 +620,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
       },
       std::move(target));
   exec_->run_to(*st->run, exec_->plan().barrier_step);
+  if (opt_.profile) last_times_ = st->run->op_times();  // the forward's; backward() adds its own
   for (int o : g_.outputs) {
     Tensor t = st->run->value(o);
     // A constant (or folded) output is graft's own storage, shared by every step: the caller gets
@@ -631,7 +632,6 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   st->loss = bg_.loss >= 0 ? st->run->value(bg_.loss) : Tensor();
   st->forward_done = true;
   if (!keep_for_backward) {
-    if (opt_.profile) last_times_ = st->run->op_times();
     exec_->abort(*st->run);
     st->backward_done = true;
   }

@@ -740,3 +740,29 @@ def test_input_of_a_new_dtype(dtype):
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--mem-worker":
     mem_worker(sys.argv[2], bool(int(sys.argv[3])), bool(int(sys.argv[4])))
+
+
+def test_op_times_with_graft_profile(monkeypatch):
+    """GRAFT_PROFILE=1 at the first call records each op's wall time of the last run: the forward's
+    ops, then the backward's; without it nothing is recorded."""
+    x, t = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    plain = GraftModule(MLP(16, 32, 4))
+    plain(x, t).backward()
+    assert plain.op_times() == []
+
+    monkeypatch.setenv("GRAFT_PROFILE", "1")
+    m = GraftModule(MLP(16, 32, 4))
+    assert m.op_times() == []  # nothing ran yet
+    loss = m(x, t)
+    fwd = m.op_times()
+    assert fwd and all(s >= 0 for _, _, s in fwd)
+    start = time.perf_counter()
+    loss.backward()
+    wall = time.perf_counter() - start
+    both = m.op_times()
+    assert [(n, o) for n, o, _ in both[:len(fwd)]] == [(n, o) for n, o, _ in fwd]  # the forward's, then more
+    ops = [o for _, o, _ in both]
+    assert len(both) > len(fwd)
+    assert "Gemm" in ops or "MatMul" in ops
+    assert any(o.endswith("Grad") or o == "GradSink" for o in ops[len(fwd):])  # backward ops recorded
+    assert sum(s for _, _, s in both[len(fwd):]) <= wall  # times are the backward's own
