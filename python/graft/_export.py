@@ -198,8 +198,9 @@ def _export_kwargs():
 # export ever runs a PyTorch convolution, and oneDNN's code pages it maps for that (2.5 MiB) were
 # the child's alone; the graph the tracer records (aten::_convolution) does not depend on which
 # kernel computes it. Measured on the zoo's conv1d (the export child's pages, tools/zoo-report
-# --memory's protocol): 22.2 MiB -> 18.0 (shape inference and checker off) -> 15.5 (native
-# kernels). The models exported this way are the ones the zoo's parity tests check against eager.
+# --memory's protocol; tools/export-pages MODEL lists them by mapping): 22.2 MiB -> 18.0 (shape
+# inference and checker off) -> 15.5 (native kernels). The models exported this way are the ones
+# the zoo's parity tests check against eager.
 class _LeanExport:
     def __enter__(self):
         import torch.onnx.utils as utils
