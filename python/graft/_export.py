@@ -13,6 +13,7 @@
   its own shape: a graph that silently dropped or folded a parameter is refused.
 * The export runs in a forked child process (isolated): see Note [export in a child process].
 """
+import contextlib
 import gc
 import inspect
 import os
@@ -200,7 +201,11 @@ def _export_kwargs():
 # kernel computes it. Measured on the zoo's conv1d (the export child's pages, tools/zoo-report
 # --memory's protocol; tools/export-pages MODEL lists them by mapping): 22.2 MiB -> 18.0 (shape
 # inference and checker off) -> 15.5 (native kernels). The models exported this way are the ones
-# the zoo's parity tests check against eager.
+# the zoo's parity tests check against eager. A symbolic function that needs ONNX's inferred type
+# of a value it did not get from the tracer fails without shape inference: a module whose lean
+# export fails is exported again by the whole exporter (export() below), so the lean export can
+# cost time, never a module graft could take before. (The switches are process-wide while the
+# export runs; in the forked child the export is all that runs.)
 class _LeanExport:
     def __enter__(self):
         import torch.onnx.utils as utils
@@ -302,13 +307,31 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     called = set()
     hooks = [m.register_forward_pre_hook(lambda m, _a: called.add(id(m))) for m in module.modules()]
     patched_rnns = _patch_rnn_dropout(module)
-    try:
-        with warnings.catch_warnings(record=True) as caught, torch.enable_grad(), \
-                torch.autocast("cpu", enabled=False), _LeanExport():
-            warnings.simplefilter("always", torch.jit.TracerWarning)
+
+    def trace(lean):
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+                (_LeanExport() if lean else contextlib.nullcontext()):
             torch.onnx.export(Flat(), tuple(tensors), path, input_names=input_names, opset_version=opset,
                               do_constant_folding=False, export_params=False,
                               training=torch.onnx.TrainingMode.PRESERVE, **_export_kwargs())
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            try:
+                trace(lean=True)
+            except GraftExportError:
+                raise
+            except Exception as lean_ex:  # noqa: BLE001
+                # Note [a lean export]: what the lean export cannot take goes through the whole
+                # exporter, from the same module state (buffers as before the first trace).
+                traceback.clear_frames(lean_ex.__traceback__)
+                del lean_ex
+                with torch.no_grad():
+                    for b, before, _ in saved_buffers.values():
+                        b.copy_(before)
+                caught.clear()
+                trace(lean=False)
     except GraftExportError:
         raise
     except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...

@@ -766,3 +766,41 @@ def test_op_times_with_graft_profile(monkeypatch):
     assert "Gemm" in ops or "MatMul" in ops
     assert any(o.endswith("Grad") or o == "GradSink" for o in ops[len(fwd):])  # backward ops recorded
     assert sum(s for _, _, s in both[len(fwd):]) <= wall  # times are the backward's own
+
+
+def test_a_module_the_lean_export_refuses_goes_through_the_whole_exporter(monkeypatch):
+    """Note [a lean export]: when the export without ONNX shape inference and checker fails, the
+    module is exported again by the whole exporter, and trains as eager does."""
+    from graft import _export
+    real = torch.onnx.export
+    tried = []
+
+    class Refusing:  # stands in for _LeanExport: the export fails while it is active
+        def __enter__(self):
+            def refuse(*a, **k):
+                tried.append("lean")
+                raise RuntimeError("this symbolic needs ONNX's inferred type of a value")
+            torch.onnx.export = refuse
+
+        def __exit__(self, *exc):
+            torch.onnx.export = real
+            return False
+
+    monkeypatch.setattr(_export, "_LeanExport", Refusing)
+    monkeypatch.setenv("GRAFT_EXPORT", "inprocess")  # so that `tried` is this process's
+    torch.manual_seed(0)
+    model = MLP(16, 32, 4)
+    eager = copy.deepcopy(model)
+    x, t = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    g = GraftModule(model)
+    loss = g(x, t)
+    loss.backward()
+    assert tried == ["lean"] and torch.onnx.export is real
+    ref = eager(x, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        if q.grad is None:
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
