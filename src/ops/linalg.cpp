@@ -90,12 +90,6 @@ void gemm_kernel(KernelCtx& c) {
       const T* pc = C.data<T>();
       if (C.shape() == Y.shape()) {
         if (pc != y) std::copy(pc, pc + M * N, y);
-      } else if (C.numel() == N && C.shape().back() == N) {
-        // A bias row ([N] or [1, N]): copied into each row on the team (a fresh Y's page faults
-        // are split between the threads).
-        parallel_for(M, N, [&](int, int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1; ++r) std::copy(pc, pc + N, y + r * N);
-        });
       } else {
         auto st = bcast_strides(C.shape(), Y.shape());
         for_each_bcast<1>(Y.shape(), {st},
