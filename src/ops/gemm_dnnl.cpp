@@ -27,8 +27,9 @@
 // the large products, but mallocs up to 7 MiB of packing buffers per call, outside graft's
 // accounting; the primitive's scratchpad is graft's: one buffer per thread, kept between calls,
 // as large as the largest product needed (0.5 MiB for the medium products, 3.3 MiB for the
-// 4096x4096x1024 weight gradient). GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS,
-// GRAFT_GEMM=dnnl every one from 2^18 up on oneDNN (the default now; A/B switches for benchmarks).
+// 4096x4096x1024 weight gradient). GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS (an
+// A/B switch for benchmarks; GRAFT_GEMM=dnnl, which once forced the large products onto oneDNN,
+// is now the default).
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -141,14 +142,12 @@ Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, 
   }
 }
 
-// Which library runs a float32 GEMM of M*N*K multiply-adds (Note [float32 GEMM backend]).
-enum class Sgemm { Auto, OpenBlas, Dnnl };
-Sgemm sgemm_choice() {
-  static const Sgemm c = [] {
+// GRAFT_GEMM=openblas: every float32 GEMM on OpenBLAS (Note [float32 GEMM backend]; any other
+// value, "dnnl" included, is the default).
+bool sgemm_openblas_only() {
+  static const bool c = [] {
     const char* v = std::getenv("GRAFT_GEMM");
-    if (v && std::strcmp(v, "openblas") == 0) return Sgemm::OpenBlas;
-    if (v && std::strcmp(v, "dnnl") == 0) return Sgemm::Dnnl;
-    return Sgemm::Auto;
+    return v && std::strcmp(v, "openblas") == 0;
   }();
   return c;
 }
@@ -218,9 +217,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  const Sgemm choice = sgemm_choice();
-  const int64_t macs = M * N * K;
-  if (choice == Sgemm::OpenBlas || macs < (int64_t{1} << 18)) return false;
+  if (sgemm_openblas_only() || M * N * K < (int64_t{1} << 18)) return false;
   Prim* p;
   try {
     p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
