@@ -507,22 +507,21 @@ class GraftModule(torch.nn.Module):
         """What graft's forward keeps for the backward, for the most recently called graph:
         (value, op, node, bytes) per buffer, biggest first. Parameters and inputs are not counted
         (the caller holds them anyway), as PyTorch's autograd saves those by reference."""
-        with self._lock:
-            if not self._cache:
-                return []
-            entry = next(reversed(self._cache.values()))
-        return list(entry.session.saved_for_backward())
+        entry = self._latest_entry()
+        return list(entry.session.saved_for_backward()) if entry else []
 
     def op_times(self) -> List[Tuple[str, str, float]]:
         """Wall time of each graft op in the last run of the most recently called graph (forward,
         then backward once it ran), in execution order: (node, op, seconds). Recorded only when
         the environment had GRAFT_PROFILE=1 as that graph's session was built (its first call);
         empty otherwise."""
+        entry = self._latest_entry()
+        return list(entry.session.op_times()) if entry else []
+
+    def _latest_entry(self):
+        """The cache entry of the most recently called graph (None before the first call)."""
         with self._lock:
-            if not self._cache:
-                return []
-            entry = next(reversed(self._cache.values()))
-        return list(entry.session.op_times())
+            return next(reversed(self._cache.values())) if self._cache else None
 
     def forward(self, *args, **kwargs):
         name = self._name()
