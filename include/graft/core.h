@@ -132,10 +132,10 @@ class Allocator {
   static Allocator& global();
 
   // Note [block reuse within a run] (core.cpp): while a ReuseScope is alive, freed blocks of at
-  // least reuse_min_bytes() (those malloc maps alone) are kept and handed to the next allocation
-  // of exactly their size, never holding more than the live peak since the outermost scope began
-  // (live + kept <= that peak), and all go back to the system when the outermost scope ends.
-  // GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds turn it off.
+  // least reuse_min_bytes() (MALLOC_MMAP_THRESHOLD_, else 64 KiB) are kept and handed to the next
+  // allocation of exactly their size, never holding more than the live peak since the outermost
+  // scope began (live + kept <= that peak), and all go back to the system when the outermost scope
+  // ends. GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds turn it off.
   class ReuseScope {
    public:
     explicit ReuseScope(Allocator& a);

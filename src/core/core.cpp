@@ -224,16 +224,16 @@ void Allocator::release(Storage& s) {
 // A run frees most of what it allocates, and much of it has the size of something allocated
 // later in the same run: a layer's activation gradient, the next layer's; a weight gradient
 // delivered to PyTorch, the next layer's. Returning each block to malloc and asking again costs
-// page faults whenever malloc maps large blocks afresh (blocks above its mmap threshold, and all
-// of them under MALLOC_MMAP_THRESHOLD_=65536, the benchmarks' memory policy): ~2 us per 4 KiB
-// page here, a third of a B=64 H=256 step. So while an executor run is going (a ReuseScope), a
-// freed block that malloc would have mapped alone is kept and the next allocation of exactly its
-// size takes it. "Would have mapped alone": at least MALLOC_MMAP_THRESHOLD_ bytes where that is
-// set (glibc then maps every block from there up), else at least 32 MiB, glibc's ceiling for its
-// adaptive threshold. Blocks from malloc's heap stay malloc's business: it reuses them itself,
-// and keeping them to the run's end piled them at the heap's top, to be trimmed and faulted in
-// again next run. (Asking glibc whether a block is mapped means reading its chunk header, which
-// is not there when jemalloc or tcmalloc is preloaded; the size rule needs nothing from malloc.)
+// page faults whenever malloc maps the block afresh or has trimmed the top of its heap in between:
+// ~2 us per 4 KiB page here. So while an executor run is going (a ReuseScope), a freed block of
+// at least reuse_min_bytes() is kept and the next allocation of exactly its size takes it.
+// reuse_min_bytes() is MALLOC_MMAP_THRESHOLD_ where that is set (glibc then maps every block from
+// there up), else 64 KiB, the benchmarks' memory policy, so graft keeps the same blocks under
+// either policy. (The default was 32 MiB, glibc's ceiling for its adaptive mmap threshold, on the
+// reasoning that blocks from malloc's heap are malloc's to reuse. Under glibc's default policy
+// that left ResNet-18's hook step faulting 2k-19k pages a step: its weight gradients, up to
+// 9 MiB, went back to a heap glibc trimmed, or to mappings below the adapted threshold. Keeping
+// them: 58-64 -> 42 ms a step, memory unchanged; docs/performance.md.)
 // The memory promise does not move: kept + live never exceeds the highest live byte count since
 // the outermost scope began (a free keeps the sum; an allocation that would push it over first
 // frees kept blocks: the smallest that suffices, else the largest), so the process holds no byte
@@ -244,7 +244,7 @@ void Allocator::release(Storage& s) {
 namespace {
 size_t default_reuse_min() {
   static const size_t n = [] {
-    size_t bytes = size_t{32} << 20;
+    size_t bytes = size_t{64} << 10;
     if (const char* e = std::getenv("MALLOC_MMAP_THRESHOLD_")) {
       char* end = nullptr;
       const unsigned long long v = std::strtoull(e, &end, 10);
