@@ -233,7 +233,7 @@ void Allocator::release(Storage& s) {
 // reasoning that blocks from malloc's heap are malloc's to reuse. Under glibc's default policy
 // that left ResNet-18's hook step faulting 2k-19k pages a step: its weight gradients, up to
 // 9 MiB, went back to a heap glibc trimmed, or to mappings below the adapted threshold. Keeping
-// them: 58-64 -> 42 ms a step, memory unchanged; docs/performance.md.)
+// them: 58-71 -> 42-44 ms a step, memory unchanged; docs/performance.md.)
 // The memory promise does not move: kept + live never exceeds the highest live byte count since
 // the outermost scope began (a free keeps the sum; an allocation that would push it over first
 // frees kept blocks: the smallest that suffices, else the largest), so the process holds no byte
