@@ -33,15 +33,17 @@
 //
 // Note [a ragged N]
 // With B not transposed (row-major K x N: the dX = dY W and dW = dY^T X products of a Linear
-// layer) and N not a multiple of 16, oneDNN 2.6's brgemm matmul runs well below its rate: the
-// seed's 1024x8194x8194 dX took 0.80-0.86 s against 0.64 s for the transposed forward product
-// and 0.67 s on OpenBLAS (python3 -m graft.bench_gemm's child on these shapes, 2 threads), which
-// made graft's seed-size step 5-11% slower than eager's. So such a product runs as two: the
-// first N - N % 16 columns (same lda, ldb, ldc: a sub-matrix, no copy) and the last N % 16
-// columns (oneDNN, or OpenBLAS below 2^18 multiply-adds). Measured, one product each way:
-// 1024x8194x8194 0.84 -> 0.63 s, 4096x4098x1024 0.21 -> 0.17 s, 3136x97x384 1.23 -> 1.06 ms;
-// 1024x1042x1024 and 256x770x512 unchanged. Transposed B (the forward product) is not split:
-// its ragged case runs at the aligned rate.
+// layer) and N not a multiple of 16, B's rows are not 64-byte aligned and oneDNN 2.6's brgemm
+// matmul runs well below its rate: the seed's 1024x8194x8194 dX took 0.80-0.86 s against 0.64 s
+// for the transposed forward product and 0.67 s on OpenBLAS (2 threads), which made graft's
+// seed-size step 5-15% slower than eager's. Such products of at least 2^31 multiply-adds run on
+// OpenBLAS: the B=1024 H=8194 L=4 stack, accumulate, 8.52 -> 7.27 s a step, the same peak RSS.
+// Smaller ones stay on oneDNN, where it is still as fast or faster (4096x4098x1024: oneDNN
+// 0.21 s, OpenBLAS 0.18; 1024x1042x1024: 10.3 / 10.7 ms; 3136x97x384: 1.23 / 1.26 ms).
+// Tried first: splitting the product into its first N - N % 16 columns and the rest, both on
+// oneDNN (as fast as OpenBLAS), but a sub-matrix B (ldb != N) is not brgemm's: oneDNN picks its
+// gemm:jit implementation, which mallocs 14 MiB of packing buffers per thread per call outside
+// graft's accounting (+13 MiB per step at the seed's size, at the step's peak).
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -230,17 +232,8 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (sgemm_openblas_only() || M * N * K < (int64_t{1} << 18)) return false;
-  if (!tb && N > 16 && N % 16 != 0) {  // Note [a ragged N]
-    const int64_t n0 = N - N % 16;
-    if (!gemm_f32_dnnl(ta, tb, M, n0, K, alpha, A, lda, B, ldb, beta, C, ldc))
-      return false;  // nothing written: the caller runs the whole product on OpenBLAS
-    if (!gemm_f32_dnnl(ta, tb, M, N - n0, K, alpha, A, lda, B + n0, ldb, beta, C + n0, ldc))
-      cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, CblasNoTrans,
-                  static_cast<blasint>(M), static_cast<blasint>(N - n0), static_cast<blasint>(K),
-                  alpha, A, static_cast<blasint>(lda), B + n0, static_cast<blasint>(ldb), beta,
-                  C + n0, static_cast<blasint>(ldc));
-    return true;
-  }
+  // Note [a ragged N]: large products with B not transposed and N not a multiple of 16.
+  if (!tb && N % 16 != 0 && M * N * K >= (int64_t{1} << 31)) return false;
   Prim* p;
   try {
     p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);

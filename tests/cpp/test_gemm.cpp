@@ -73,8 +73,7 @@ const std::vector<Case> kMedium = {
     {false, false, 513, 3, 200, 5, 2.f, 1.f},
     {true, false, 37, 129, 97, 1, 1.f, 0.f},
     {false, true, 300, 300, 8, 0, -1.f, 0.5f},
-    // Note [a ragged N]: B not transposed, N not a multiple of 16: two products, the last
-    // columns on oneDNN (the first two) or on OpenBLAS (under 2^18 multiply-adds: the last two).
+    // B not transposed, N not a multiple of 16 (Note [a ragged N]: oneDNN below 2^31).
     {false, false, 64, 1042, 300, 0, 0.5f, 1.f},
     {true, false, 50, 530, 200, 7, 1.f, -0.5f},
     {false, false, 64, 259, 64, 2, 1.f, 0.5f},
@@ -110,4 +109,19 @@ TEST(Gemm, OneDnnDeclinesTinyProductsWithoutTouchingC) {
   EXPECT_FALSE(opsutil::gemm_f32_dnnl(false, false, 8, 8, 8, 1.f, A.data(), 8, B.data(), 8, 0.f,
                                       C.data(), 8));
   for (float x : C) ASSERT_EQ(x, 3.f);
+}
+
+// Note [a ragged N]: a product of 2^31 multiply-adds or more with B not transposed and N not a
+// multiple of 16 is OpenBLAS's (declined untouched); the same product with N aligned is oneDNN's.
+TEST(Gemm, OneDnnLeavesLargeRaggedProductsToOpenBlas) {
+  if (const char* v = std::getenv("GRAFT_GEMM"); v && std::string(v) == "openblas")
+    GTEST_SKIP() << "GRAFT_GEMM=openblas: oneDNN runs no float32 GEMM";
+  const int64_t M = 1024, K = 2048, N = 1030;  // 2.16e9 multiply-adds
+  std::vector<float> A(M * K, 0.f), B(K * 1040, 0.f), C(M * 1040, 3.f);
+  EXPECT_FALSE(opsutil::gemm_f32_dnnl(false, false, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f,
+                                      C.data(), N));
+  for (float x : C) ASSERT_EQ(x, 3.f);
+  EXPECT_TRUE(opsutil::gemm_f32_dnnl(false, false, M, 1040, K, 1.f, A.data(), K, B.data(), 1040,
+                                     0.f, C.data(), 1040));
+  EXPECT_EQ(C[0], 0.f);
 }
