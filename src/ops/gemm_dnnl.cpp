@@ -29,7 +29,8 @@
 // as large as the largest product needed (0.5 MiB for the medium products, 3.3 MiB for the
 // 4096x4096x1024 weight gradient). GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS (an
 // A/B switch for benchmarks; GRAFT_GEMM=dnnl, which once forced the large products onto oneDNN,
-// is now the default).
+// is now the default). The exception: products of 2^31 or more with B not transposed and N not a
+// multiple of 16 run on OpenBLAS again (Note [a ragged N]).
 //
 // Note [a ragged N]
 // With B not transposed (row-major K x N: the dX = dY W and dW = dY^T X products of a Linear
