@@ -232,9 +232,10 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (sgemm_openblas_only() || M * N * K < (int64_t{1} << 18)) return false;
+  const int64_t macs = M * N * K;
+  if (sgemm_openblas_only() || macs < (int64_t{1} << 18)) return false;
   // Note [a ragged N]: large products with B not transposed and N not a multiple of 16.
-  if (!tb && N % 16 != 0 && M * N * K >= (int64_t{1} << 31)) return false;
+  if (!tb && N % 16 != 0 && macs >= (int64_t{1} << 31)) return false;
   Prim* p;
   try {
     p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
