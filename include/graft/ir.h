@@ -173,6 +173,36 @@ void edit_onnx_graph(const std::string& path,
                      const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
                      const std::vector<OnnxValueInfo>& extra_outputs);
 
+// Writes a whole model (graft.GraftModule's own capture, python/graft/_capture.py): opset `opset`
+// of the default domain plus graft's, graph inputs and outputs, initializers (raw little-endian
+// bytes) and nodes with their attributes. An attribute is (name, kind, value): kind 'i' int64,
+// 'f' float, 's' string, 'I' int64 list, 'F' float list, 't' tensor (a Constant's value: element
+// type, dims and raw bytes in `tensor`).
+struct OnnxAttr {
+  std::string name;
+  char kind = 'i';
+  int64_t i = 0;
+  double f = 0;
+  std::string s;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  OnnxValueInfo tensor_info;
+};
+struct OnnxNodeSpec {
+  std::string op_type, domain, name;
+  std::vector<std::string> inputs, outputs;
+  std::vector<OnnxAttr> attrs;
+};
+struct OnnxInitializer {
+  OnnxValueInfo info;
+  std::string raw;
+};
+void write_onnx_graph(const std::string& path, int64_t opset,
+                      const std::vector<OnnxValueInfo>& inputs,
+                      const std::vector<OnnxValueInfo>& outputs,
+                      const std::vector<OnnxInitializer>& initializers,
+                      const std::vector<OnnxNodeSpec>& nodes);
+
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
 Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);
 void save_tensor_pb(const std::string& path, const Tensor& t, const std::string& name);

@@ -529,6 +529,88 @@ void edit_onnx_graph(const std::string& path,
   GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
 }
 
+namespace {
+void set_value_info(onnx::ValueInfoProto* vi, const OnnxValueInfo& v) {
+  vi->set_name(v.name);
+  auto* tt = vi->mutable_type()->mutable_tensor_type();
+  tt->set_elem_type(v.elem_type);
+  auto* shape = tt->mutable_shape();
+  for (int64_t d : v.dims) shape->add_dim()->set_dim_value(d);
+}
+}  // namespace
+
+void write_onnx_graph(const std::string& path, int64_t opset,
+                      const std::vector<OnnxValueInfo>& inputs,
+                      const std::vector<OnnxValueInfo>& outputs,
+                      const std::vector<OnnxInitializer>& initializers,
+                      const std::vector<OnnxNodeSpec>& nodes) {
+  onnx::ModelProto mp;
+  mp.set_ir_version(8);
+  mp.set_producer_name("graft.capture");
+  auto* os = mp.add_opset_import();
+  os->set_domain("");
+  os->set_version(opset);
+  auto* og = mp.add_opset_import();
+  og->set_domain("graft");
+  og->set_version(1);
+  auto* g = mp.mutable_graph();
+  g->set_name("graft_capture");
+  for (const auto& v : inputs) set_value_info(g->add_input(), v);
+  for (const auto& v : outputs) set_value_info(g->add_output(), v);
+  for (const auto& init : initializers) {
+    auto* tp = g->add_initializer();
+    tp->set_name(init.info.name);
+    tp->set_data_type(init.info.elem_type);
+    for (int64_t d : init.info.dims) tp->add_dims(d);
+    tp->set_raw_data(init.raw);
+  }
+  for (const auto& n : nodes) {
+    auto* np = g->add_node();
+    np->set_op_type(n.op_type);
+    if (!n.domain.empty()) np->set_domain(n.domain);
+    np->set_name(n.name);
+    for (const auto& i : n.inputs) np->add_input(i);
+    for (const auto& o : n.outputs) np->add_output(o);
+    for (const auto& a : n.attrs) {
+      auto* ap = np->add_attribute();
+      ap->set_name(a.name);
+      switch (a.kind) {
+        case 'i':
+          ap->set_type(onnx::AttributeProto::INT), ap->set_i(a.i);
+          break;
+        case 'f':
+          ap->set_type(onnx::AttributeProto::FLOAT), ap->set_f(static_cast<float>(a.f));
+          break;
+        case 's':
+          ap->set_type(onnx::AttributeProto::STRING), ap->set_s(a.s);
+          break;
+        case 'I':
+          ap->set_type(onnx::AttributeProto::INTS);
+          for (int64_t v : a.ints) ap->add_ints(v);
+          break;
+        case 'F':
+          ap->set_type(onnx::AttributeProto::FLOATS);
+          for (double v : a.floats) ap->add_floats(static_cast<float>(v));
+          break;
+        case 't': {
+          ap->set_type(onnx::AttributeProto::TENSOR);
+          auto* tp = ap->mutable_t();
+          tp->set_data_type(a.tensor_info.elem_type);
+          for (int64_t d : a.tensor_info.dims) tp->add_dims(d);
+          tp->set_raw_data(a.s);
+          break;
+        }
+        default:
+          fail(ErrorKind::InvalidArgument, "write_onnx_graph: attribute '" + a.name +
+                                               "' of node '" + n.name + "' has unknown kind '" +
+                                               std::string(1, a.kind) + "'");
+      }
+    }
+  }
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
+}
+
 Tensor load_tensor_pb(const std::string& path, std::string* name) {
   // Read with a bound: a regular file only (opened non-blocking, so a FIFO cannot hang us, and
   // checked before reading, so /dev/zero cannot be read without end), at most protobuf's 2 GiB

@@ -207,6 +207,54 @@ PYBIND11_MODULE(_graft, m) {
           for (const auto& [name, type, dims] : outputs) extra.push_back({name, type, dims});
           edit_onnx_graph(path, int_attrs, extra);
         });
+  // Writes a model graft captured itself (python/graft/_capture.py): values as (name, elem_type,
+  // dims), initializers as (name, elem_type, dims, raw bytes), nodes as (op_type, domain, name,
+  // inputs, outputs, [(attribute name, kind, value)]) with kind one of i f s I F t (a tensor:
+  // (elem_type, dims, raw bytes)).
+  m.def("write_onnx_graph",
+        [](const std::string& path, int64_t opset,
+           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& inputs,
+           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& outputs,
+           const std::vector<std::tuple<std::string, int, std::vector<int64_t>, py::bytes>>& inits,
+           const std::vector<
+               std::tuple<std::string, std::string, std::string, std::vector<std::string>,
+                          std::vector<std::string>, std::vector<py::tuple>>>& nodes) {
+          auto vis = [](const auto& v) {
+            std::vector<OnnxValueInfo> r;
+            for (const auto& [name, type, dims] : v) r.push_back({name, type, dims});
+            return r;
+          };
+          std::vector<OnnxInitializer> in;
+          for (const auto& [name, type, dims, raw] : inits)
+            in.push_back({{name, type, dims}, std::string(raw)});
+          std::vector<OnnxNodeSpec> ns;
+          for (const auto& [op, domain, name, ins, outs, attrs] : nodes) {
+            OnnxNodeSpec n{op, domain, name, ins, outs, {}};
+            for (const auto& t : attrs) {
+              OnnxAttr a;
+              a.name = t[0].cast<std::string>();
+              a.kind = t[1].cast<std::string>().at(0);
+              if (a.kind == 'i')
+                a.i = t[2].cast<int64_t>();
+              else if (a.kind == 'f')
+                a.f = t[2].cast<double>();
+              else if (a.kind == 's')
+                a.s = t[2].cast<std::string>();
+              else if (a.kind == 'I')
+                a.ints = t[2].cast<std::vector<int64_t>>();
+              else if (a.kind == 'F')
+                a.floats = t[2].cast<std::vector<double>>();
+              else if (a.kind == 't') {  // (elem_type, dims, raw bytes)
+                auto v = t[2].cast<py::tuple>();
+                a.tensor_info = {"", v[0].cast<int>(), v[1].cast<std::vector<int64_t>>()};
+                a.s = v[2].cast<std::string>();
+              }
+              n.attrs.push_back(std::move(a));
+            }
+            ns.push_back(std::move(n));
+          }
+          write_onnx_graph(path, opset, vis(inputs), vis(outputs), in, ns);
+        });
   m.def("num_threads", &num_threads);
 
   py::class_<PyStep>(m, "Step")
