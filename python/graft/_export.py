@@ -100,7 +100,7 @@ def isolated(fn, *args):
     """Returns (fn(*args), peak): fn run in a forked child process (Note [export in a child
     process]); peak is the parent's RSS plus the child's peak rise in bytes, 0 when fn ran here."""
     global _IN_CHILD
-    if os.environ.get("GRAFT_EXPORT", "fork") == "inprocess" or not hasattr(os, "fork") or _IN_CHILD:
+    if os.environ.get("GRAFT_EXPORT") in ("inprocess", "capture-inprocess") or not hasattr(os, "fork") or _IN_CHILD:
         return fn(*args), 0
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -28,10 +28,10 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from . import _export, _flatten
+from . import _capture, _export, _flatten
 from ._function import DTYPES, GraftFunction, _accumulate_grad_node, relay_outputs
-from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftUnsupportedError,  # noqa: F401
-                     GraftWarning, with_context)
+from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInternalError,  # noqa: F401
+                     GraftInvalidModelError, GraftShapeError, GraftUnsupportedError, GraftWarning, with_context)
 
 # Instrumentation for tests: set to a list and graft's backward appends
 # ("graft_backward_start" | "graft_backward_end", time.monotonic()) around graft's backward.
@@ -112,6 +112,7 @@ class _Entry:
     state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)  # BatchNorm statistics
     counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
     lock: Any = dataclasses.field(default_factory=threading.Lock)
+    reference: Any = None  # graft's own capture: what the first call's outputs are checked against
     _acc: Dict[int, Tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
 
     def refresh_trainable(self):
@@ -236,6 +237,23 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
     return p
 
 
+def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
+    """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py) in this
+    process; raises _capture.NotCaptured. Returns (_Prepared, the first call's reference)."""
+    ex, ref = _capture.capture(module, args, kwargs, tensors, path, opset, name)
+    m = ex.model
+    ex.model = None
+    p = _Prepared(ex=ex)
+    p.float_outputs = list(dict.fromkeys(o for o, t, _ in m.outputs if t in (_export.FLOAT, _export.DOUBLE)))
+    e = _Entry()
+    _bind_params(module, ex.params, e)
+    edits = []
+    _mark_padding_rows(m, module, e, edits)  # the capture sets padding_idx itself: nothing to edit
+    if edits:
+        raise _capture.NotCaptured("an embedding lookup without its padding row")
+    return p, ref
+
+
 class _Call:
     """What one call passes to the autograd Function besides tensors."""
     __slots__ = ("n_in", "training_run", "bf16", "box")
@@ -326,6 +344,8 @@ class GraftModule(torch.nn.Module):
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
         self._export_peak_rss = 0
+        self._capture_ok = True  # False once a capture disagreed with the forward (Note [graft's own capture])
+        self.export_method = ""  # how the latest export was made: "capture" or "torch.onnx.export (...)"
         self._warned = set()
         self._under_ddp = False
         self._lock = threading.RLock()
@@ -412,9 +432,37 @@ class GraftModule(torch.nn.Module):
         with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
             return self._build_in(os.path.join(tmp, "model.onnx"), args, kwargs, tensors)
 
-    def _build_in(self, path, args, kwargs, tensors) -> _Entry:
+    def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
-        prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name)
+        prep, peak, ref = None, 0, None
+        if capture:
+            self.export_method = ""
+        # GRAFT_EXPORT: "capture" (the default: graft's own capture, else torch.onnx.export, each in a
+        # forked child), "capture-inprocess" (the same in this process), "fork" (torch.onnx.export,
+        # in a child), "inprocess" (torch.onnx.export, in this process). The capture runs in every
+        # mode (its audit refuses a forward that stops a gradient, Note [graft's own capture]);
+        # its graph is used in the first two, while it has not disagreed with a forward.
+        use = os.environ.get("GRAFT_EXPORT", "capture") in ("capture", "capture-inprocess") and self._capture_ok
+        if capture:
+            try:
+                (prep, ref), peak = _export.isolated(_capture_prepare, self.module, args, kwargs, tensors,
+                                                     path, self.opset, name)
+                self.export_method = "capture"
+            except _capture.StopsGradient as why:
+                raise GraftUnsupportedError(
+                    f"{name}: {why}. graft has no stop-gradient: keep this module (or the part that stops the "
+                    "gradient) in eager mode, or pass the value in as an input.", "unsupported") from None
+            except _capture.NotCaptured as why:
+                self.export_method = f"torch.onnx.export (not captured: {why})"
+            except GraftExportError as why:  # the capture's child died (_export.isolated): try the exporter
+                self.export_method = f"torch.onnx.export (not captured: {why.message})"
+            if not use:
+                prep, peak, ref = None, 0, None
+                self.export_method = "torch.onnx.export"
+        if prep is None:
+            prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name)
+            if not self.export_method.startswith("torch.onnx.export"):
+                self.export_method = "torch.onnx.export"
         self._export_peak_rss = max(self._export_peak_rss, peak)
         ex = prep.ex
         for msg, category, filename, lineno in ex.warnings:
@@ -437,6 +485,7 @@ class GraftModule(torch.nn.Module):
         e.float_outputs = prep.float_outputs
         e.state_updates = prep.state_updates
         e.counters = [module.get_buffer(n) for n in prep.counters]
+        e.reference = ref
         from . import _graft
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
@@ -444,6 +493,11 @@ class GraftModule(torch.nn.Module):
                                        self.activation_budget)
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
+            if ref is not None and isinstance(err, (GraftUnsupportedError, GraftInvalidModelError, GraftShapeError,
+                                                    GraftInternalError)):
+                # graft cannot build a session from its own capture: export the module instead.
+                self.export_method = f"torch.onnx.export (not captured: graft refused the capture: {err.message})"
+                return self._build_in(path, args, kwargs, tensors, capture=False)
             msg = err.message.replace(f"{path}: ", "")
             nodes = _export.Graph(*_graft.read_onnx_graph(path)).nodes
             at = [n for n in nodes if n[1] == err.node and n[0] == "Constant"]
@@ -554,4 +608,17 @@ class GraftModule(torch.nn.Module):
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
         call = _Call(len(in_tensors), training_run, bf16)
         outs = relay_outputs(GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params), call)
+        ref, entry.reference = entry.reference, None
+        if ref is not None and not _capture.matches(ref, outs, loose=bf16):
+            # Note [graft's own capture]: the captured graph computed something else than the
+            # module's forward did. Never return that: drop the capture and run this call again
+            # through torch.onnx.export.
+            del outs
+            with self._lock:
+                self._cache.clear()
+            self._capture_ok = False
+            self._warn_once("capture", "graft's own capture of this module's forward disagreed with the forward "
+                                       "itself on the first call; it is exported with torch.onnx.export instead "
+                                       "(a bug in graft: please report it with the module).")
+            return self.forward(*args, **kwargs)
         return _flatten.rebuild(entry.output_template, iter(outs))
