@@ -268,9 +268,14 @@ class _Recorder(TorchDispatchMode):
                         self.stopped[id(o)] = (weakref.ref(o), taint)
             return out
         mutable = func._schema.is_mutable
-        if mutable:  # checked before it runs: the module's state must not change
-            if not isinstance(args[0], torch.Tensor) or _storage_key(args[0]) in self.state_storages:
+        if mutable and any(_storage_key(t) in self.state_storages for t in _written(func, args, kwargs)):
+            # An in-place write to an input, parameter or buffer (BatchNorm's running statistics):
+            # no graph. In a forked child the write lands in the child's copy and the audit goes on;
+            # in this process it must not happen at all: the forward stops here (checked before it
+            # runs, so the module's state does not change).
+            if not _export._IN_CHILD:
                 raise NotCaptured("an in-place write to an input, parameter or buffer (or a view of one)")
+            self._fail(func, "an in-place write to an input, parameter or buffer (or a view of one)")
         made = None
         if self.failed is None:
             made, out = self._build(func, op, args, kwargs)
@@ -385,6 +390,17 @@ def _overlap(a, b):
     mask = torch.zeros(n, dtype=torch.bool)
     mask.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
     return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset()).any())
+
+
+def _written(func, args, kwargs):
+    """The tensors an op writes in place (its schema's `a!` arguments)."""
+    out = []
+    for i, spec in enumerate(func._schema.arguments):
+        if spec.alias_info is None or not spec.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(spec.name)
+        out.extend(t for t in _leaves(v) if isinstance(t, torch.Tensor))
+    return out
 
 
 def _storage_key(t):
@@ -1063,6 +1079,9 @@ def capture(module, args, kwargs, tensors, path, opset, name):
         state.append((p, _export.PREFIX + n, n))
     rng = torch.get_rng_state()
     versions = [(p, p._version) for p, _, _ in state]
+    # In this process, a buffer the forward updates in place without saying so in its schema
+    # (BatchNorm's running statistics) is put back afterwards, as the exporter does.
+    buffers = [] if _export._IN_CHILD else [(b, b.detach().clone(), b._version) for b in module.buffers()]
     patched = _patch_rnns(r, module) if r.failed is None else []
     try:
         # Gradients on (so that a torch.no_grad block or a custom autograd.Function in the forward
@@ -1081,6 +1100,11 @@ def capture(module, args, kwargs, tensors, path, opset, name):
         for m in patched:
             del m.forward
         torch.set_rng_state(rng)
+        with torch.no_grad():
+            for b, before, version in buffers:
+                if b._version != version:
+                    b.copy_(before)
+        del buffers
     leaves = _flatten.flatten_outputs(out)
     custom = _custom_function(leaves)
     if custom:
