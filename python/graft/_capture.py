@@ -67,7 +67,7 @@ class StopsGradient(Exception):
 
 
 _ELEM = {torch.float32: 1, torch.int64: 7, torch.int32: 6, torch.bool: 9, torch.float64: 11}
-_SAMPLE = 1 << 16  # elements of an output kept whole for the first call's check; above, a sample
+_SAMPLE = 1 << 16  # elements of each output the first call's check compares (all of a smaller one)
 _RANDOM = {"rand", "randn", "randint", "randperm", "bernoulli", "bernoulli_", "normal", "normal_",
            "uniform_", "native_dropout", "dropout", "rand_like", "randn_like", "randint_like",
            "multinomial", "exponential_", "random_", "cauchy_", "geometric_", "log_normal_"}
@@ -1000,56 +1000,43 @@ def _refuse_early(module):
 
 
 def _reference(outs):
-    """What the first call's check keeps of each output: the tensor itself when small, otherwise
-    a strided sample and the float64 sum and absolute sum."""
+    """What the first call's check keeps of each output: its shape, dtype and a strided sample of
+    at most _SAMPLE elements as Python numbers (the whole output when it is that small). Plain
+    lists: the parent compares them in Python, without running kernels of PyTorch's that eager
+    never runs (their code pages would stay in the training process)."""
     ref = []
     for t in outs:
         t = t.detach()
-        if t.numel() <= _SAMPLE:
-            ref.append(("whole", t))
-        else:
-            flat = t.reshape(-1)
-            stride = -(-flat.numel() // _SAMPLE)
-            s64 = flat.double() if t.is_floating_point() else None
-            ref.append(("sample", stride, flat[::stride].clone(),
-                        float(s64.sum()) if s64 is not None else None,
-                        float(s64.abs().sum()) if s64 is not None else None))
-            del s64
+        stride = max(1, -(-t.numel() // _SAMPLE))
+        ref.append((tuple(t.shape), str(t.dtype), stride, t.reshape(-1)[::stride].tolist()))
     return ref
 
 
 def matches(ref, outs, loose=False):
-    """Whether graft's outputs agree with the capture's reference (float: to 1e-3 of the output's
-    scale, 5e-2 with loose (bfloat16 matrix products); integer and bool: exactly)."""
+    """Whether graft's outputs agree with the capture's reference: integers and bools exactly,
+    floats to 1e-3 (5e-2 with loose: bfloat16 matrix products) of the sample's largest magnitude,
+    NaN where it was NaN."""
     tol = 5e-2 if loose else 1e-3
     if len(ref) != len(outs):
         return False
-    for r, t in zip(ref, outs):
+    for (shape, dtype, stride, want), t in zip(ref, outs):
         t = t.detach()
-        if r[0] == "whole":
-            want = r[1]
-            if want.shape != t.shape:
+        if tuple(t.shape) != shape:
+            return False
+        got = t.reshape(-1)[::stride].tolist()
+        if len(got) != len(want):
+            return False
+        if not dtype.startswith("torch.float"):
+            if got != want:
                 return False
-            if not want.is_floating_point():
-                if not torch.equal(want, t):
+            continue
+        finite = [abs(w) for w in want if w == w and abs(w) != float("inf")]
+        bound = tol * (max(finite) if finite else 0.0) + 1e-6
+        for g, w in zip(got, want):
+            if w != w or abs(w) == float("inf"):
+                if not (g != g if w != w else g == w):
                     return False
-                continue
-            scale = float(want.abs().max()) if want.numel() else 0.0
-            if not torch.allclose(t.to(want.dtype), want, rtol=tol, atol=tol * scale + 1e-6, equal_nan=True):
-                return False
-        else:
-            _, stride, sample, s, sa = r
-            got = t.reshape(-1)[::stride]
-            if got.shape != sample.shape:
-                return False
-            if not sample.is_floating_point():
-                if not torch.equal(got, sample):
-                    return False
-                continue
-            scale = float(sample.abs().max()) if sample.numel() else 0.0
-            if not torch.allclose(got.to(sample.dtype), sample, rtol=tol, atol=tol * scale + 1e-6, equal_nan=True):
-                return False
-            if abs(float(t.double().sum()) - s) > tol * sa + 1e-6:
+            elif not abs(g - w) <= bound + tol * abs(w):
                 return False
     return True
 
