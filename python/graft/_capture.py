@@ -211,6 +211,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
+            if func._schema.name in ("aten::convolution", "aten::_convolution"):
+                # PyTorch's native convolution, not oneDNN's (as Note [a lean export]): oneDNN's
+                # code pages (2.5 MiB) would be the child's alone; the values are the same.
+                with torch.backends.mkldnn.flags(enabled=False):
+                    return self._dispatch(func, args, kwargs)
             return self._dispatch(func, args, kwargs)
         except NotCaptured as ex:  # only what must not run at all (an in-place write to state)
             if self.failed is None:
