@@ -30,13 +30,14 @@ from . import _export, _flatten
 # nn.LSTM / nn.GRU are captured whole, as graft's fused ops (_rnn_forward).
 #
 # Where it runs: in a forked child too (the default; GRAFT_EXPORT=capture-inprocess runs it in
-# this process). Measured on the zoo (tools/zoo-report --memory, tools/export-pages): in this
-# process the capture's pages (the forward kernels' and the dispatcher's code, 2-4 MiB) stay for
-# the whole run and put the training process at 1.06-1.30x eager's peak; in a child they count only
-# while it runs, when the parent is small, and the training process stays at 0.91-0.99x. The child
-# holds 10-14 MiB (half of torch.onnx.export's): mostly copies of the parent's pages that Python's
-# reference counts write to.
-#
+# this process). Measured on the zoo's tiny models (tools/zoo-report --memory; README, "Memory
+# against eager"): in this process the capture's pages (the code of the forward's kernels and of
+# PyTorch's dispatcher, 2-5 MiB) stay for the whole run, 1.06-1.15x eager's peak; in a child they
+# count only while it runs, when the parent is small: the training process stays at 0.89-0.95x, the
+# moment of the capture is 0.92-1.32x (torch.onnx.export's child: 1.18-1.73x). The child's pages
+# are mostly copies of the parent's that Python's reference counts write to (tools/export-pages).
+# Its convolutions run PyTorch's native kernels, not oneDNN's, whose code pages would be its own.
+
 # Safety. Anything the rules cannot take (an op without a rule, an output a rule does not name, a
 # value read after an in-place write through another view of it, `.item()` or a branch on a graph
 # value, random numbers feeding the graph, training-mode BatchNorm, forward hooks) stops the graph;
