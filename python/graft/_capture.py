@@ -33,8 +33,8 @@ from . import _export, _flatten
 # this process). Measured on the zoo's tiny models (tools/zoo-report --memory; README, "Memory
 # against eager"): in this process the capture's pages (the code of the forward's kernels and of
 # PyTorch's dispatcher, 2-5 MiB) stay for the whole run, 1.06-1.15x eager's peak; in a child they
-# count only while it runs, when the parent is small: the training process stays at 0.89-0.95x, the
-# moment of the capture is 0.92-1.32x (torch.onnx.export's child: 1.18-1.73x). The child's pages
+# count only while it runs, when the parent is small: the training process stays at 0.85-0.94x, the
+# moment of the capture is 0.88-1.32x (torch.onnx.export's child: 1.18-1.73x). The child's pages
 # are mostly copies of the parent's that Python's reference counts write to (tools/export-pages).
 # Its convolutions run PyTorch's native kernels, not oneDNN's, whose code pages would be its own.
 
