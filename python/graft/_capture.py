@@ -289,6 +289,8 @@ class _Recorder(TorchDispatchMode):
             made, out = self._build(func, op, args, kwargs)
         else:
             out = func(*args, **kwargs)
+            if op in _SHAPE_ONLY:
+                return out  # a constant (zeros_like...): it carries nothing
         if made is None:  # no graph value for it: keep auditing with placeholder names
             made = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
             if mutable and isinstance(args[0], torch.Tensor) and all(o is not args[0] for o in made):
