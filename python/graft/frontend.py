@@ -238,8 +238,9 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
 
 
 def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
-    """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py) in this
-    process; raises _capture.NotCaptured. Returns (_Prepared, the first call's reference)."""
+    """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py); run by
+    _export.isolated (a forked child, by default). Raises _capture.NotCaptured or
+    _capture.StopsGradient. Returns (_Prepared, the first call's reference)."""
     ex, ref = _capture.capture(module, args, kwargs, tensors, path, opset, name)
     m = ex.model
     ex.model = None
