@@ -174,10 +174,10 @@ void edit_onnx_graph(const std::string& path,
                      const std::vector<OnnxValueInfo>& extra_outputs);
 
 // Writes a whole model (graft.GraftModule's own capture, python/graft/_capture.py): opset `opset`
-// of the default domain plus graft's, graph inputs and outputs, initializers (raw little-endian
-// bytes) and nodes with their attributes. An attribute is (name, kind, value): kind 'i' int64,
-// 'f' float, 's' string, 'I' int64 list, 'F' float list, 't' tensor (a Constant's value: element
-// type, dims and raw bytes in `tensor`).
+// of the default domain plus graft's, graph inputs and outputs, and nodes with their attributes
+// (constants are Constant nodes). An attribute is (name, kind, value): kind 'i' int64, 'f' float,
+// 's' string, 'I' int64 list, 'F' float list, 't' tensor (a Constant's value: element type and
+// dims in `tensor_info`, raw little-endian bytes in `s`).
 struct OnnxAttr {
   std::string name;
   char kind = 'i';
@@ -193,14 +193,9 @@ struct OnnxNodeSpec {
   std::vector<std::string> inputs, outputs;
   std::vector<OnnxAttr> attrs;
 };
-struct OnnxInitializer {
-  OnnxValueInfo info;
-  std::string raw;
-};
 void write_onnx_graph(const std::string& path, int64_t opset,
                       const std::vector<OnnxValueInfo>& inputs,
                       const std::vector<OnnxValueInfo>& outputs,
-                      const std::vector<OnnxInitializer>& initializers,
                       const std::vector<OnnxNodeSpec>& nodes);
 
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).

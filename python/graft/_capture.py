@@ -1162,7 +1162,7 @@ def capture(module, args, kwargs, tensors, path, opset, name):
             ins.append((g, _elem(p, f"parameter '{sname}'"), list(p.shape)))
             e.params.append((g, sname))
     from . import _graft
-    _graft.write_onnx_graph(path, opset, ins, outputs, [],
+    _graft.write_onnx_graph(path, opset, ins, outputs,
                             [(op, dom, nm, i, o, attrs) for op, dom, nm, i, o, attrs in nodes])
     e.output_names = out_names
     e.output_template = _flatten.rebuild(out, iter([torch.empty(0) for _ in leaves]))

@@ -503,6 +503,16 @@ OnnxGraphInfo read_onnx_graph(const std::string& path) {
   return r;
 }
 
+namespace {
+void set_value_info(onnx::ValueInfoProto* vi, const OnnxValueInfo& v) {
+  vi->set_name(v.name);
+  auto* tt = vi->mutable_type()->mutable_tensor_type();
+  tt->set_elem_type(v.elem_type);
+  auto* shape = tt->mutable_shape();
+  for (int64_t d : v.dims) shape->add_dim()->set_dim_value(d);
+}
+}  // namespace
+
 void edit_onnx_graph(const std::string& path,
                      const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
                      const std::vector<OnnxValueInfo>& extra_outputs) {
@@ -517,32 +527,14 @@ void edit_onnx_graph(const std::string& path,
     a->set_type(onnx::AttributeProto::INT);
     a->set_i(value);
   }
-  for (const auto& o : extra_outputs) {
-    auto* vi = g->add_output();
-    vi->set_name(o.name);
-    auto* tt = vi->mutable_type()->mutable_tensor_type();
-    tt->set_elem_type(o.elem_type);
-    auto* shape = tt->mutable_shape();
-    for (int64_t d : o.dims) shape->add_dim()->set_dim_value(d);
-  }
+  for (const auto& o : extra_outputs) set_value_info(g->add_output(), o);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
 }
 
-namespace {
-void set_value_info(onnx::ValueInfoProto* vi, const OnnxValueInfo& v) {
-  vi->set_name(v.name);
-  auto* tt = vi->mutable_type()->mutable_tensor_type();
-  tt->set_elem_type(v.elem_type);
-  auto* shape = tt->mutable_shape();
-  for (int64_t d : v.dims) shape->add_dim()->set_dim_value(d);
-}
-}  // namespace
-
 void write_onnx_graph(const std::string& path, int64_t opset,
                       const std::vector<OnnxValueInfo>& inputs,
                       const std::vector<OnnxValueInfo>& outputs,
-                      const std::vector<OnnxInitializer>& initializers,
                       const std::vector<OnnxNodeSpec>& nodes) {
   onnx::ModelProto mp;
   mp.set_ir_version(8);
@@ -557,13 +549,6 @@ void write_onnx_graph(const std::string& path, int64_t opset,
   g->set_name("graft_capture");
   for (const auto& v : inputs) set_value_info(g->add_input(), v);
   for (const auto& v : outputs) set_value_info(g->add_output(), v);
-  for (const auto& init : initializers) {
-    auto* tp = g->add_initializer();
-    tp->set_name(init.info.name);
-    tp->set_data_type(init.info.elem_type);
-    for (int64_t d : init.info.dims) tp->add_dims(d);
-    tp->set_raw_data(init.raw);
-  }
   for (const auto& n : nodes) {
     auto* np = g->add_node();
     np->set_op_type(n.op_type);

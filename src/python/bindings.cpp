@@ -164,6 +164,15 @@ std::shared_ptr<void> hold_python(py::object o) {
   });
 }
 
+// An ONNX value as Python sees it (read_onnx_graph, edit_onnx_graph, write_onnx_graph):
+// (name, elem_type, dims).
+using ValueTuple = std::tuple<std::string, int, std::vector<int64_t>>;
+std::vector<OnnxValueInfo> value_infos(const std::vector<ValueTuple>& v) {
+  std::vector<OnnxValueInfo> r;
+  for (const auto& [name, type, dims] : v) r.push_back({name, type, dims});
+  return r;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_graft, m) {
@@ -185,9 +194,8 @@ PYBIND11_MODULE(_graft, m) {
   // (name, elem_type, dims), a node as (op_type, name, inputs, outputs, {int attribute: value}).
   m.def("read_onnx_graph", [](const std::string& path) {
     OnnxGraphInfo g = read_onnx_graph(path);
-    using VI = std::tuple<std::string, int, std::vector<int64_t>>;
     auto vis = [](const std::vector<OnnxValueInfo>& v) {
-      std::vector<VI> r;
+      std::vector<ValueTuple> r;
       for (const auto& x : v) r.emplace_back(x.name, x.elem_type, x.dims);
       return r;
     };
@@ -202,31 +210,18 @@ PYBIND11_MODULE(_graft, m) {
   m.def("edit_onnx_graph",
         [](const std::string& path,
            const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
-           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& outputs) {
-          std::vector<OnnxValueInfo> extra;
-          for (const auto& [name, type, dims] : outputs) extra.push_back({name, type, dims});
-          edit_onnx_graph(path, int_attrs, extra);
+           const std::vector<ValueTuple>& outputs) {
+          edit_onnx_graph(path, int_attrs, value_infos(outputs));
         });
   // Writes a model graft captured itself (python/graft/_capture.py): values as (name, elem_type,
-  // dims), initializers as (name, elem_type, dims, raw bytes), nodes as (op_type, domain, name,
-  // inputs, outputs, [(attribute name, kind, value)]) with kind one of i f s I F t (a tensor:
-  // (elem_type, dims, raw bytes)).
+  // dims), nodes as (op_type, domain, name, inputs, outputs, [(attribute name, kind, value)]) with
+  // kind one of i f s I F t (a tensor: (elem_type, dims, raw bytes)).
   m.def("write_onnx_graph",
-        [](const std::string& path, int64_t opset,
-           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& inputs,
-           const std::vector<std::tuple<std::string, int, std::vector<int64_t>>>& outputs,
-           const std::vector<std::tuple<std::string, int, std::vector<int64_t>, py::bytes>>& inits,
+        [](const std::string& path, int64_t opset, const std::vector<ValueTuple>& inputs,
+           const std::vector<ValueTuple>& outputs,
            const std::vector<
                std::tuple<std::string, std::string, std::string, std::vector<std::string>,
                           std::vector<std::string>, std::vector<py::tuple>>>& nodes) {
-          auto vis = [](const auto& v) {
-            std::vector<OnnxValueInfo> r;
-            for (const auto& [name, type, dims] : v) r.push_back({name, type, dims});
-            return r;
-          };
-          std::vector<OnnxInitializer> in;
-          for (const auto& [name, type, dims, raw] : inits)
-            in.push_back({{name, type, dims}, std::string(raw)});
           std::vector<OnnxNodeSpec> ns;
           for (const auto& [op, domain, name, ins, outs, attrs] : nodes) {
             OnnxNodeSpec n{op, domain, name, ins, outs, {}};
@@ -253,7 +248,7 @@ PYBIND11_MODULE(_graft, m) {
             }
             ns.push_back(std::move(n));
           }
-          write_onnx_graph(path, opset, vis(inputs), vis(outputs), in, ns);
+          write_onnx_graph(path, opset, value_infos(inputs), value_infos(outputs), ns);
         });
   m.def("num_threads", &num_threads);
 
