@@ -84,9 +84,14 @@ def _op_name(func):
 
 
 def _elem(t: torch.Tensor, what: str) -> int:
-    e = _ELEM.get(t.dtype)
+    return _elem_of(t.dtype, what)
+
+
+def _elem_of(dtype, what="a value") -> int:
+    """The ONNX element type of a PyTorch dtype graft has."""
+    e = _ELEM.get(dtype)
     if e is None:
-        raise NotCaptured(f"{what} has dtype {t.dtype}")
+        raise NotCaptured(f"{what} has dtype {dtype}")
     return e
 
 
@@ -162,7 +167,7 @@ class _Recorder(TorchDispatchMode):
             name = self.name_of(x)
             if name is not None:
                 if dtype is not None and x.dtype != dtype:
-                    return self.emit("Cast", [name], attrs=[("to", "i", _ELEM_OF(dtype))])
+                    return self.emit("Cast", [name], attrs=[("to", "i", _elem_of(dtype, "a cast"))])
                 return name
             if self._lookup(self.random, x) is not None:
                 raise NotCaptured("random numbers (torch.rand and the like) feed the graph")
@@ -201,10 +206,10 @@ class _Recorder(TorchDispatchMode):
         if why is not None:
             raise NotCaptured(why)
 
-    def emit(self, op, inputs, outputs=None, attrs=(), domain="", nout=1):
+    def emit(self, op, inputs, outputs=None, attrs=(), nout=1):
         """Appends a node; returns its output name (or names when nout > 1 / outputs given)."""
         names = outputs if outputs is not None else [self.fresh() for _ in range(nout)]
-        self.nodes.append((op, domain, f"n{len(self.nodes)}_{op}", list(inputs), list(names), list(attrs)))
+        self.nodes.append((op, "", f"n{len(self.nodes)}_{op}", list(inputs), list(names), list(attrs)))
         for o in names:
             if o:
                 self.producer[o] = (op, list(inputs), list(attrs))
@@ -420,13 +425,6 @@ def _storage_key(t):
         return t.storage().data_ptr()
 
 
-def _ELEM_OF(dtype):
-    e = _ELEM.get(dtype)
-    if e is None:
-        raise NotCaptured(f"dtype {dtype}")
-    return e
-
-
 def _leaves(x):
     if isinstance(x, (list, tuple)):
         for y in x:
@@ -464,13 +462,9 @@ def _binary(onnx_op):
     return fn
 
 
-for _n, _o in (("add", "Add"), ("add_", "Add"), ("sub", "Sub"), ("sub_", "Sub")):
+for _n, _o in (("add", "Add"), ("add_", "Add"), ("sub", "Sub"), ("sub_", "Sub"), ("mul", "Mul"), ("mul_", "Mul"),
+               ("minimum", "Min"), ("maximum", "Max")):
     _RULES[_n] = _binary(_o)
-
-
-@rule("mul", "mul_")
-def _mul(r, out, a, b):
-    return r.emit("Mul", _operands(r, out, a, b, dtype=out.dtype))
 
 
 @rule("div", "div_")
@@ -489,9 +483,9 @@ def _rsub(r, out, a, b, alpha=1):
     return r.emit("Sub", [r.v(b, dt), x])
 
 
-def _unary(onnx_op, domain=""):
+def _unary(onnx_op):
     def fn(r, out, a):
-        return r.emit(onnx_op, [r.v(a)], domain=domain)
+        return r.emit(onnx_op, [r.v(a)])
     return fn
 
 
@@ -562,15 +556,6 @@ def _compare(onnx_op, negate=False):
 for _n, _o, _neg in (("eq", "Equal", False), ("ne", "Equal", True), ("lt", "Less", False),
                      ("le", "LessOrEqual", False), ("gt", "Greater", False), ("ge", "GreaterOrEqual", False)):
     _RULES[_n] = _compare(_o, _neg)
-
-
-def _minmax_rule(onnx_op):
-    def fn(r, out, a, b):
-        return r.emit(onnx_op, [r.v(a, out.dtype), r.v(b, out.dtype)])
-    return fn
-
-
-_RULES["minimum"], _RULES["maximum"] = _minmax_rule("Min"), _minmax_rule("Max")
 
 
 # shapes

@@ -436,8 +436,6 @@ class GraftModule(torch.nn.Module):
     def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
         prep, peak, ref = None, 0, None
-        if capture:
-            self.export_method = ""
         # GRAFT_EXPORT: "capture" (the default: graft's own capture, else torch.onnx.export, each in a
         # forked child), "capture-inprocess" (the same in this process), "fork" (torch.onnx.export,
         # in a child), "inprocess" (torch.onnx.export, in this process). The capture runs in every
@@ -445,6 +443,7 @@ class GraftModule(torch.nn.Module):
         # its graph is used in the first two, while it has not disagreed with a forward.
         use = os.environ.get("GRAFT_EXPORT", "capture") in ("capture", "capture-inprocess") and self._capture_ok
         if capture:
+            self.export_method = ""
             try:
                 (prep, ref), peak = _export.isolated(_capture_prepare, self.module, args, kwargs, tensors,
                                                      path, self.opset, name)
