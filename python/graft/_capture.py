@@ -282,13 +282,13 @@ class _Recorder(TorchDispatchMode):
             return out
         mutable = func._schema.is_mutable
         if mutable and any(_storage_key(t) in self.state_storages for t in _written(func, args, kwargs)):
-            # An in-place write to an input, parameter or buffer (BatchNorm's running statistics):
-            # no graph. In a forked child the write lands in the child's copy and the audit goes on;
-            # in this process it must not happen at all: the forward stops here (checked before it
-            # runs, so the module's state does not change).
-            if not _export._IN_CHILD:
-                raise NotCaptured("an in-place write to an input, parameter or buffer (or a view of one)")
+            # An in-place write to an input, parameter or buffer (BatchNorm's counter): no graph.
+            # The audit goes on: in a forked child the write lands in the child's copy; in this
+            # process it must not change the module or the inputs, so it lands in a copy of what it
+            # writes (checked before it runs), and the forward goes on with that copy.
             self._fail(func, "an in-place write to an input, parameter or buffer (or a view of one)")
+            if not _export._IN_CHILD:
+                args, kwargs = _redirected(func, args, kwargs, self.state_storages)
         made = None
         if self.failed is None:
             made, out = self._build(func, op, args, kwargs)
@@ -416,6 +416,26 @@ def _written(func, args, kwargs):
         v = args[i] if i < len(args) else kwargs.get(spec.name)
         out.extend(t for t in _leaves(v) if isinstance(t, torch.Tensor))
     return out
+
+
+def _redirected(func, args, kwargs, storages):
+    """args and kwargs with each tensor the op writes in place that lies in one of `storages`
+    replaced by a copy of it."""
+    def swap(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone() if _storage_key(v) in storages else v
+        if isinstance(v, (list, tuple)):
+            return type(v)(swap(x) for x in v)
+        return v
+    args, kwargs = list(args), dict(kwargs)
+    for i, spec in enumerate(func._schema.arguments):
+        if spec.alias_info is None or not spec.alias_info.is_write:
+            continue
+        if i < len(args):
+            args[i] = swap(args[i])
+        elif spec.name in kwargs:
+            kwargs[spec.name] = swap(kwargs[spec.name])
+    return tuple(args), kwargs
 
 
 def _storage_key(t):
@@ -996,9 +1016,9 @@ def _refuse_early(module):
 
 def _reference(outs):
     """What the first call's check keeps of each output: its shape, dtype and a strided sample of
-    at most _SAMPLE elements as Python numbers (the whole output when it is that small). Plain
-    lists: the parent compares them in Python, without running kernels of PyTorch's that eager
-    never runs (their code pages would stay in the training process)."""
+    at most _SAMPLE elements (the whole output when it is that small), as an array of Python's
+    array module: the parent compares them in Python, without running kernels of PyTorch's that
+    eager never runs (their code pages would stay in the training process)."""
     ref = []
     for t in outs:
         stride = max(1, -(-t.numel() // _SAMPLE))
@@ -1006,24 +1026,24 @@ def _reference(outs):
     return ref
 
 
-_CTYPES = {"torch.float32": "c_float", "torch.float64": "c_double", "torch.int64": "c_int64",
-           "torch.int32": "c_int32", "torch.bool": "c_bool"}
+# dtype: (ctypes type, array typecode)
+_CTYPES = {"torch.float32": ("c_float", "f"), "torch.float64": ("c_double", "d"), "torch.int64": ("c_int64", "q"),
+           "torch.int32": ("c_int32", "i"), "torch.bool": ("c_bool", "B")}
 
 
 def _sample(t, stride):
-    """Every stride-th element of t (in row-major order) as Python numbers, read from its memory
+    """Every stride-th element of t (in row-major order), in an array.array, read from its memory
     with ctypes: no PyTorch kernel runs (slicing, tolist and the like map code pages that eager
-    never maps into the training process; measured on the B=64 H=256 L=12 stack: 0.6 MiB)."""
+    never maps into the training process; measured on the B=64 H=256 L=12 stack: 0.6 MiB), and
+    4 or 8 bytes an element rather than a Python number's 32."""
+    import array
     import ctypes
     if not t.is_contiguous():
         t = t.contiguous()
-    n = t.numel()
-    if n == 0:
-        return []
-    kind = getattr(ctypes, _CTYPES[str(t.dtype)])
-    base = t.data_ptr()
-    size = ctypes.sizeof(kind)
-    return [kind.from_address(base + i * size).value for i in range(0, n, stride)]
+    kind, code = _CTYPES[str(t.dtype)]
+    kind = getattr(ctypes, kind)
+    base, size = t.data_ptr(), ctypes.sizeof(kind)
+    return array.array(code, (kind.from_address(base + i * size).value for i in range(0, t.numel(), stride)))
 
 
 def matches(ref, outs, loose=False):
@@ -1104,7 +1124,11 @@ def capture(module, args, kwargs, tensors, path, opset, name):
             for b, before, version in buffers:
                 if b._version != version:
                     b.copy_(before)
+                elif not torch.equal(b, before):  # written without a version bump (BatchNorm's statistics)
+                    b.data.copy_(before)
         del buffers
+    # The forward has run: its code pages go (Note [code pages read once]) before the graph is written.
+    _export.release_code_pages()
     leaves = _flatten.flatten_outputs(out)
     custom = _custom_function(leaves)
     if custom:
@@ -1153,7 +1177,10 @@ def capture(module, args, kwargs, tensors, path, opset, name):
     e.output_template = _flatten.rebuild(out, iter([torch.empty(0) for _ in leaves]))
     e.has_dropout = False
     e.warnings = list(r.warnings)
-    e.model = _export.Graph(*_graft.read_onnx_graph(path))
+    # The graph as read_onnx_graph would give it back (nodes with their integer attributes), from
+    # what was just written rather than by parsing the file again.
+    e.model = _export.Graph(ins, outputs, [(op, nm, list(i), list(o), {a: v for a, k, v in attrs if k == "i"})
+                                           for op, _, nm, i, o, attrs in nodes])
     ref = _reference(leaves)
     del out, leaves, r
     return e, ref

@@ -21,6 +21,7 @@ import pickle
 import re
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any, List, Tuple
 import torch
 
 from . import _flatten, _proc
-from .errors import GraftExportError, GraftUnsupportedError, GraftWarning
+from .errors import GraftExportError, GraftUnsupportedError
 
 PREFIX = "m."  # the wrapped module's attribute name inside the exported wrapper
 
@@ -96,12 +97,40 @@ class Exported:
 _IN_CHILD = False
 
 
-def isolated(fn, *args):
+code_pages_released = 0  # bytes, by in_this_process, in all (for the tests)
+_pages = threading.local()  # .snapshot: the running in_this_process's, in this thread
+
+
+def in_this_process(fn, *args):
+    """fn(*args) in this process; afterwards (or where fn calls release_code_pages) the code pages
+    only it mapped are given back (Note [code pages read once], _proc.py). Pages another thread
+    maps meanwhile may go too: it maps them again as it needs them."""
+    outer = getattr(_pages, "snapshot", None)
+    _pages.snapshot = _proc.CodePages()
+    try:
+        return fn(*args)
+    finally:
+        release_code_pages()
+        _pages.snapshot = outer
+
+
+def release_code_pages():
+    """Gives back the code pages mapped since in_this_process began; the capture calls it as soon
+    as the forward has run, so that what it does next (writing the graph) adds to a smaller
+    process. Once per in_this_process; a no-op outside one."""
+    global code_pages_released
+    snapshot = getattr(_pages, "snapshot", None)
+    if snapshot is not None:
+        code_pages_released += snapshot.release()
+
+
+def isolated(fn, *args, in_process=False):
     """Returns (fn(*args), peak): fn run in a forked child process (Note [export in a child
-    process]); peak is the parent's RSS plus the child's peak rise in bytes, 0 when fn ran here."""
+    process]), or here (in_process, or where fork is missing); peak is the parent's RSS plus the
+    child's peak rise in bytes, 0 when fn ran here."""
     global _IN_CHILD
-    if os.environ.get("GRAFT_EXPORT") in ("inprocess", "capture-inprocess") or not hasattr(os, "fork") or _IN_CHILD:
-        return fn(*args), 0
+    if in_process or not hasattr(os, "fork") or _IN_CHILD:
+        return in_this_process(fn, *args), 0
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

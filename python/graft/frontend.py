@@ -237,6 +237,26 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
     return p
 
 
+# GRAFT_EXPORT: where graft's own capture (Note [graft's own capture]) and torch.onnx.export run,
+# and whether the capture's graph is used: (use it, capture here, export here). "capture" (the
+# default): the capture in this process (Note [code pages read once], _proc.py), the exporter, for
+# what the capture cannot take, in a forked child (Note [export in a child process]);
+# "capture-inprocess": both here; "capture-fork": both in a child; "fork" / "inprocess":
+# torch.onnx.export's graph, in a child / here. The capture runs in every mode: its audit refuses a
+# forward that stops a gradient; its graph is used while it has not disagreed with a forward.
+_EXPORT_MODES = {"capture": (True, True, False), "capture-inprocess": (True, True, True),
+                 "capture-fork": (True, False, False), "fork": (False, False, False),
+                 "inprocess": (False, True, True)}
+
+
+def _export_mode():
+    mode = os.environ.get("GRAFT_EXPORT", "capture")
+    if mode not in _EXPORT_MODES:
+        raise GraftArgumentError(f"GRAFT_EXPORT={mode!r} is not one of {', '.join(_EXPORT_MODES)} (README, "
+                                 "\"GraftModule\"); unset it for the default, capture", "invalid argument")
+    return _EXPORT_MODES[mode]
+
+
 def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
     """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py); run by
     _export.isolated (a forked child, by default). Raises _capture.NotCaptured or
@@ -436,17 +456,13 @@ class GraftModule(torch.nn.Module):
     def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
         prep, peak, ref = None, 0, None
-        # GRAFT_EXPORT: "capture" (the default: graft's own capture, else torch.onnx.export, each in a
-        # forked child), "capture-inprocess" (the same in this process), "fork" (torch.onnx.export,
-        # in a child), "inprocess" (torch.onnx.export, in this process). The capture runs in every
-        # mode (its audit refuses a forward that stops a gradient, Note [graft's own capture]);
-        # its graph is used in the first two, while it has not disagreed with a forward.
-        use = os.environ.get("GRAFT_EXPORT", "capture") in ("capture", "capture-inprocess") and self._capture_ok
+        use, capture_here, export_here = _export_mode()
+        use = use and self._capture_ok
         if capture:
             self.export_method = ""
             try:
                 (prep, ref), peak = _export.isolated(_capture_prepare, self.module, args, kwargs, tensors,
-                                                     path, self.opset, name)
+                                                     path, self.opset, name, in_process=capture_here)
                 self.export_method = "capture"
             except _capture.StopsGradient as why:
                 raise GraftUnsupportedError(
@@ -460,7 +476,8 @@ class GraftModule(torch.nn.Module):
                 prep, peak, ref = None, 0, None
                 self.export_method = "torch.onnx.export"
         if prep is None:
-            prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name)
+            prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name,
+                                          in_process=export_here)
             if not self.export_method.startswith("torch.onnx.export"):
                 self.export_method = "torch.onnx.export"
         self._export_peak_rss = max(self._export_peak_rss, peak)

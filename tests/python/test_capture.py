@@ -291,7 +291,7 @@ def test_a_capture_child_that_dies_falls_back_to_the_exporter(monkeypatch):
     def die(*a, **k):
         os.kill(os.getpid(), 9)
     monkeypatch.setattr(_capture, "capture", die)
-    monkeypatch.delenv("GRAFT_EXPORT", raising=False)
+    monkeypatch.setenv("GRAFT_EXPORT", "capture-fork")
     g = train_both(nn.Linear(5, 2), lambda s: (torch.randn(3, 5),), "hook", steps=1)
     assert g.export_method.startswith("torch.onnx.export (not captured:") and "signal 9" in g.export_method
 
@@ -309,7 +309,7 @@ class LayerDrop(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-@pytest.mark.parametrize("where", ["capture", "capture-inprocess"])
+@pytest.mark.parametrize("where", ["capture", "capture-fork"])
 def test_the_capture_leaves_the_rng_alone_and_says_it_replays_a_random_branch(monkeypatch, where):
     monkeypatch.setenv("GRAFT_EXPORT", where)
     torch.manual_seed(0)
@@ -382,7 +382,7 @@ class _Straight(torch.autograd.Function):
         return g
 
 
-@pytest.mark.parametrize("export", ["capture", "fork"])
+@pytest.mark.parametrize("export", ["capture", "capture-fork", "fork"])
 @pytest.mark.parametrize("how,why", [
     ("no_grad", "runs with gradients off"),
     ("detach", "detaches a value graft differentiates"),
@@ -449,7 +449,7 @@ class NormThenStop(nn.Module):
         return h + (h.detach() if self.stop else h) ** 2
 
 
-@pytest.mark.parametrize("export", ["capture", "capture-inprocess", "inprocess"])
+@pytest.mark.parametrize("export", ["capture", "capture-fork", "capture-inprocess", "inprocess"])
 def test_batchnorm_statistics_move_once_per_call_whichever_way_the_module_is_exported(monkeypatch, export):
     """The capture runs the forward too (for the audit): BatchNorm's update of the running
     statistics stays in the child, or in this process the capture stops before it (at the
@@ -475,3 +475,66 @@ def test_the_audit_runs_past_what_the_capture_cannot_take():
     g = GraftModule(NormThenStop(stop=True))
     with pytest.raises(GraftUnsupportedError, match=re.escape("detaches a value graft differentiates")):
         g(torch.randn(6, 5))
+
+
+# --- Note [code pages read once] (python/graft/_proc.py) ---
+
+def test_only_pages_that_became_resident_as_the_files_own_are_given_back():
+    """One byte a page, as /proc/self/pagemap's top byte: 0x80 resident, 0x20 the file's own page
+    (not an anonymous copy). Given back: resident now as the file's page, not resident then."""
+    from graft import _proc
+    F, ANON = 0xA0, 0x80  # resident file page; resident anonymous copy (written to)
+    then = bytes([0, F, 0, 0, 0, F, 0, 0, 0, 0])
+    now = bytes([F, F, F, F, ANON, F, 0, F, F, F])
+    assert list(_proc.new_runs(then, now)) == [(0, 1), (2, 2), (7, 3)]
+    assert list(_proc.new_runs(now, now)) == []
+    assert list(_proc.new_runs(bytes(4), bytes([ANON] * 4))) == []
+
+
+GIVES_BACK_SCRIPT = r"""
+import copy, json, sys
+import torch, torch.nn as nn
+from graft import _export, _proc
+from graft.frontend import GraftModule
+
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+e = copy.deepcopy(m)
+x = torch.randn(5, 8)
+g = GraftModule(m)
+before = _proc.status_bytes("VmRSS")
+out = g(x)
+out.square().sum().backward()
+released = _export.code_pages_released
+# Eager runs after the release: the same kernels' code, mapped again from the page cache.
+ref = e(x)
+ref.square().sum().backward()
+print(json.dumps({"method": g.export_method, "released": released,
+                  "out": (out - ref).abs().max().item(),
+                  "grads": max((p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), e.parameters()))}))
+"""
+
+
+def test_the_capture_gives_back_the_code_pages_only_the_forward_used():
+    """In a fresh process (so that the forward's kernels are not mapped yet): the capture runs the
+    forward in this process and gives back the code pages it mapped for that; eager, run after, maps
+    them again and computes what graft computed."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GRAFT_EXPORT"}
+    p = subprocess.run([sys.executable, "-c", GIVES_BACK_SCRIPT], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["method"] == "capture"
+    assert r["released"] >= 256 * 1024, r  # PyTorch's dispatcher and kernels: MiBs on any forward
+    assert r["out"] < 1e-5 and r["grads"] < 1e-4, r
+
+
+def test_an_unknown_graft_export_mode_is_refused(monkeypatch):
+    from graft.frontend import GraftArgumentError
+    monkeypatch.setenv("GRAFT_EXPORT", "capture-in-process")
+    g = GraftModule(nn.Linear(3, 2))
+    with pytest.raises(GraftArgumentError, match="GRAFT_EXPORT='capture-in-process' is not one of capture, "):
+        g(torch.randn(2, 3))

@@ -596,7 +596,10 @@ def test_memory_of_a_step_is_not_above_eager(loss, set_to_none):
         open("/proc/self/clear_refs", "w").close()
     except OSError:
         pytest.skip("cannot reset VmHWM (/proc/self/clear_refs)")
-    got = {m: run_mem_worker(m, loss == "inside", set_to_none) for m in ("eager", "accumulate", "hook", "hold")}
+    # The smaller of two processes each (a step's delta moves by up to 0.5 MiB from one process to
+    # the next here, for eager and graft alike: pages of the allocator and libraries), hold once.
+    got = {m: min(run_mem_worker(m, loss == "inside", set_to_none) for _ in range(1 if m == "hold" else 2))
+           for m in ("eager", "accumulate", "hook", "hold")}
     print(f"peak RSS delta of one step (bytes), loss {loss}, set_to_none={set_to_none}: {got}")
     for mode in ("accumulate", "hook"):
         assert got[mode] <= got["eager"] + MEM_SLACK[loss], (mode, got)
