@@ -1,5 +1,5 @@
-"""graft's own capture of a module's forward: the aten ops it runs, recorded (in a forked child by
-default) and written as an ONNX graph for graft's importer (Note [graft's own capture]).
+"""graft's own capture of a module's forward: the aten ops it runs, recorded (in the training
+process by default) and written as an ONNX graph for graft's importer (Note [graft's own capture]).
 
 Only what this module knows is captured; everything else (an aten op without a rule here, a
 branch on a tensor's value, random numbers feeding the graph, in-place writes to the module's state
@@ -29,14 +29,23 @@ from . import _export, _flatten
 # nothing (saved_tensors_hooks), so each value is freed at its last use, as in a no_grad forward.
 # nn.LSTM / nn.GRU are captured whole, as graft's fused ops (_rnn_forward).
 #
-# Where it runs: in a forked child too (the default; GRAFT_EXPORT=capture-inprocess runs it in
-# this process). Measured on the zoo's tiny models (tools/zoo-report --memory; README, "Memory
-# against eager"): in this process the capture's pages (the code of the forward's kernels and of
-# PyTorch's dispatcher, 2-5 MiB) stay for the whole run, 1.06-1.15x eager's peak; in a child they
-# count only while it runs, when the parent is small: the training process stays at 0.85-0.94x, the
-# moment of the capture is 0.88-1.32x (torch.onnx.export's child: 1.18-1.73x). The child's pages
-# are mostly copies of the parent's that Python's reference counts write to (tools/export-pages).
-# Its convolutions run PyTorch's native kernels, not oneDNN's, whose code pages would be its own.
+# Where it runs. In a forked child (as the exporter: Note [export in a child process]) the child's
+# own pages count while it runs: copies of the parent's pages that Python's reference counts write
+# to (5-7 MiB), the code of the forward's kernels and of PyTorch's dispatcher, and the scratch
+# buffers the kernels' libraries keep (OpenBLAS's packing buffers: 6-7 MiB after ViT-B/16's
+# forward). On the zoo's tiny models (tools/zoo-report --memory; README, "Memory against eager")
+# that moment was 1.11-1.38x eager's whole peak. In the training process there is no such moment,
+# the code pages go once the forward has run (Note [code pages read once], _proc.py), and what stays
+# is those libraries' scratch: it put ViT-B/16 at 1.002x eager's peak (0.999x captured in a
+# child), where graft's own products run on oneDNN and never use OpenBLAS's buffers again. So
+# GRAFT_EXPORT=capture (the default) captures here when the module's parameters and buffers are
+# under CHILD_FROM_BYTES (64 MiB: a child's 15-30 MiB hide under a training step's peak of at least
+# twice the parameters from there on) and the graph is not known to fail before the forward runs
+# (training-mode BatchNorm or Dropout, forward hooks: the audit alone runs then, in a child, as the
+# exporter after it); capture-inprocess / capture-fork choose. Here, the module's state is left as
+# it was: a write to an input, parameter or buffer lands in a copy (_redirected), buffers written
+# without a version bump (BatchNorm's statistics) are put back, the RNG state is restored. Its
+# convolutions run PyTorch's native kernels, not oneDNN's (fewer code pages to map and give back).
 
 # Safety. Anything the rules cannot take (an op without a rule, an output a rule does not name, a
 # value read after an in-place write through another view of it, `.item()` or a branch on a graph
@@ -221,7 +230,8 @@ class _Recorder(TorchDispatchMode):
         try:
             if func._schema.name in ("aten::convolution", "aten::_convolution"):
                 # PyTorch's native convolution, not oneDNN's (as Note [a lean export]): oneDNN's
-                # code pages (2.5 MiB) would be the child's alone; the values are the same.
+                # code pages (2.5 MiB) would be mapped for the capture alone, raising its moment;
+                # the values are the same.
                 with torch.backends.mkldnn.flags(enabled=False):
                     return self._dispatch(func, args, kwargs)
             return self._dispatch(func, args, kwargs)
@@ -1012,6 +1022,29 @@ def _refuse_early(module):
             raise NotCaptured("training-mode BatchNorm")
         if isinstance(m, (torch.nn.RNNBase,)) and m.training and m.dropout > 0:
             raise NotCaptured("RNN dropout")
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            raise NotCaptured("training-mode Dropout")
+
+
+# The module state (parameters and buffers) from which the default capture runs in a forked child
+# rather than here (Note [graft's own capture], "Where it runs").
+CHILD_FROM_BYTES = 64 << 20
+
+
+def runs_here(module) -> bool:
+    """Where GRAFT_EXPORT=capture runs the capture: here, unless the graph is known to fail before
+    the forward runs (_refuse_early: only the audit would run, and the exporter after it, in a
+    child anyway) or the module's state is CHILD_FROM_BYTES or more."""
+    try:
+        _refuse_early(module)
+    except NotCaptured:
+        return False
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total < CHILD_FROM_BYTES
 
 
 def _reference(outs):

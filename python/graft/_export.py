@@ -12,6 +12,8 @@
 * After the export, every trainable parameter of a submodule that ran must be a graph input of
   its own shape: a graph that silently dropped or folded a parameter is refused.
 * The export runs in a forked child process (isolated): see Note [export in a child process].
+  graft's own capture (_capture.py), tried first, runs in this process (in_this_process, Note
+  [code pages read once] in _proc.py).
 """
 import contextlib
 import gc
@@ -85,12 +87,16 @@ class Exported:
 # 13 of them copies of the parent's (Python's reference counts and allocations into the parent's
 # heap write to shared pages), so on a model this small the moment of the export costs the system
 # more than an export in the process did (which kept 11 MiB for good); the training process itself
-# then runs below eager's peak.
+# then runs below eager's peak. graft's own capture (_capture.py), which needs none of the
+# exporter's machinery, runs in the process instead: only its code pages would stay, and those it
+# gives back (Note [code pages read once], _proc.py); the exporter is what runs here only for
+# what the capture cannot take.
 #
 # The child runs torch with one thread: after fork only the forking thread exists, and an
 # OpenMP team of the parent's would wait for threads that are not there. Where fork is missing
 # or fails (no os.fork, ENOMEM), the result cannot be pickled (a class defined inside a
-# function), or GRAFT_EXPORT=inprocess is set, the export runs in this process as before. A child
+# function), or GRAFT_EXPORT says inprocess / capture-inprocess, the export runs in this process
+# as before. A child
 # that dies (a crash inside the exporter) becomes a GraftExportError instead of taking the
 # user's process down.
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from . import _capture, _export, _flatten
+from . import _capture, _export, _flatten, _proc
 from ._function import DTYPES, GraftFunction, _accumulate_grad_node, relay_outputs
 from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInternalError,  # noqa: F401
                      GraftInvalidModelError, GraftShapeError, GraftUnsupportedError, GraftWarning, with_context)
@@ -113,6 +113,8 @@ class _Entry:
     counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
     lock: Any = dataclasses.field(default_factory=threading.Lock)
     reference: Any = None  # graft's own capture: what the first call's outputs are checked against
+    warmup: Any = None  # _proc.CodePages from before the session was built, until its second call
+    calls: int = 0
     _acc: Dict[int, Tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
 
     def refresh_trainable(self):
@@ -238,13 +240,14 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
 
 
 # GRAFT_EXPORT: where graft's own capture (Note [graft's own capture]) and torch.onnx.export run,
-# and whether the capture's graph is used: (use it, capture here, export here). "capture" (the
-# default): the capture in this process (Note [code pages read once], _proc.py), the exporter, for
-# what the capture cannot take, in a forked child (Note [export in a child process]);
+# and whether the capture's graph is used: (use it, capture here, export here), None: where it
+# costs less (_capture.runs_here). "capture" (the default): the capture in this process (Note [code
+# pages read once], _proc.py) for modules under 64 MiB of state, else in a forked child; the
+# exporter, for what the capture cannot take, in a child (Note [export in a child process]);
 # "capture-inprocess": both here; "capture-fork": both in a child; "fork" / "inprocess":
 # torch.onnx.export's graph, in a child / here. The capture runs in every mode: its audit refuses a
 # forward that stops a gradient; its graph is used while it has not disagreed with a forward.
-_EXPORT_MODES = {"capture": (True, True, False), "capture-inprocess": (True, True, True),
+_EXPORT_MODES = {"capture": (True, None, False), "capture-inprocess": (True, True, True),
                  "capture-fork": (True, False, False), "fork": (False, False, False),
                  "inprocess": (False, True, True)}
 
@@ -457,6 +460,8 @@ class GraftModule(torch.nn.Module):
         name = self._name()
         prep, peak, ref = None, 0, None
         use, capture_here, export_here = _export_mode()
+        if capture_here is None:
+            capture_here = _capture.runs_here(self.module)
         use = use and self._capture_ok
         if capture:
             self.export_method = ""
@@ -504,6 +509,7 @@ class GraftModule(torch.nn.Module):
         e.counters = [module.get_buffer(n) for n in prep.counters]
         e.reference = ref
         from . import _graft
+        e.warmup = _proc.CodePages()
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
                                        self.gradients, self.check_finite, self.max_memory,
@@ -620,6 +626,12 @@ class GraftModule(torch.nn.Module):
         frozen = tuple(p.requires_grad for p in self.module.parameters())
         key = (static_key, tuple(sig), state, frozen)
         entry = self._entry(args, kwargs, tensors, key)
+        entry.calls += 1
+        if entry.calls == 2 and entry.warmup is not None:
+            # The second call: the code only the session's build and the first step ran goes
+            # (Note [code pages read once], "After the first step").
+            warmup, entry.warmup = entry.warmup, None
+            _export.code_pages_released += warmup.release()
         in_tensors = [tensors[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []

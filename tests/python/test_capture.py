@@ -470,11 +470,33 @@ def test_batchnorm_statistics_move_once_per_call_whichever_way_the_module_is_exp
     assert g.export_method.startswith("torch.onnx.export"), g.export_method
 
 
-def test_the_audit_runs_past_what_the_capture_cannot_take():
-    """BatchNorm stops the graph in the child; the detach after it is still found and refused."""
-    g = GraftModule(NormThenStop(stop=True))
+@pytest.mark.parametrize("export", ["capture", "capture-inprocess", "capture-fork"])
+def test_the_audit_runs_past_what_the_capture_cannot_take(monkeypatch, export):
+    """BatchNorm stops the graph (in a child, or here where its counter's add_ lands in a copy); the
+    detach after it is still found and refused, and the module's state is as it was."""
+    monkeypatch.setenv("GRAFT_EXPORT", export)
+    m = NormThenStop(stop=True)
+    state = copy.deepcopy(m.state_dict())
+    g = GraftModule(m)
     with pytest.raises(GraftUnsupportedError, match=re.escape("detaches a value graft differentiates")):
         g(torch.randn(6, 5))
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_the_default_capture_runs_here_only_where_that_costs_less():
+    """GRAFT_EXPORT=capture: here for a small module whose graph may be captured; in a child where
+    the graph is known to fail first (only the audit would run) or the state is 64 MiB or more."""
+    assert _capture.runs_here(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert not _capture.runs_here(NormThenStop(stop=False))  # training-mode BatchNorm
+    assert _capture.runs_here(NormThenStop(stop=False).eval())
+    assert not _capture.runs_here(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
+    assert _capture.runs_here(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)).eval())
+    big = nn.Module()
+    big.register_buffer("table", torch.empty(_capture.CHILD_FROM_BYTES // 4))  # float32: exactly the bound
+    assert not _capture.runs_here(big)
+    big.table = torch.empty(_capture.CHILD_FROM_BYTES // 4 - 1)
+    assert _capture.runs_here(big)
 
 
 # --- Note [code pages read once] (python/graft/_proc.py) ---
@@ -506,10 +528,16 @@ before = _proc.status_bytes("VmRSS")
 out = g(x)
 out.square().sum().backward()
 released = _export.code_pages_released
+g(x).square().sum().backward()  # the second call: the code only the build and first step ran goes
+after_warmup = _export.code_pages_released - released
+for p in m.parameters():
+    p.grad = None
+out = g(x)
+out.square().sum().backward()
 # Eager runs after the release: the same kernels' code, mapped again from the page cache.
 ref = e(x)
 ref.square().sum().backward()
-print(json.dumps({"method": g.export_method, "released": released,
+print(json.dumps({"method": g.export_method, "released": released, "after_warmup": after_warmup,
                   "out": (out - ref).abs().max().item(),
                   "grads": max((p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), e.parameters()))}))
 """
@@ -517,8 +545,9 @@ print(json.dumps({"method": g.export_method, "released": released,
 
 def test_the_capture_gives_back_the_code_pages_only_the_forward_used():
     """In a fresh process (so that the forward's kernels are not mapped yet): the capture runs the
-    forward in this process and gives back the code pages it mapped for that; eager, run after, maps
-    them again and computes what graft computed."""
+    forward in this process and gives back the code pages it mapped for that, and the second call
+    those only the session's build and first step ran; graft's third call and eager, run after,
+    map what they need again and compute the same."""
     import json
     import subprocess
     import sys
@@ -529,6 +558,7 @@ def test_the_capture_gives_back_the_code_pages_only_the_forward_used():
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["method"] == "capture"
     assert r["released"] >= 256 * 1024, r  # PyTorch's dispatcher and kernels: MiBs on any forward
+    assert r["after_warmup"] > 0, r  # graft's importer, planner, the ONNX parser's code...
     assert r["out"] < 1e-5 and r["grads"] < 1e-4, r
 
 
