@@ -68,6 +68,14 @@ class Communicator {
   virtual bool failed() const = 0;
 };
 
+// An error every rank raises at the same point, because a collective check found it on all of them
+// (DataParallel's check that every rank trains the same model): abort_job waits for the others at
+// a barrier after saying it, so that no rank's abort cuts another's message short.
+class AgreedError : public Error {
+ public:
+  using Error::Error;
+};
+
 // After an error on this rank, in a job whose other ranks would wait in a collective this rank
 // never joins: prints the error naming the rank (unless the communicator already reported its own
 // failure), then ends the whole job (Communicator::abort) instead of letting them time out.

@@ -42,11 +42,25 @@ std::string describe(const Parameter& p) {
          (p.trainable ? "" : ", frozen") + ")";
 }
 
+// GRAFT_CHECK for a condition every rank evaluates alike (on gathered data): an AgreedError.
+#define AGREED_CHECK(cond, kind, msg)                         \
+  do {                                                        \
+    if (!(cond)) throw AgreedError((kind), std::string(msg)); \
+  } while (0)
+
 }  // namespace
 
 void abort_job(Communicator& comm, const std::exception& e) {
-  if (!comm.failed())
+  if (!comm.failed()) {
     std::fprintf(stderr, "graft: rank %d of %d: %s\n", comm.rank(), comm.size(), e.what());
+    std::fflush(stderr);
+    if (dynamic_cast<const AgreedError*>(&e) != nullptr) {
+      try {
+        comm.barrier();  // every rank has said it (the communicator's timeout bounds the wait)
+      } catch (const std::exception&) {
+      }
+    }
+  }
   comm.abort(1);
   std::_Exit(1);  // not reached (abort ends the process); for the compiler
 }
@@ -114,17 +128,17 @@ DataParallel::~DataParallel() {
 
 void DataParallel::check_same_model(const std::vector<int>& order) {
   // Per parameter a fingerprint; then everything else that must agree. Gathered from every rank
-  // and compared with rank 0's, so every rank names the same first difference.
+  // and compared with rank 0's, so every rank names the same first difference (an AgreedError).
   const auto& ps = s_.parameters();
   const int n = comm_.size();
   int64_t count = static_cast<int64_t>(ps.size());
   std::vector<int64_t> counts(n);
   comm_.allgather(&count, sizeof count, counts.data());
   for (int r = 1; r < n; ++r)
-    GRAFT_CHECK(counts[r] == counts[0], ErrorKind::Communication,
-                "rank " + std::to_string(r) + " has a model with " + std::to_string(counts[r]) +
-                    " parameters and rank 0 one with " + std::to_string(counts[0]) +
-                    ": every rank must train the same model");
+    AGREED_CHECK(counts[r] == counts[0], ErrorKind::Communication,
+                 "rank " + std::to_string(r) + " has a model with " + std::to_string(counts[r]) +
+                     " parameters and rank 0 one with " + std::to_string(counts[0]) +
+                     ": every rank must train the same model");
   std::vector<uint64_t> mine;
   for (const Parameter& p : ps) {
     uint64_t h = fnv(1469598103934665603ull, p.name);
@@ -141,17 +155,17 @@ void DataParallel::check_same_model(const std::vector<int>& order) {
   for (int r = 1; r < n; ++r) {
     const uint64_t* theirs = all.data() + r * mine.size();
     for (size_t i = 0; i < ps.size(); ++i)
-      GRAFT_CHECK(theirs[i] == all[i], ErrorKind::Communication,
-                  "rank " + std::to_string(r) + "'s model differs from rank 0's at parameter " +
-                      std::to_string(i) + " (" + describe(ps[i]) + " on rank " +
-                      std::to_string(comm_.rank()) +
-                      "): every rank must train the same model, with the same --freeze");
-    GRAFT_CHECK(theirs[ps.size()] == all[ps.size()], ErrorKind::Communication,
-                "rank " + std::to_string(r) +
-                    " differs from rank 0 in the gradient mode, the bucket size or the order of "
-                    "gradient delivery (this rank: mode " +
-                    grad_mode_name(s_.mode()) + ", buckets of " + std::to_string(o_.bucket_bytes) +
-                    " bytes); every rank must use the same settings");
+      AGREED_CHECK(theirs[i] == all[i], ErrorKind::Communication,
+                   "rank " + std::to_string(r) + "'s model differs from rank 0's at parameter " +
+                       std::to_string(i) + " (" + describe(ps[i]) + " on rank " +
+                       std::to_string(comm_.rank()) +
+                       "): every rank must train the same model, with the same --freeze");
+    AGREED_CHECK(theirs[ps.size()] == all[ps.size()], ErrorKind::Communication,
+                 "rank " + std::to_string(r) +
+                     " differs from rank 0 in the gradient mode, the bucket size or the order of "
+                     "gradient delivery (this rank: mode " +
+                     grad_mode_name(s_.mode()) + ", buckets of " + std::to_string(o_.bucket_bytes) +
+                     " bytes); every rank must use the same settings");
   }
 }
 
