@@ -96,9 +96,8 @@ class Exported:
 # OpenMP team of the parent's would wait for threads that are not there. Where fork is missing
 # or fails (no os.fork, ENOMEM), the result cannot be pickled (a class defined inside a
 # function), or GRAFT_EXPORT says inprocess / capture-inprocess, the export runs in this process
-# as before. A child
-# that dies (a crash inside the exporter) becomes a GraftExportError instead of taking the
-# user's process down.
+# as before. A child that dies (a crash inside the exporter) becomes a GraftExportError instead of
+# taking the user's process down.
 
 _IN_CHILD = False
 
@@ -120,12 +119,14 @@ def in_this_process(fn, *args):
         _pages.snapshot = outer
 
 
-def release_code_pages():
-    """Gives back the code pages mapped since in_this_process began; the capture calls it as soon
-    as the forward has run, so that what it does next (writing the graph) adds to a smaller
-    process. Once per in_this_process; a no-op outside one."""
+def release_code_pages(snapshot=None):
+    """Gives back the code pages mapped since `snapshot` (a _proc.CodePages) was taken, by default
+    since the running in_this_process began: the capture calls it as soon as the forward has run,
+    so that what it does next (writing the graph) adds to a smaller process. Once per snapshot; a
+    no-op without one."""
     global code_pages_released
-    snapshot = getattr(_pages, "snapshot", None)
+    if snapshot is None:
+        snapshot = getattr(_pages, "snapshot", None)
     if snapshot is not None:
         code_pages_released += snapshot.release()
 

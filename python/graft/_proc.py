@@ -66,9 +66,10 @@ def private_bytes() -> Tuple[int, int]:
 # inference, autodiff and planner, the ONNX parser, oneDNN's JIT generator (the kernels it makes
 # live in anonymous memory). GraftModule remembers the resident code pages before it builds a
 # session and, at that session's second call, gives back those mapped since; the second step maps
-# again what a step needs (minor faults, once). On the B=64 H=256 L=12 stack that took
-# GraftModule's steady-state whole process from 0.91-0.93x to 0.84-0.88x of eager's (python3 -m
-# graft.bench, same session).
+# again what a step needs (minor faults, once). GRAFT_CODE_PAGES=keep gives nothing back (for
+# comparisons, or where madvise on a library's pages is not wanted): on the B=64 H=256 L=12 stack
+# (python3 -m graft.bench, three alternating runs each) GraftModule's steady-state whole process is
+# 0.86-0.88x of eager's, 1.005-1.025x with keep.
 
 _MADV_DONTNEED = 4
 try:
@@ -118,9 +119,11 @@ class CodePages:
     unmaps those resident now that were not then, and returns how many bytes that was."""
 
     def __init__(self):
-        # zlib-compressed (runs of resident and absent pages: 5 KiB for 90,000 pages, not 90 KiB:
-        # on the zoo's tiny models the bookkeeping would otherwise be a tenth of what it gives back)
         self.before = {}
+        if os.environ.get("GRAFT_CODE_PAGES") == "keep":  # nothing is given back (an A/B switch)
+            return
+        # zlib-compressed (runs of resident and absent pages: 6 KiB for 86,000 pages, not 86 KiB:
+        # on the zoo's tiny models the bookkeeping would otherwise be a tenth of what it gives back)
         try:
             with open("/proc/self/pagemap", "rb", buffering=0) as f:
                 for key, (lo, hi) in _code_mappings().items():

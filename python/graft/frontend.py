@@ -262,7 +262,7 @@ def _export_mode():
 
 def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
     """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py); run by
-    _export.isolated (a forked child, by default). Raises _capture.NotCaptured or
+    _export.isolated (here or in a forked child: _capture.runs_here). Raises _capture.NotCaptured or
     _capture.StopsGradient. Returns (_Prepared, the first call's reference)."""
     ex, ref = _capture.capture(module, args, kwargs, tensors, path, opset, name)
     m = ex.model
@@ -631,7 +631,7 @@ class GraftModule(torch.nn.Module):
             # The second call: the code only the session's build and the first step ran goes
             # (Note [code pages read once], "After the first step").
             warmup, entry.warmup = entry.warmup, None
-            _export.code_pages_released += warmup.release()
+            _export.release_code_pages(warmup)
         in_tensors = [tensors[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []

@@ -551,15 +551,22 @@ def test_the_capture_gives_back_the_code_pages_only_the_forward_used():
     import json
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "GRAFT_EXPORT"}
-    p = subprocess.run([sys.executable, "-c", GIVES_BACK_SCRIPT], capture_output=True, text=True, timeout=300,
-                       env=env)
-    assert p.returncode == 0, p.stderr
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    env = {k: v for k, v in os.environ.items() if k not in ("GRAFT_EXPORT", "GRAFT_CODE_PAGES")}
+
+    def run(**extra):
+        p = subprocess.run([sys.executable, "-c", GIVES_BACK_SCRIPT], capture_output=True, text=True,
+                           timeout=300, env=dict(env, **extra))
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    r = run()
     assert r["method"] == "capture"
     assert r["released"] >= 256 * 1024, r  # PyTorch's dispatcher and kernels: MiBs on any forward
     assert r["after_warmup"] > 0, r  # graft's importer, planner, the ONNX parser's code...
     assert r["out"] < 1e-5 and r["grads"] < 1e-4, r
+    kept = run(GRAFT_CODE_PAGES="keep")  # the switch: nothing given back, the same results
+    assert kept["released"] == 0 and kept["after_warmup"] == 0, kept
+    assert kept["out"] < 1e-5 and kept["grads"] < 1e-4, kept
 
 
 def test_an_unknown_graft_export_mode_is_refused(monkeypatch):
