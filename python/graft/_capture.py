@@ -70,7 +70,19 @@ from . import _export, _flatten
 
 
 class NotCaptured(Exception):
-    """The capture cannot take this module (the reason in the message); export it instead."""
+    """The capture cannot take this module (the reason in the message); export it instead.
+    input_writes: ((input index, operator), ...) the forward wrote in place into, which the
+    exporter's graph does not write back either (GraftModule warns)."""
+
+    def __init__(self, why, input_writes=()):
+        super().__init__(why, tuple(input_writes))
+
+    @property
+    def input_writes(self):
+        return self.args[1]
+
+    def __str__(self):
+        return str(self.args[0])
 
 
 class StopsGradient(Exception):
@@ -126,6 +138,8 @@ class _Recorder(TorchDispatchMode):
         self.carry = set()
         self.carry_refs: Dict[int, list] = {}
         self.tainted: Dict[str, str] = {}
+        self.input_storages: Dict[int, int] = {}  # storage of a call tensor -> its index
+        self.input_writes: Dict[int, str] = {}  # call tensor index -> the first operator writing into it
         self.stopped: Dict[int, Any] = {}
         self.warnings: List[tuple] = []      # (message, None, None, None), as _export.Exported.warnings
         self.shapes: Dict[str, list] = {}    # value -> shape, of the values bound and constants
@@ -297,6 +311,10 @@ class _Recorder(TorchDispatchMode):
             # process it must not change the module or the inputs, so it lands in a copy of what it
             # writes (checked before it runs), and the forward goes on with that copy.
             self._fail(func, "an in-place write to an input, parameter or buffer (or a view of one)")
+            for t in _written(func, args, kwargs):
+                i = self.input_storages.get(_storage_key(t))
+                if i is not None:
+                    self.input_writes.setdefault(i, func._schema.name)
             if not _export._IN_CHILD:
                 args, kwargs = _redirected(func, args, kwargs, self.state_storages)
         made = None
@@ -1118,8 +1136,9 @@ def capture(module, args, kwargs, tensors, path, opset, name):
     except NotCaptured as why:
         r.failed = str(why)  # no graph; the forward still runs for the audit
     input_names = [f"input_{i}" for i in range(len(tensors))]
-    for t, n in zip(tensors, input_names):
+    for i, (t, n) in enumerate(zip(tensors, input_names)):
         r.add_input(t, n)
+        r.input_storages.setdefault(_storage_key(t), i)
     seen = set()
     state = []
     for n, p in list(module.named_parameters()) + list(module.named_buffers()):
@@ -1147,8 +1166,9 @@ def capture(module, args, kwargs, tensors, path, opset, name):
         raise
     except Exception as ex:  # noqa: BLE001
         if r.failed is not None:
-            raise NotCaptured(r.failed) from None
-        raise NotCaptured(f"the forward raised {type(ex).__name__} under the capture: {ex}") from ex
+            raise NotCaptured(r.failed, r.input_writes.items()) from None
+        raise NotCaptured(f"the forward raised {type(ex).__name__} under the capture: {ex}",
+                          r.input_writes.items()) from ex
     finally:
         for m in patched:
             del m.forward
@@ -1172,7 +1192,7 @@ def capture(module, args, kwargs, tensors, path, opset, name):
             raise StopsGradient(r.tainted[r.name_of(t)] + ", and graft's backward differentiates every op (the "
                                 "gradient would flow where eager's stops)")
     if r.failed is not None:
-        raise NotCaptured(r.failed)
+        raise NotCaptured(r.failed, r.input_writes.items())
     if any(p._version != v for p, v in versions):
         raise NotCaptured("the forward wrote to a parameter or buffer")
     outputs, out_names, used = [], [], set()

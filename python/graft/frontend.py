@@ -475,6 +475,12 @@ class GraftModule(torch.nn.Module):
                     "gradient) in eager mode, or pass the value in as an input.", "unsupported") from None
             except _capture.NotCaptured as why:
                 self.export_method = f"torch.onnx.export (not captured: {why})"
+                for i, op in why.input_writes:
+                    self._warn_once(("input write", i),
+                                    f"the forward writes into its input {i} in place ({op}). graft computes the "
+                                    "outputs as eager does, but the tensor you passed keeps the value it had "
+                                    "(eager changes it). If the caller reads it afterwards, clone it inside "
+                                    "forward before writing, or keep this module in eager mode.")
             except GraftExportError as why:  # the capture's child died (_export.isolated): try the exporter
                 self.export_method = f"torch.onnx.export (not captured: {why.message})"
             if not use:

@@ -575,3 +575,35 @@ def test_an_unknown_graft_export_mode_is_refused(monkeypatch):
     g = GraftModule(nn.Linear(3, 2))
     with pytest.raises(GraftArgumentError, match="GRAFT_EXPORT='capture-in-process' is not one of capture, "):
         g(torch.randn(2, 3))
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("export", ["capture", "capture-fork", "fork"])
+def test_a_forward_that_writes_into_its_input_is_said_not_silent(monkeypatch, export):
+    """Eager's forward changes the caller's tensor; graft's graph computes the same outputs and
+    gradients but cannot write into it: never quietly, whichever way the module is exported."""
+    monkeypatch.setenv("GRAFT_EXPORT", export)
+    torch.manual_seed(0)
+    m = WritesItsInput()
+    e = copy.deepcopy(m)
+    x = torch.randn(5, 4)
+    xg, xe = x.clone(), x.clone()
+    g = GraftModule(m)
+    with pytest.warns(GraftWarning, match=re.escape("writes into its input 0 in place (aten::mul_)")):
+        out = g(xg)
+    ref = e(xe)
+    close(out, ref, "output")
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (n, p), q in zip(m.named_parameters(), e.parameters()):
+        close(p.grad, q.grad, n)
+    assert torch.equal(xg, x) and torch.equal(xe, 2 * x)  # what the warning says
