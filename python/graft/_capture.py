@@ -32,12 +32,13 @@ from . import _export, _flatten
 # Where it runs. In a forked child (as the exporter: Note [export in a child process]) the child's
 # own pages count while it runs: copies of the parent's pages that Python's reference counts write
 # to (5-7 MiB), the code of the forward's kernels and of PyTorch's dispatcher, and the scratch
-# buffers the kernels' libraries keep (OpenBLAS's packing buffers: 6-7 MiB after ViT-B/16's
-# forward). On the zoo's tiny models (tools/zoo-report --memory; README, "Memory against eager")
-# that moment was 1.11-1.38x eager's whole peak. In the training process there is no such moment,
-# the code pages go once the forward has run (Note [code pages read once], _proc.py), and what stays
-# is those libraries' scratch: it put ViT-B/16 at 1.002x eager's peak (0.999x captured in a
-# child), where graft's own products run on oneDNN and never use OpenBLAS's buffers again. So
+# memory the kernels' libraries keep (7 MiB of anonymous memory after ViT-B/16's forward in a fresh
+# process, part of it OpenBLAS's per-thread packing buffers). On the zoo's tiny models
+# (tools/zoo-report --memory; README, "Memory against eager") that moment was 1.11-1.44x eager's
+# whole peak. In the training process there is no such moment, the code pages go once the forward
+# has run (Note [code pages read once], _proc.py), and what stays is that scratch: it put ViT-B/16
+# at 1.002x eager's peak (0.996x captured in a child), where graft's own products run on oneDNN
+# and never use OpenBLAS's buffers. So
 # GRAFT_EXPORT=capture (the default) captures here when the module's parameters and buffers are
 # under CHILD_FROM_BYTES (64 MiB: a child's 15-30 MiB hide under a training step's peak of at least
 # twice the parameters from there on) and the graph is not known to fail before the forward runs
