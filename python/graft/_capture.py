@@ -306,13 +306,14 @@ class _Recorder(TorchDispatchMode):
                         self.stopped[id(o)] = (weakref.ref(o), taint)
             return out
         mutable = func._schema.is_mutable
-        if mutable and any(_storage_key(t) in self.state_storages for t in _written(func, args, kwargs)):
+        written = _written(func, args, kwargs) if mutable else []
+        if any(_storage_key(t) in self.state_storages for t in written):
             # An in-place write to an input, parameter or buffer (BatchNorm's counter): no graph.
             # The audit goes on: in a forked child the write lands in the child's copy; in this
             # process it must not change the module or the inputs, so it lands in a copy of what it
             # writes (checked before it runs), and the forward goes on with that copy.
             self._fail(func, "an in-place write to an input, parameter or buffer (or a view of one)")
-            for t in _written(func, args, kwargs):
+            for t in written:
                 i = self.input_storages.get(_storage_key(t))
                 if i is not None:
                     self.input_writes.setdefault(i, func._schema.name)
@@ -436,13 +437,17 @@ def _overlap(a, b):
     return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset()).any())
 
 
+def _write_slots(func):
+    """(position, name) of each argument an op writes in place (its schema's `a!` arguments)."""
+    return [(i, spec.name) for i, spec in enumerate(func._schema.arguments)
+            if spec.alias_info is not None and spec.alias_info.is_write]
+
+
 def _written(func, args, kwargs):
-    """The tensors an op writes in place (its schema's `a!` arguments)."""
+    """The tensors an op writes in place."""
     out = []
-    for i, spec in enumerate(func._schema.arguments):
-        if spec.alias_info is None or not spec.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(spec.name)
+    for i, name in _write_slots(func):
+        v = args[i] if i < len(args) else kwargs.get(name)
         out.extend(t for t in _leaves(v) if isinstance(t, torch.Tensor))
     return out
 
@@ -457,13 +462,11 @@ def _redirected(func, args, kwargs, storages):
             return type(v)(swap(x) for x in v)
         return v
     args, kwargs = list(args), dict(kwargs)
-    for i, spec in enumerate(func._schema.arguments):
-        if spec.alias_info is None or not spec.alias_info.is_write:
-            continue
+    for i, name in _write_slots(func):
         if i < len(args):
             args[i] = swap(args[i])
-        elif spec.name in kwargs:
-            kwargs[spec.name] = swap(kwargs[spec.name])
+        elif name in kwargs:
+            kwargs[name] = swap(kwargs[name])
     return tuple(args), kwargs
 
 
