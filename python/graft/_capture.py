@@ -1061,12 +1061,17 @@ def runs_here(module) -> bool:
         _refuse_early(module)
     except NotCaptured:
         return False
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
+    return sum(t.numel() * t.element_size() for _, t in _state(module)) < CHILD_FROM_BYTES
+
+
+def _state(module):
+    """(name, tensor) of each of the module's parameters and buffers, each tensor once."""
+    seen, out = set(), []
+    for n, t in list(module.named_parameters()) + list(module.named_buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total < CHILD_FROM_BYTES
+            out.append((n, t))
+    return out
 
 
 def _reference(outs):
@@ -1143,12 +1148,8 @@ def capture(module, args, kwargs, tensors, path, opset, name):
     for i, (t, n) in enumerate(zip(tensors, input_names)):
         r.add_input(t, n)
         r.input_storages.setdefault(_storage_key(t), i)
-    seen = set()
     state = []
-    for n, p in list(module.named_parameters()) + list(module.named_buffers()):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    for n, p in _state(module):
         if r.name_of(p) is not None:
             raise NotCaptured("a call tensor that is also a parameter or buffer")
         r.add_input(p, _export.PREFIX + n)
