@@ -102,33 +102,8 @@ class Exported:
 _IN_CHILD = False
 
 
-code_pages_released = 0  # bytes, by in_this_process, in all (for the tests)
-_pages = threading.local()  # .snapshot: the running in_this_process's, in this thread
-
-
 def in_this_process(fn, *args):
-    """fn(*args) in this process; afterwards (or where fn calls release_code_pages) the code pages
-    only it mapped are given back (Note [code pages read once], _proc.py). Pages another thread
-    maps meanwhile may go too: it maps them again as it needs them."""
-    outer = getattr(_pages, "snapshot", None)
-    _pages.snapshot = _proc.CodePages()
-    try:
-        return fn(*args)
-    finally:
-        release_code_pages()
-        _pages.snapshot = outer
-
-
-def release_code_pages(snapshot=None):
-    """Gives back the code pages mapped since `snapshot` (a _proc.CodePages) was taken, by default
-    since the running in_this_process began: the capture calls it as soon as the forward has run,
-    so that what it does next (writing the graph) adds to a smaller process. Once per snapshot; a
-    no-op without one."""
-    global code_pages_released
-    if snapshot is None:
-        snapshot = getattr(_pages, "snapshot", None)
-    if snapshot is not None:
-        code_pages_released += snapshot.release()
+    return fn(*args)
 
 
 def isolated(fn, *args, in_process=False):

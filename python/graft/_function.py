@@ -204,14 +204,16 @@ def run_forward(entry, tensors, seed, keep, bf16=False):
     return sess.forward(inputs, seed, keep, bf16)
 
 
-def apply_state_updates(entry, arrays):
-    """Copies a training-mode BatchNorm's updated running statistics into the module's buffers and
-    counts the forward in num_batches_tracked, as eager's forward does."""
+def apply_state_updates(entry, arrays, targets):
+    """Copies the new values the forward computed for module state (a training-mode BatchNorm's
+    running statistics) and for call tensors it wrote into (targets, per entry.state_updates) into
+    those tensors, and counts the forward in num_batches_tracked where the exporter made the graph,
+    as eager's forward does."""
     if not entry.state_updates:
         return
     with torch.no_grad():
-        for (_, slot), a in zip(entry.state_updates, arrays):
-            entry.current[slot].copy_(torch.from_numpy(a))
+        for t, a in zip(targets, arrays):
+            t.copy_(torch.from_numpy(a))
         for c in entry.counters:
             c.add_(1)
 
@@ -289,7 +291,7 @@ class GraftFunction(torch.autograd.Function):
             raise with_context(ex, entry.module_name) from None
         n_user = len(entry.output_names)
         outs = wrap_outputs(arrays[:n_user], tensors + [p for p in entry.current])
-        apply_state_updates(entry, arrays[n_user:])
+        apply_state_updates(entry, arrays[n_user:], call.targets)
         del arrays
         ctx.entry, ctx.step, ctx.seed, ctx.n_in, ctx.n_params = entry, step, seed, n_in, len(params)
         ctx.call = call  # call.box: the real output gradients (relay_outputs)

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from . import _capture, _export, _flatten, _proc
+from . import _aten, _export, _flatten
 from ._function import DTYPES, GraftFunction, _accumulate_grad_node, relay_outputs
 from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInternalError,  # noqa: F401
                      GraftInvalidModelError, GraftShapeError, GraftUnsupportedError, GraftWarning, with_context)
@@ -38,27 +38,6 @@ from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInte
 TRACE = None
 
 MODES = ("hook", "accumulate", "hold", "step")
-
-
-def _release_free_heap():
-    """Gives the C heap's free pages back to the system: glibc's malloc_trim(0), which also releases
-    free pages in the middle of the heap, where glibc otherwise keeps them resident. The export
-    frees many small blocks (the tracer's graph, the traced forward's small activations) spread
-    through the heap: without this, 5-8 MiB of freed memory stays in the process for good on the
-    zoo's float64 BatchNorm CNNs (tools/zoo-report --memory). Nothing where the C library has no
-    malloc_trim (not glibc)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except Exception:  # noqa: BLE001  (no such symbol, or no C library ctypes can open)
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def _dtype_ok(t: torch.Tensor, what: str, module_name: str):
@@ -109,11 +88,11 @@ class _Entry:
     has_dropout: bool = False
     optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
     step_flags: Any = None  # gradients="step": the GraftModule's {"defer": bool} (defer_step)
-    state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)  # BatchNorm statistics
+    # After each forward, the new value of module state or of a call tensor the forward wrote:
+    # (graph output, ("slot", index in current) | ("state", state_dict name) | ("input", call tensor index)).
+    state_updates: List[Tuple[str, Tuple[str, Any]]] = dataclasses.field(default_factory=list)
     counters: List[torch.Tensor] = dataclasses.field(default_factory=list)  # num_batches_tracked buffers
     lock: Any = dataclasses.field(default_factory=threading.Lock)
-    reference: Any = None  # graft's own capture: what the first call's outputs are checked against
-    warmup: Any = None  # _proc.CodePages from before the session was built, until its second call
     calls: int = 0
     _acc: Dict[int, Tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
 
@@ -190,7 +169,7 @@ def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs):
             c = e.current[slot_of[buf_input]]
             dtype = _export.DOUBLE if c.dtype == torch.float64 else _export.FLOAT
             extra_outputs.append((outputs[k], dtype, list(c.shape)))
-            e.state_updates.append((outputs[k], slot_of[buf_input]))
+            e.state_updates.append((outputs[k], ("slot", slot_of[buf_input])))
         owner = inputs[3][len(_export.PREFIX):].rpartition(".")[0]
         counter = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
         if counter in by_name:
@@ -204,6 +183,7 @@ class _Prepared:
     float_outputs: List[str] = dataclasses.field(default_factory=list)
     state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
     counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
+    stops: bool = False  # the captured graph stops a gradient: torch.onnx.export is no way in
 
 
 def _bind_params(module, params, e):
@@ -239,17 +219,11 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
     return p
 
 
-# GRAFT_EXPORT: where graft's own capture (Note [graft's own capture]) and torch.onnx.export run,
-# and whether the capture's graph is used: (use it, capture here, export here), None: where it
-# costs less (_capture.runs_here). "capture" (the default): the capture in this process (Note [code
-# pages read once], _proc.py) for modules under 64 MiB of state, else in a forked child; the
-# exporter, for what the capture cannot take, in a child (Note [export in a child process]);
-# "capture-inprocess": both here; "capture-fork": both in a child; "fork" / "inprocess":
-# torch.onnx.export's graph, in a child / here. The capture runs in every mode: its audit refuses a
-# forward that stops a gradient; its graph is used while it has not disagreed with a forward.
-_EXPORT_MODES = {"capture": (True, None, False), "capture-inprocess": (True, True, True),
-                 "capture-fork": (True, False, False), "fork": (False, False, False),
-                 "inprocess": (False, True, True)}
+# GRAFT_EXPORT: how the forward becomes a graph. "capture" (the default): PyTorch's make_fx and
+# functionalization (Note [capture], _aten.py), and torch.onnx.export in a forked child (Note
+# [export in a child process]) only for what the capture cannot take; "fork" / "inprocess":
+# torch.onnx.export alone, in a child / here.
+_EXPORT_MODES = ("capture", "fork", "inprocess")
 
 
 def _export_mode():
@@ -257,33 +231,45 @@ def _export_mode():
     if mode not in _EXPORT_MODES:
         raise GraftArgumentError(f"GRAFT_EXPORT={mode!r} is not one of {', '.join(_EXPORT_MODES)} (README, "
                                  "\"GraftModule\"); unset it for the default, capture", "invalid argument")
-    return _EXPORT_MODES[mode]
+    return mode
 
 
 def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
-    """As _prepare, with graft's own capture (Note [graft's own capture], _capture.py); run by
-    _export.isolated (here or in a forked child: _capture.runs_here). Raises _capture.NotCaptured or
-    _capture.StopsGradient. Returns (_Prepared, the first call's reference)."""
-    ex, ref = _capture.capture(module, args, kwargs, tensors, path, opset, name)
-    m = ex.model
-    ex.model = None
+    """As _prepare, with PyTorch's own capture (Note [capture], _aten.py), in this process. Raises
+    _aten.NotCaptured (GraftModule then exports) or GraftUnsupportedError (refused)."""
+    c = _aten.capture(module, args, kwargs, tensors, name)
+    from . import _graft
+    _graft.write_onnx_graph(path, opset, c.inputs, c.outputs, c.nodes)
+    ex = _export.Exported(path=path, input_names=c.input_names, input_index=c.input_index, params=c.params,
+                          output_names=c.output_names, output_template=c.output_template,
+                          has_dropout=c.has_dropout, warnings=c.warnings)
     p = _Prepared(ex=ex)
-    p.float_outputs = list(dict.fromkeys(o for o, t, _ in m.outputs if t in (_export.FLOAT, _export.DOUBLE)))
-    e = _Entry()
-    _bind_params(module, ex.params, e)
-    edits = []
-    _mark_padding_rows(m, module, e, edits)  # the capture sets padding_idx itself: nothing to edit
-    if edits:
-        raise _capture.NotCaptured("an embedding lookup without its padding row")
-    return p, ref
+    user = set(c.output_names)
+    p.float_outputs = list(dict.fromkeys(o for o, t, _ in c.outputs if o in user and t in (_export.FLOAT,
+                                                                                           _export.DOUBLE)))
+    p.state_updates = list(c.updates)
+    p.stops = c.stops
+    return p
+
+
+def _graft_threads():
+    from . import _graft
+    return _graft.num_threads()
+
+
+def _set_graft_threads(n):
+    """graft's thread team follows torch.set_num_threads, checked at every call."""
+    from . import _graft
+    _graft.set_num_threads(n)
 
 
 class _Call:
     """What one call passes to the autograd Function besides tensors."""
-    __slots__ = ("n_in", "training_run", "bf16", "box")
+    __slots__ = ("n_in", "training_run", "bf16", "box", "targets")
 
-    def __init__(self, n_in, training_run, bf16=False):
+    def __init__(self, n_in, training_run, bf16=False, targets=()):
         self.n_in, self.training_run, self.bf16, self.box = n_in, training_run, bf16, None
+        self.targets = targets  # per entry.state_updates: the tensor its new value is copied into
 
 
 def _add_module_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -368,7 +354,6 @@ class GraftModule(torch.nn.Module):
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
         self._export_peak_rss = 0
-        self._capture_ok = True  # False once a capture disagreed with the forward (Note [graft's own capture])
         self.export_method = ""  # how the latest export was made: "capture" or "torch.onnx.export (...)"
         self._warned = set()
         self._under_ddp = False
@@ -397,6 +382,16 @@ class GraftModule(torch.nn.Module):
         graft/_export.py); 0 while nothing was exported, or when the exports ran in this process
         (GRAFT_EXPORT=inprocess), whose peak RSS then covers them."""
         return self._export_peak_rss
+
+    def __getattr__(self, name):
+        # Attributes GraftModule does not have are the wrapped module's (wrapped.config, as ORTModule).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     # state_dict / load_state_dict are those of the wrapped module.
     def state_dict(self, *args, **kwargs):
@@ -458,37 +453,19 @@ class GraftModule(torch.nn.Module):
 
     def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
-        prep, peak, ref = None, 0, None
-        use, capture_here, export_here = _export_mode()
-        if capture_here is None:
-            capture_here = _capture.runs_here(self.module)
-        use = use and self._capture_ok
-        if capture:
-            self.export_method = ""
+        prep, peak = None, 0
+        mode = _export_mode()
+        if capture and mode == "capture":
             try:
-                (prep, ref), peak = _export.isolated(_capture_prepare, self.module, args, kwargs, tensors,
-                                                     path, self.opset, name, in_process=capture_here)
+                prep = _capture_prepare(self.module, args, kwargs, tensors, path, self.opset, name)
                 self.export_method = "capture"
-            except _capture.StopsGradient as why:
-                raise GraftUnsupportedError(
-                    f"{name}: {why}. graft has no stop-gradient: keep this module (or the part that stops the "
-                    "gradient) in eager mode, or pass the value in as an input.", "unsupported") from None
-            except _capture.NotCaptured as why:
+            except _aten.NotCaptured as why:
                 self.export_method = f"torch.onnx.export (not captured: {why})"
-                for i, op in why.input_writes:
-                    self._warn_once(("input write", i),
-                                    f"the forward writes into its input {i} in place ({op}). graft computes the "
-                                    "outputs as eager does, but the tensor you passed keeps the value it had "
-                                    "(eager changes it). If the caller reads it afterwards, clone it inside "
-                                    "forward before writing, or keep this module in eager mode.")
-            except GraftExportError as why:  # the capture's child died (_export.isolated): try the exporter
-                self.export_method = f"torch.onnx.export (not captured: {why.message})"
-            if not use:
-                prep, peak, ref = None, 0, None
-                self.export_method = "torch.onnx.export"
+            except GraftUnsupportedError as err:  # refused: neither graph would give eager's results
+                raise GraftUnsupportedError(f"{name}: {err.message}", err.kind) from None
         if prep is None:
             prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name,
-                                          in_process=export_here)
+                                          in_process=mode == "inprocess")
             if not self.export_method.startswith("torch.onnx.export"):
                 self.export_method = "torch.onnx.export"
         self._export_peak_rss = max(self._export_peak_rss, peak)
@@ -513,17 +490,15 @@ class GraftModule(torch.nn.Module):
         e.float_outputs = prep.float_outputs
         e.state_updates = prep.state_updates
         e.counters = [module.get_buffer(n) for n in prep.counters]
-        e.reference = ref
         from . import _graft
-        e.warmup = _proc.CodePages()
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
                                        self.gradients, self.check_finite, self.max_memory,
                                        self.activation_budget)
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
-            if ref is not None and isinstance(err, (GraftUnsupportedError, GraftInvalidModelError, GraftShapeError,
-                                                    GraftInternalError)):
+            if self.export_method == "capture" and not prep.stops and isinstance(
+                    err, (GraftUnsupportedError, GraftInvalidModelError, GraftShapeError, GraftInternalError)):
                 # graft cannot build a session from its own capture: export the module instead.
                 self.export_method = f"torch.onnx.export (not captured: graft refused the capture: {err.message})"
                 return self._build_in(path, args, kwargs, tensors, capture=False)
@@ -556,7 +531,6 @@ class GraftModule(torch.nn.Module):
             # few Python objects). Collect them now, once per export, so that the first step
             # does not hold the activations twice. Then hand the freed heap pages back.
             gc.collect()
-            _release_free_heap()
             self._cache[key] = entry
             self._exports += 1
             while len(self._cache) > self.cache_size:
@@ -606,8 +580,17 @@ class GraftModule(torch.nn.Module):
         with self._lock:
             return next(reversed(self._cache.values())) if self._cache else None
 
+    def _target(self, kind, key, entry, tensors):
+        if kind == "slot":
+            return entry.current[key]
+        if kind == "input":
+            return tensors[key]
+        return self.module.get_buffer(key)
+
     def forward(self, *args, **kwargs):
         name = self._name()
+        if torch.get_num_threads() != _graft_threads():
+            _set_graft_threads(torch.get_num_threads())
         bf16 = self.precision == "bf16"
         if _autocast_cpu():
             if _autocast_cpu_dtype() == torch.bfloat16:
@@ -633,27 +616,10 @@ class GraftModule(torch.nn.Module):
         key = (static_key, tuple(sig), state, frozen)
         entry = self._entry(args, kwargs, tensors, key)
         entry.calls += 1
-        if entry.calls == 2 and entry.warmup is not None:
-            # The second call: the code only the session's build and the first step ran goes
-            # (Note [code pages read once], "After the first step").
-            warmup, entry.warmup = entry.warmup, None
-            _export.release_code_pages(warmup)
         in_tensors = [tensors[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
-        call = _Call(len(in_tensors), training_run, bf16)
+        targets = [self._target(kind, key, entry, tensors) for _, (kind, key) in entry.state_updates]
+        call = _Call(len(in_tensors), training_run, bf16, targets)
         outs = relay_outputs(GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params), call)
-        ref, entry.reference = entry.reference, None
-        if ref is not None and not _capture.matches(ref, outs, loose=bf16):
-            # Note [graft's own capture]: the captured graph computed something else than the
-            # module's forward did. Never return that: drop the capture and run this call again
-            # through torch.onnx.export.
-            del outs
-            with self._lock:
-                self._cache.clear()
-            self._capture_ok = False
-            self._warn_once("capture", "graft's own capture of this module's forward disagreed with the forward "
-                                       "itself on the first call; it is exported with torch.onnx.export instead "
-                                       "(a bug in graft: please report it with the module).")
-            return self.forward(*args, **kwargs)
         return _flatten.rebuild(entry.output_template, iter(outs))

@@ -335,9 +335,13 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     const auto& np = gp.node(i);
     std::string label = "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) +
                         "' (" + np.op_type() + ")";
-    GRAFT_CHECK(
-        np.domain().empty() || np.domain() == "ai.onnx", ErrorKind::Unsupported,
-        label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
+    // graft's own domain: only StopGradient, which graft's PyTorch capture writes (a constant for
+    // autodiff where eager's autograd stops a gradient; python/graft/_aten.py, Note [capture]).
+    GRAFT_CHECK(np.domain().empty() || np.domain() == "ai.onnx" ||
+                    (np.domain() == "graft" && np.op_type() == "StopGradient"),
+                ErrorKind::Unsupported,
+                label + " is in domain '" + np.domain() +
+                    "'; graft supports the default ONNX domain only");
     for (const auto& o : np.output()) {
       if (o.empty()) continue;
       GRAFT_CHECK(g.find(o) < 0 && !producer_of.count(o), ErrorKind::InvalidModel,
@@ -383,6 +387,7 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     const auto& np = gp.node(i);
     Node n;
     n.op = np.op_type();
+    if (np.domain() == "graft") n.domain = "graft";
     n.name = np.name().empty() ? g.unique_name(n.op + "_" + std::to_string(i)) : np.name();
     bool attrs_ok = true;
     for (const auto& ap : np.attribute()) {

@@ -809,6 +809,8 @@ void grad_sigmoid(GradBuilder& g) {
 }
 void grad_relu(GradBuilder& g) { g.set_dx(0, g.emit1("ReluGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
 void grad_identity(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
+// StopGradient's input never needs a gradient (nondiff_inputs): nothing flows back through it.
+void grad_stop(GradBuilder&) {}
 // A piecewise-constant op (Sign): its gradient is zero almost everywhere, as in PyTorch.
 void grad_zero(GradBuilder& g) {
   g.set_dx(0, g.emit1("Mul", {g.dy(0), g.scalar(0, g.val(g.dy(0)).dtype)}));
@@ -872,6 +874,14 @@ const OpDef kOps[] = {
      .grad = grad_relu,
      .inplace_input = 0},
     {.name = "Identity", .infer = infer_same, .grad = grad_identity, .alias = true},
+    // graft's own: the value as it is, a constant for autodiff (where eager's autograd stops a
+    // gradient: detach(), torch.no_grad; python/graft/_aten.py, Note [capture]).
+    {.name = "StopGradient",
+     .domain = "graft",
+     .infer = infer_same,
+     .grad = grad_stop,
+     .alias = true,
+     .nondiff_inputs = {0}},
     {.name = "Add",
      .min_in = 2,
      .max_in = 2,

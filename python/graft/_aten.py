@@ -1,0 +1,575 @@
+"""GraftModule's capture of a module's forward, on PyTorch's own machinery (Note [capture]).
+
+    captured = capture(module, args, kwargs, tensors, name)   # an aten graph, as graft nodes
+
+What it cannot take raises NotCaptured (GraftModule then tries torch.onnx.export, a documented
+fallback); what graft must not run at all (module hooks, a custom autograd.Function) raises
+GraftUnsupportedError.
+"""
+import operator
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+
+from . import _flatten
+from .errors import GraftUnsupportedError
+
+# Note [capture]
+# GraftModule does not trace the forward itself. PyTorch's own pieces do, the two that
+# torch.export and AOTAutograd are built from, on torch 1.13 and 2.x alike:
+#
+# * make_fx records every aten op the forward runs, below autograd (composite ops such as
+#   F.linear or nn.MultiheadAttention already taken apart into addmm, bmm, _softmax...);
+# * functionalization (torch._enable_functionalization) turns every in-place op and every write
+#   through a view into an out-of-place op on a new value. A masked_fill_ into a tensor the forward
+#   made is a masked_fill; a write into the caller's input or into a buffer is a new value the graph
+#   returns, which GraftModule copies back after each call, as eager's forward writes it.
+#
+# Autograd stays on above functionalization (its wrappers require grad where the module's
+# parameters and inputs do), so a TorchFunctionMode sees each call of the forward as eager runs it,
+# with eager's requires_grad: where a call's inputs carry a gradient and its output does not (the
+# call ran under torch.no_grad, or was detach() or .data), the output goes through graft's
+# stop_gradient op, and graft's autodiff treats the value as a constant there, as eager does. A
+# custom autograd.Function is seen by its backward node and refused (graft would differentiate the
+# ops of its forward, not run its backward). Module hooks are refused before anything runs: a hook
+# would run once, at the capture, and never again.
+#
+# Why not torch.export on torch 2.x: it is this same make_fx + functionalization underneath, but it
+# runs autograd off, so graft could no longer tell a torch.no_grad region from the rest; driving the
+# two pieces directly gives one path on both torch versions.
+#
+# Then each aten op becomes graft nodes by a rule in _RULES (the aten -> graft table below). An op
+# whose operands are all constants (no input, parameter or buffer reaches it: a causal mask, position
+# ids from arange) is computed here and becomes a Constant node. The trace runs the forward once on
+# the real tensors (autograd saving nothing for a backward that never runs), with a copy of the
+# buffers and the RNG put back, so the module's state is as it was.
+
+
+class NotCaptured(Exception):
+    """The capture cannot take this module (the reason in the message). exportable: whether
+    torch.onnx.export may be tried instead (False where the forward stops a gradient, which the
+    exporter's graph would not)."""
+
+    def __init__(self, why, exportable=True):
+        super().__init__(why)
+        self.exportable = exportable
+
+
+_lib = None
+
+
+def _stop_gradient_op():
+    """graft::stop_gradient(Tensor) -> Tensor, an op of graft's own that marks in the traced graph
+    where eager's autograd stops a gradient (it computes a copy)."""
+    global _lib
+    if _lib is None:
+        lib = torch.library.Library("graft", "DEF")
+        lib.define("stop_gradient(Tensor x) -> Tensor")
+        lib.impl("stop_gradient", lambda x: x.clone(), "CompositeExplicitAutograd")
+        _lib = lib
+    return torch.ops.graft.stop_gradient.default
+
+
+def _leaves(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+    else:
+        yield x
+
+
+def _custom_function(t):
+    fn = getattr(t, "grad_fn", None)
+    if isinstance(fn, torch.autograd.function.BackwardCFunction):
+        return type(fn).__name__
+    return None
+
+
+class _Watch(TorchFunctionMode):
+    """Sees each torch call of the forward above autograd (Note [capture])."""
+
+    def __init__(self, stop):
+        super().__init__()
+        self.stop = stop
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        for a in ins:
+            custom = _custom_function(a)
+            if custom:
+                raise GraftUnsupportedError(
+                    f"the forward calls a custom torch.autograd.Function ({custom}); graft would differentiate "
+                    "the ops of its forward instead of running its backward. Keep the submodule that calls it "
+                    "in eager mode.", "unsupported")
+        if func is torch.nn.functional.dropout:
+            # F.dropout below autograd is a bernoulli_ into an empty tensor on the CPU; native_dropout
+            # is the same computation as one op, which graft runs as its fused Dropout (graft's own
+            # mask, drawn from a seed PyTorch's generator gives each call).
+            x, p, training, inplace = _dropout_args(*args, **kwargs)
+            if training and 0 < p < 1 and not inplace:
+                return torch.ops.aten.native_dropout(x, p, True)[0]
+        out = func(*args, **kwargs)
+        if not any(a.requires_grad for a in ins):
+            return out
+        return self._mark(out, ins)
+
+    def _mark(self, out, ins):
+        if isinstance(out, torch.Tensor):
+            if out.is_floating_point() and not out.requires_grad and all(out is not a for a in ins):
+                return self.stop(out)
+            return out
+        if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+            return type(out)(self._mark(o, ins) for o in out)
+        return out
+
+
+def _user_frame(ex):
+    """ ' (at file:line)' of the innermost frame of `ex` outside torch and graft, or ''."""
+    import os
+    import traceback
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(ex.__traceback__) if not os.path.abspath(f.filename).startswith(skip)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+
+
+def _dropout_args(input, p=0.5, training=True, inplace=False):
+    return input, p, training, inplace
+
+
+def _drop(_):
+    return None
+
+
+def _refuse_hooks(module, name):
+    """Module hooks run in Python: captured, they would run once and never again (Note [capture])."""
+    import torch.nn.modules.module as mm
+    glob = [n for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                        "_global_backward_pre_hooks") if getattr(mm, n, None)]
+    if glob:
+        raise GraftUnsupportedError(
+            f"{name}: a global module hook is registered (torch.nn.modules.module.register_module_{glob[0][8:-1]}); "
+            "graft would run it once, at the capture, and never again. Remove it while GraftModule runs.",
+            "unsupported")
+    kinds = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+             ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
+    for path, m in module.named_modules():
+        for attr, what in kinds:
+            hooks = getattr(m, attr, None)
+            if hooks:
+                fn = next(iter(hooks.values()))
+                fname = getattr(fn, "__qualname__", type(fn).__name__)
+                where = f"'{path}' ({type(m).__name__})" if path else f"the module itself ({type(m).__name__})"
+                raise GraftUnsupportedError(
+                    f"{name}: a {what} ({fname}) is registered on {where}; graft runs the forward as one graph, "
+                    "so the hook would run once, at the capture, and never again. Remove the hook, or keep that "
+                    "submodule in eager mode (wrap only the part without hooks).", "unsupported")
+
+
+def _state(module):
+    """(name, tensor) of each parameter and buffer, each tensor once (the first name)."""
+    seen, out = set(), []
+    for n, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((n, t))
+    return out
+
+
+def _functional_call(module, state, args, kwargs):
+    try:
+        from torch.func import functional_call
+    except ImportError:  # torch 1.13
+        from torch.nn.utils.stateless import functional_call
+    return functional_call(module, state, tuple(args), kwargs)
+
+
+class Captured:
+    """What the capture gives GraftModule: graft's nodes and how the call maps onto them."""
+
+    def __init__(self):
+        self.inputs: List[tuple] = []        # (graph input, ONNX elem type, dims)
+        self.outputs: List[tuple] = []       # (graph output, elem type, dims): the user's, then updates
+        self.nodes: List[tuple] = []         # (op, domain, name, inputs, outputs, attrs)
+        self.input_names: List[str] = []     # graph inputs fed from the call's tensors
+        self.input_index: List[int] = []     # their positions among the call's tensors
+        self.params: List[Tuple[str, str]] = []  # (graph input, state name) of parameters and buffers
+        self.output_names: List[str] = []    # the user's outputs
+        self.output_template: Any = None
+        self.has_dropout = False
+        # After each call: (graph output, ("state", state name) | ("input", tensor index)), the new
+        # value of a buffer or of a call tensor the forward wrote into.
+        self.updates: List[Tuple[str, Tuple[str, Any]]] = []
+        self.warnings: List[tuple] = []      # (message, None, None, None): for GraftModule to warn
+        self.stops = False                   # the graph stops a gradient (no torch.onnx.export then)
+
+
+PREFIX = "m."  # graph inputs bound to module state: PREFIX + its state_dict name
+_ELEM = {torch.float32: 1, torch.int64: 7, torch.int32: 6, torch.bool: 9, torch.float64: 11}
+
+
+def elem(dtype, what="a value") -> int:
+    e = _ELEM.get(dtype)
+    if e is None:
+        raise NotCaptured(f"{what} has dtype {dtype}")
+    return e
+
+
+def capture(module, args, kwargs, tensors, name) -> Captured:
+    """Traces module(*args, **kwargs) (its tensors flattened in `tensors`) and translates it."""
+    _refuse_hooks(module, name)
+    stop = _stop_gradient_op()
+    state = _state(module)
+    names = [n for n, _ in state]
+    call_ids = {id(t) for t in tensors}
+    if any(id(t) in call_ids for _, t in state):
+        raise NotCaptured("a call tensor that is also a parameter or buffer")
+    n_state, n_in = len(state), len(tensors)
+    box = {}
+
+    def traced(*flat):
+        torch._enable_functionalization(reapply_views=True)
+        try:
+            wrapped = []
+            for t, orig in zip(flat, [t for _, t in state] + list(tensors)):
+                w = torch._to_functional_tensor(t)
+                if orig.requires_grad and orig.is_floating_point():
+                    w.requires_grad_(True)
+                wrapped.append(w)
+            st = dict(zip(names, wrapped[:n_state]))
+            a, kw = _flatten.rebuild((args, kwargs), iter(wrapped[n_state:]))
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), _Watch(stop):
+                out = _functional_call(module, st, a, kw)
+            leaves = _flatten.flatten_outputs(out)
+            for t in leaves:
+                custom = _custom_function(t)
+                if custom:
+                    raise GraftUnsupportedError(
+                        f"the forward calls a custom torch.autograd.Function ({custom}); graft would "
+                        "differentiate the ops of its forward instead of running its backward. Keep the "
+                        "submodule that calls it in eager mode.", "unsupported")
+            box["template"] = _flatten.rebuild(out, iter([torch.empty(0) for _ in leaves]))
+            box["n_out"] = len(leaves)
+            res = []
+            for t in list(leaves) + wrapped:
+                torch._sync(t)
+                res.append(torch._from_functional_tensor(t))
+            return tuple(res)
+        finally:
+            torch._disable_functionalization()
+
+    rng = torch.get_rng_state()
+    # The trace computes on the real tensors: parameters as they are (nothing writes them), buffers
+    # and call tensors as copies (an op that writes without saying so in its schema, torch 1.13's
+    # BatchNorm statistics, must not change the module).
+    flat = [t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone() for _, t in state]
+    flat += [t.detach().clone() for t in tensors]
+    try:
+        gm = make_fx(traced)(*flat)
+    except (GraftUnsupportedError, NotCaptured):
+        raise
+    except Exception as ex:  # noqa: BLE001
+        first = str(ex).strip().splitlines()[0] if str(ex).strip() else ""
+        if "value out of a tracing tensor" in first or "data-dependent" in first:
+            raise GraftUnsupportedError(
+                "the forward reads a tensor's value into Python (a branch `if tensor:`, .item(), .tolist(), "
+                "or a random draw deciding a branch, as LayerDrop): graft trains one graph for every call, so it "
+                "would replay the value of this call. Compute it with tensor ops (torch.where), pass it in as a "
+                f"plain argument, or keep this module in eager mode{_user_frame(ex)}.", "unsupported") from None
+        raise GraftUnsupportedError(f"PyTorch's tracer (make_fx) stopped in the forward: {type(ex).__name__}: "
+                                    f"{first}", "unsupported") from ex
+    finally:
+        torch.set_rng_state(rng)
+    del flat
+    stops = any(getattr(n.target, "_schema", None) is not None and n.target._schema.name.split("::")[-1] in _STOPS
+                for n in gm.graph.nodes if n.op == "call_function")
+    try:
+        c = _translate(gm, module, state, tensors, box, name)
+        c.stops = stops
+        return c
+    except NotCaptured as ex:
+        if stops:
+            raise GraftUnsupportedError(
+                f"{ex}; and torch.onnx.export, graft's other way in, would differentiate through the "
+                "places where the forward stops a gradient (detach(), torch.no_grad, .data)", "unsupported") \
+                from None
+        raise
+
+
+# --- aten graph -> graft nodes ---------------------------------------------------------------------
+class _Builder:
+    """Emits graft nodes; rules see graph values as meta tensors (shape, dtype) bound to names."""
+
+    def __init__(self):
+        self.nodes: List[tuple] = []
+        self.names: Dict[int, Tuple[torch.Tensor, str]] = {}
+        self.consts: Dict[int, Tuple[torch.Tensor, str]] = {}
+        self.producer: Dict[str, tuple] = {}
+        self.shapes: Dict[str, list] = {}
+        self.updates: Dict[str, str] = {}  # state graph input -> its new value (torch 1.13's BatchNorm)
+        self.has_dropout = False
+        self.n = 0
+
+    def fresh(self, hint="v"):
+        self.n += 1
+        return f"{hint}{self.n}"
+
+    def bind(self, t, name):
+        self.names[id(t)] = (t, name)
+        self.shapes[name] = list(t.shape)
+
+    def name_of(self, t):
+        hit = self.names.get(id(t))
+        return hit[1] if hit is not None and hit[0] is t else None
+
+    def v(self, x, dtype=None):
+        """The graph value of an op's argument, cast to dtype where given: a bound value, or a
+        constant (a Constant node)."""
+        if isinstance(x, torch.Tensor):
+            name = self.name_of(x)
+            if name is not None:
+                if dtype is not None and x.dtype != dtype:
+                    return self.emit("Cast", [name], attrs=[("to", "i", elem(dtype, "a cast"))])
+                return name
+            if x.device.type == "meta":
+                raise NotCaptured("an internal value without a name")  # a rule's bug
+            key = (id(x), None if dtype is None else str(dtype))
+            hit = self.consts.get(key)
+            if hit is not None and hit[0] is x:
+                return hit[1]
+            t = x if dtype is None else x.to(dtype)
+            name = self.fresh("c")
+            self.shapes[name] = list(t.shape)
+            raw = t.detach().contiguous().numpy().tobytes()
+            self.nodes.append(("Constant", "", f"{name}_Constant", [], [name],
+                               [("value", "t", (elem(t.dtype, "a constant"), list(t.shape), raw))]))
+            self.consts[key] = (x, name)
+            return name
+        if isinstance(x, (bool, int, float)):
+            if dtype is None:
+                dtype = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float32
+            return self.v(torch.tensor(x, dtype=dtype))
+        raise NotCaptured(f"an argument of type {type(x).__name__}")
+
+    def ints(self, xs):
+        return self.v(torch.tensor([int(x) for x in xs], dtype=torch.int64))
+
+    def emit(self, op, inputs, outputs=None, attrs=(), nout=1, domain=""):
+        names = outputs if outputs is not None else [self.fresh() for _ in range(nout)]
+        self.nodes.append((op, domain, f"n{len(self.nodes)}_{op}", list(inputs), list(names), list(attrs)))
+        for o in names:
+            if o:
+                self.producer[o] = (op, list(inputs), list(attrs))
+        return names[0] if outputs is None and nout == 1 else names
+
+
+def _meta(tm):
+    """Meta tensors (shape and dtype, no data) for a node's TensorMetadata (or a tuple of them)."""
+    if tm is None:
+        return None
+    if isinstance(tm, (tuple, list)) and not hasattr(tm, "dtype"):
+        return type(tm)(_meta(x) for x in tm)
+    return torch.empty(tuple(tm.shape), dtype=tm.dtype, device="meta")
+
+
+def _is_graph_value(x):
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+_STOPS = {"stop_gradient", "detach"}
+# Ops whose result is random: never computed at capture time as a constant (graft would replay one
+# draw on every call).
+RANDOM_OPS = {"rand", "randn", "randint", "randperm", "bernoulli", "bernoulli_", "normal", "normal_",
+              "uniform", "uniform_", "native_dropout", "dropout", "rand_like", "randn_like", "randint_like",
+              "multinomial", "exponential", "exponential_", "random", "random_", "cauchy", "geometric",
+              "log_normal"}
+
+
+def _where(node):
+    """The user's source line of an fx node, where the tracer kept it."""
+    st = node.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File ")]
+    return f" (at {lines[-1]})" if lines else ""
+
+
+_READS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}  # a tensor's value into Python
+
+
+def _opname(node):
+    op = getattr(node.target, "_schema", None)
+    return op.name.split("::")[-1] if op is not None else ""
+
+
+def _classify(gm, placeholders, out_node, name):
+    """(the nodes the outputs depend on, warnings). A value read into Python (.item(), a branch)
+    is baked into the graph by the trace: refused where it depends on the inputs or the module's
+    state; said where it is a random draw (LayerDrop: graft replays this call's branch)."""
+    graph = set(placeholders)
+    random = set()
+    warns = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ins = node.all_input_nodes
+        if any(i in graph for i in ins):
+            graph.add(node)
+        if _opname(node) in RANDOM_OPS or any(i in random for i in ins):
+            random.add(node)
+        if _opname(node) in _READS:
+            if node in graph:
+                raise NotCaptured(f"the forward reads a tensor value into Python (.item(), a branch on a tensor)"
+                                  f"{_where(node)}")
+            if node in random:
+                warns.append((f"{name}: the forward branches on a random number{_where(node)}; graft replays the "
+                              "branch this call took on every call with these input shapes (eager draws it anew "
+                              "each call). If the branch matters (LayerDrop with p > 0), keep this module in eager "
+                              "mode.", None, None, None))
+    live = set()
+    stack = list(out_node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live, warns
+
+
+def _state_slot(t, state):
+    """The index in `state` of the parameter or buffer `t` is (the same memory and layout), or None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    for k, (_, s) in enumerate(state):
+        if s.data_ptr() == t.data_ptr() and s.shape == t.shape and s.stride() == t.stride() and s.dtype == t.dtype:
+            return k
+    return None
+
+
+def _translate(gm, module, state, tensors, box, name) -> Captured:
+    from . import _aten_rules as rules
+    b = _Builder()
+    c = Captured()
+    vals: Dict[Any, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_state = len(state)
+    graph_names = [PREFIX + n for n, _ in state] + [f"input_{i}" for i in range(len(tensors))]
+    for node, gname in zip(placeholders, graph_names):
+        m = _meta(node.meta.get("tensor_meta"))
+        b.bind(m, gname)
+        vals[node] = m
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    live, warns = _classify(gm, placeholders, out_node, name)
+    c.warnings = warns
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node not in live:
+            continue
+        if node.op == "get_attr":
+            t = getattr(gm, node.target)
+            k = _state_slot(t, state)
+            # A parameter or buffer the forward reached other than through its module attribute
+            # (nn.LSTM's cached _flat_weights on torch 1.13): the trace saw it as a constant; it is
+            # the module's state, read as such.
+            vals[node] = vals[placeholders[k]] if k is not None else t
+            continue
+        if node.op != "call_function":
+            raise NotCaptured(f"an fx node of kind {node.op}")
+        a, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: vals[n])
+        if node.target is operator.getitem:
+            vals[node] = a[0][a[1]]
+            continue
+        op = getattr(node.target, "_schema", None)
+        opname = op.name.split("::")[-1] if op is not None else str(node.target)
+        if not any(_is_graph_value(x) for x in _leaves((a, kw))):
+            if opname in RANDOM_OPS:
+                raise NotCaptured(f"random numbers (aten::{opname}) feed the graph{_where(node)}")
+            vals[node] = node.target(*a, **kw)  # constants only: computed here (Note [capture])
+            continue
+        out = _meta(node.meta.get("tensor_meta"))
+        if out is None:  # several outputs (torch 1.13 keeps no metadata for those): from their readers
+            got = {u.args[1]: _meta(u.meta.get("tensor_meta")) for u in node.users if u.target is operator.getitem}
+            out = [got.get(i) for i in range(max(got) + 1)] if got else []
+        if opname in _STOPS:
+            made = b.emit("StopGradient", [b.v(a[0])], domain="graft")
+        else:
+            rule = rules.RULES.get(opname)
+            if rule is None:
+                raise NotCaptured(f"graft has no rule for the PyTorch op aten::{opname}{_where(node)}")
+            try:
+                made = rule(b, out, *a, **kw)
+            except NotCaptured as ex:
+                raise NotCaptured(f"aten::{opname}: {ex}{_where(node)}") from None
+        if isinstance(out, (tuple, list)):
+            made = list(made) if isinstance(made, (list, tuple)) else [made]
+            for o, nm in zip(out, made):
+                if o is not None and nm:
+                    b.bind(o, nm)
+            vals[node] = out
+        else:
+            b.bind(out, made if isinstance(made, str) else made[0])
+            vals[node] = out
+    # The outputs: the user's, then the new value of each parameter, buffer and call tensor.
+    results = list(out_node.args[0])
+    n_out = box["n_out"]
+    user, final = results[:n_out], results[n_out:]
+    used = set()
+    for i, r in enumerate(user):
+        t = vals[r] if isinstance(r, torch.fx.Node) else r
+        if not isinstance(t, torch.Tensor):
+            raise NotCaptured(f"output {i} is not a tensor")
+        nm = b.v(t)
+        if nm in used or nm in graph_names:
+            nm = b.emit("Identity", [nm])
+        used.add(nm)
+        oname = f"output_{i}"
+        b.nodes.append(("Identity", "", f"out_{i}", [nm], [oname], []))
+        c.outputs.append((oname, elem(t.dtype, f"output {i}"), list(t.shape)))
+        c.output_names.append(oname)
+    for k, (r, ph) in enumerate(zip(final, placeholders)):
+        gname = graph_names[k]
+        new = b.updates.get(gname)
+        if new is None:
+            if r is ph:
+                continue
+            t = vals[r] if isinstance(r, torch.fx.Node) else r
+            new = b.v(t, dtype=ph.meta["tensor_meta"].dtype)
+        if k < n_state and isinstance(state[k][1], torch.nn.Parameter):
+            raise NotCaptured(f"the forward writes into parameter '{state[k][0]}'")
+        oname = f"update_{k}"
+        b.nodes.append(("Identity", "", f"upd_{k}", [new], [oname], []))
+        tm = ph.meta["tensor_meta"]
+        c.outputs.append((oname, elem(tm.dtype, f"'{gname}'"), list(tm.shape)))
+        c.updates.append((oname, ("state", state[k][0]) if k < n_state else ("input", k - n_state)))
+    c.nodes = _live(b.nodes, {o for o, _, _ in c.outputs})
+    read = {i for n in c.nodes for i in n[3]}
+    for k, (gname, ph) in enumerate(zip(graph_names, placeholders)):
+        if gname not in read:
+            continue
+        tm = ph.meta["tensor_meta"]
+        what = f"parameter '{state[k][0]}'" if k < n_state else f"input {k - n_state}"
+        c.inputs.append((gname, elem(tm.dtype, what), list(tm.shape)))
+        if k < n_state:
+            c.params.append((gname, state[k][0]))
+        else:
+            c.input_names.append(gname)
+            c.input_index.append(k - n_state)
+    c.output_template = box["template"]
+    c.has_dropout = b.has_dropout
+    return c
+
+
+def _live(nodes, outputs):
+    """The nodes the outputs depend on, in order."""
+    need = set(outputs)
+    keep = []
+    for n in reversed(nodes):
+        if any(o in need for o in n[4]):
+            keep.append(n)
+            need.update(n[3])
+    keep.reverse()
+    return keep
