@@ -138,6 +138,18 @@ def _user_frame(ex):
     return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
+# Fused kernels of torch 2.x that graft runs as their definition (PyTorch's own decompositions into
+# ops graft has rules for): attention on the CPU (its math path; a query whose keys are all masked
+# gives 0, as PyTorch's _safe_softmax).
+_DECOMPOSE = ("_scaled_dot_product_flash_attention_for_cpu", "_safe_softmax")
+
+
+def _decompositions():
+    from torch._decomp import get_decompositions
+    ops = [getattr(torch.ops.aten, n) for n in _DECOMPOSE if hasattr(torch.ops.aten, n)]
+    return get_decompositions(ops)
+
+
 def _dropout_args(input, p=0.5, training=True, inplace=False):
     return input, p, training, inplace
 
@@ -146,8 +158,9 @@ def _drop(_):
     return None
 
 
-def _refuse_hooks(module, name):
-    """Module hooks run in Python: captured, they would run once and never again (Note [capture])."""
+def _refuse_early(module, name):
+    """What is refused before anything runs: module hooks (captured, they would run once and never
+    again: Note [capture]) and a cumulative-average BatchNorm."""
     import torch.nn.modules.module as mm
     glob = [n for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                         "_global_backward_pre_hooks") if getattr(mm, n, None)]
@@ -159,6 +172,12 @@ def _refuse_hooks(module, name):
     kinds = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
              ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
     for path, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
+                and m.momentum is None:
+            raise GraftUnsupportedError(
+                f"{name}: BatchNorm '{path}' has momentum=None (a cumulative average, whose factor eager reads "
+                "from num_batches_tracked into Python each call); graft would replay this call's factor. Give it a "
+                "momentum, or keep this module in eager mode.", "unsupported")
         for attr, what in kinds:
             hooks = getattr(m, attr, None)
             if hooks:
@@ -222,7 +241,7 @@ def elem(dtype, what="a value") -> int:
 
 def capture(module, args, kwargs, tensors, name) -> Captured:
     """Traces module(*args, **kwargs) (its tensors flattened in `tensors`) and translates it."""
-    _refuse_hooks(module, name)
+    _refuse_early(module, name)
     stop = _stop_gradient_op()
     state = _state(module)
     names = [n for n, _ in state]
@@ -270,7 +289,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     flat = [t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone() for _, t in state]
     flat += [t.detach().clone() for t in tensors]
     try:
-        gm = make_fx(traced)(*flat)
+        gm = make_fx(traced, decomposition_table=_decompositions())(*flat)
     except (GraftUnsupportedError, NotCaptured):
         raise
     except Exception as ex:  # noqa: BLE001

@@ -363,10 +363,12 @@ def _log_softmax(r, out, a, dim, half_to_float=False):
 
 @rule("native_layer_norm")
 def _layer_norm(r, out, x, shape, w, b, eps):
-    if w is None or b is None:
-        raise NotCaptured("layer_norm without an affine weight and bias")
-    return r.emit("LayerNormalization", [r.v(x), r.v(w), r.v(b)],
-                  attrs=[("axis", "i", x.dim() - len(shape)), ("epsilon", "f", float(eps))])
+    dt = x.dtype
+    wn = r.v(w) if w is not None else r.v(torch.ones(tuple(shape), dtype=dt))
+    bn = r.v(b) if b is not None else r.v(torch.zeros(tuple(shape), dtype=dt))
+    y = r.emit("LayerNormalization", [r.v(x), wn, bn],
+               attrs=[("axis", "i", x.dim() - len(shape)), ("epsilon", "f", float(eps))])
+    return [y, None, None]
 
 
 @rule("embedding")
@@ -555,3 +557,109 @@ def _native_dropout(r, out, x, p, train):
     r.has_dropout = True
     y = r.emit("Dropout", [r.v(x), r.v(float(p), out[0].dtype), r.v(True)])
     return [y, None]
+
+
+# --- logic and clamps ----------------------------------------------------------------------------
+def _bool(r, x):
+    return r.v(x, torch.bool) if isinstance(x, torch.Tensor) else r.v(bool(x))
+
+
+@rule("logical_not")
+def _logical_not(r, out, a):
+    return r.emit("Not", [_bool(r, a)])
+
+
+@rule("bitwise_not")
+def _bitwise_not(r, out, a):
+    if a.dtype != torch.bool:
+        raise NotCaptured("bitwise_not of an integer tensor")
+    return r.emit("Not", [r.v(a)])
+
+
+def _logic(onnx_op, bitwise):
+    def fn(r, out, a, b):
+        if bitwise and (out.dtype != torch.bool):
+            raise NotCaptured("a bitwise op on integers")
+        return r.emit(onnx_op, [_bool(r, a), _bool(r, b)])
+    return fn
+
+
+for _n, _o in (("and", "And"), ("or", "Or"), ("xor", "Xor")):
+    _RULES[f"logical_{_n}"] = _logic(_o, False)
+    _RULES[f"bitwise_{_n}"] = _logic(_o, True)
+
+
+def _any_of(r, a, dim, keepdim):
+    """Whether any element along dim (all where None) is true, as bool."""
+    x = r.emit("Cast", [_bool(r, a)], attrs=[("to", "i", 1)])
+    axes = list(range(a.dim())) if dim is None else [_axis(d, a.dim()) for d in (dim if isinstance(dim, (list, tuple))
+                                                                                 else [dim])]
+    m = r.emit("ReduceMax", [x], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
+    return r.emit("Greater", [m, r.v(0.0)])
+
+
+@rule("any")
+def _any(r, out, a, dim=None, keepdim=False):
+    return _any_of(r, a, dim, keepdim)
+
+
+@rule("all")
+def _all(r, out, a, dim=None, keepdim=False):
+    neg = r.emit("Not", [_bool(r, a)])
+    x = r.emit("Cast", [neg], attrs=[("to", "i", 1)])
+    axes = list(range(a.dim())) if dim is None else [_axis(d, a.dim()) for d in (dim if isinstance(dim, (list, tuple))
+                                                                                 else [dim])]
+    m = r.emit("ReduceMax", [x], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
+    return r.emit("Not", [r.emit("Greater", [m, r.v(0.0)])])
+
+
+@rule("clamp", "clamp_min", "clamp_max", "hardtanh")
+def _clamp(r, out, a, lo=None, hi=None):
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        raise NotCaptured("clamp with tensor bounds")
+    return r.emit("Clip", [r.v(a), r.v(float(lo), out.dtype) if lo is not None else "",
+                           r.v(float(hi), out.dtype) if hi is not None else ""])
+
+
+_RULES["clamp_max"] = lambda r, out, a, hi: _clamp(r, out, a, None, hi)
+
+
+@rule("leaky_relu")
+def _leaky_relu(r, out, a, slope=0.01):
+    x = r.v(a)
+    return r.emit("Where", [r.emit("Greater", [x, r.v(0.0, a.dtype)]), x, r.emit("Mul", [x, r.v(float(slope), a.dtype)])])
+
+
+@rule("sign")
+def _sign(r, out, a):
+    return r.emit("Sign", [r.v(a)])
+
+
+@rule("index_select")
+def _index_select(r, out, a, dim, index):
+    return r.emit("Gather", [r.v(a), r.v(index)], attrs=[("axis", "i", _axis(dim, a.dim()))])
+
+
+@rule("hardsigmoid")
+def _hardsigmoid(r, out, a):
+    return r.emit("HardSigmoid", [r.v(a)], attrs=[("alpha", "f", 1.0 / 6), ("beta", "f", 0.5)])
+
+
+@rule("hardswish")
+def _hardswish(r, out, a):
+    return r.emit("HardSwish", [r.v(a)])
+
+
+@rule("bernoulli", "bernoulli_")
+def _bernoulli(r, out, a, p=None, generator=None):
+    """bernoulli(x, p): 0 / 1 draws of probability p in x's shape (how dropout is written below
+    autograd), from graft's Dropout of ones: Bernoulli(1 - ratio) / (1 - ratio), times p."""
+    if p is None or isinstance(p, torch.Tensor) or generator is not None:
+        raise NotCaptured("bernoulli with per-element probabilities or a generator")
+    p = float(p)
+    if not 0 < p < 1:
+        return _filled(r, 1.0 if p >= 1 else 0.0, out)
+    r.has_dropout = True
+    ones = _filled(r, 1.0, out)
+    kept = r.emit("Dropout", [ones, r.v(1.0 - p, out.dtype), r.v(True)])
+    return r.emit("Mul", [kept, r.v(p, out.dtype)])

@@ -703,7 +703,6 @@ def assert_unchanged(m, snap):
     (Median, GraftExportError, ["Median", "aten::median", "eager mode"]),
     (Elu, GraftUnsupportedError, ["Elu", "'Elu'", "eager mode"]),
     (Atan, GraftUnsupportedError, ["Atan", "'Atan'", "eager mode"]),
-    (Counting, GraftUnsupportedError, ["Counting", "'calls'", "in place", "eager mode"]),
 ])
 def test_unexportable_or_unsupported_module(cls, error, needles):
     m = cls()
@@ -718,13 +717,28 @@ def test_unexportable_or_unsupported_module(cls, error, needles):
     assert not g._cache
 
 
-def test_data_dependent_branch_warns():
+def test_a_buffer_the_forward_updates_moves_as_in_eager():
+    """Counting adds 1 to a buffer in forward: the graph returns the new value and GraftModule
+    writes it into the buffer after each call, as eager's forward does."""
+    m = Counting()
+    e = copy.deepcopy(m)
+    g = GraftModule(m)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(g(x), e(x))
+        assert torch.equal(m.calls, e.calls), (m.calls, e.calls)
+    assert m.calls.item() == 3
+
+
+def test_a_data_dependent_branch_is_refused():
+    """A trace would replay the branch this call took on every call: refused, naming the line."""
     m = DataDependent()
     snap = snapshot(m)
     g = GraftModule(m)
-    with pytest.warns(GraftWarning, match="DataDependent: the export traced through a Python branch on a tensor value"):
+    with pytest.raises(GraftUnsupportedError, match=r"DataDependent: the forward reads a tensor's value into Python"
+                                                    r".*test_frontend.py:\d+: if h.sum\(\) > 0"):
         g(torch.randn(3, 4))
-    assert_unchanged(m, snap)  # the export's forward did not count; graft's run does not touch buffers
+    assert_unchanged(m, snap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int16])

@@ -777,10 +777,10 @@ def _export_run(**env):
 
 def test_export_in_a_child_process_matches_the_export_in_this_one_and_eager():
     """The module's padding row and BatchNorm statistics (graph edits made in the child), gradients
-    and state after one step: the same with the export forked (default) and in the process, and as
+    and state after one step: the same with the export forked and in the process, and as
     eager's. The training process never loads the Python onnx package with the export forked (graft
     reads and edits the graph itself; torch 2.x's exporter imports it, in the child)."""
-    forked, here = _export_run(), _export_run(GRAFT_EXPORT="inprocess")
+    forked, here = _export_run(GRAFT_EXPORT="fork"), _export_run(GRAFT_EXPORT="inprocess")
     assert not forked["onnx"]
     assert forked["peak"] > 0 and here["peak"] == 0  # the system's peak during the forked export is recorded
     assert forked["grads"] == here["grads"] and forked["state"] == here["state"]
@@ -817,7 +817,7 @@ def test_an_output_pickle_cannot_carry_is_exported_in_this_process(monkeypatch):
     """A result the child cannot send (a namedtuple class made inside a function) falls back to
     exporting here: same outputs and gradients as eager."""
     import collections
-    monkeypatch.setenv("GRAFT_EXPORT", "capture-fork")  # the capture in a child, which pickles its result
+    monkeypatch.setenv("GRAFT_EXPORT", "fork")  # the exporter in a child, which pickles its result
     Pair = collections.namedtuple("Pair", "y s")
 
     class M(nn.Module):
