@@ -90,16 +90,55 @@ def _custom_function(t):
     return None
 
 
-class _Watch(TorchFunctionMode):
-    """Sees each torch call of the forward above autograd (Note [capture])."""
+_READ_FUNCS = tuple(getattr(torch.Tensor, n) for n in ("__bool__", "item", "tolist", "__int__", "__float__",
+                                                      "__index__") if hasattr(torch.Tensor, n))
 
-    def __init__(self, stop):
+
+class _Watch(TorchFunctionMode):
+    """Sees each torch call of the forward above autograd (Note [capture]).
+
+    It also follows which values come from the call's inputs or the module's state and which from
+    a random draw, so that a value read into Python (a branch, .item()) is told apart: from the
+    inputs or state, refused (the trace would replay this call's value); a constant, read; a random
+    draw, read and said (LayerDrop: graft replays this call's branch, as torch.onnx.export did)."""
+
+    def __init__(self, stop, graph_tensors):
         super().__init__()
         self.stop = stop
+        self.graph = {id(t): t for t in graph_tensors}   # values from the inputs or state (kept alive)
+        self.random = {}                                  # values from a random draw
+        self.warnings = []
+
+    def _read(self, func, t, args, kwargs):
+        if id(t) in self.graph:
+            raise GraftUnsupportedError(
+                "the forward reads a tensor's value into Python (a branch `if tensor:`, .item(), .tolist()): graft "
+                "trains one graph for every call, so it would replay the value of this call. Compute it with tensor "
+                "ops (torch.where), pass it in as a plain argument, or keep this module in eager mode"
+                f"{_user_line()}.", "unsupported")
+        if id(t) in self.random:
+            self.warnings.append(
+                f"the forward branches on a random number{_user_line()}; graft replays the branch this call took on "
+                "every call with these input shapes (eager draws it anew each call). If the branch matters "
+                "(LayerDrop with p > 0), keep this module in eager mode.")
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+        inner = torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
+        with disable_proxy_modes_tracing():
+            return func(inner, *args[1:], **kwargs)
+
+    def _follow(self, out, ins, func):
+        dep = any(id(a) in self.graph for a in ins)
+        rand = any(id(a) in self.random for a in ins) or getattr(func, "__name__", "") in RANDOM_OPS
+        if dep or rand:
+            for o in _leaves(out):
+                if isinstance(o, torch.Tensor):
+                    (self.graph if dep else self.random)[id(o)] = o
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if func in _READ_FUNCS and ins:
+            return self._read(func, ins[0], args, kwargs)
         for a in ins:
             custom = _custom_function(a)
             if custom:
@@ -113,11 +152,16 @@ class _Watch(TorchFunctionMode):
             # mask, drawn from a seed PyTorch's generator gives each call).
             x, p, training, inplace = _dropout_args(*args, **kwargs)
             if training and 0 < p < 1 and not inplace:
-                return torch.ops.aten.native_dropout(x, p, True)[0]
+                out = torch.ops.aten.native_dropout(x, p, True)[0]
+                self._follow(out, ins, func)
+                return out
         out = func(*args, **kwargs)
+        self._follow(out, ins, func)
         if not any(a.requires_grad for a in ins):
             return out
-        return self._mark(out, ins)
+        out = self._mark(out, ins)
+        self._follow(out, ins, func)
+        return out
 
     def _mark(self, out, ins):
         if isinstance(out, torch.Tensor):
@@ -127,6 +171,15 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
             return type(out)(self._mark(o, ins) for o in out)
         return out
+
+
+def _user_line():
+    """ ' (at file:line: source)' of the innermost frame on the stack outside torch and graft, or ''."""
+    import os
+    import traceback
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_stack() if not os.path.abspath(f.filename).startswith(skip)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
 def _user_frame(ex):
@@ -262,8 +315,10 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
                 wrapped.append(w)
             st = dict(zip(names, wrapped[:n_state]))
             a, kw = _flatten.rebuild((args, kwargs), iter(wrapped[n_state:]))
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), _Watch(stop):
+            watch = _Watch(stop, wrapped)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), watch:
                 out = _functional_call(module, st, a, kw)
+            box["warnings"] = watch.warnings
             leaves = _flatten.flatten_outputs(out)
             for t in leaves:
                 custom = _custom_function(t)
@@ -393,6 +448,9 @@ def _meta(tm):
         return None
     if isinstance(tm, (tuple, list)) and not hasattr(tm, "dtype"):
         return type(tm)(_meta(x) for x in tm)
+    stride = getattr(tm, "stride", None)
+    if stride is not None and len(stride) == len(tm.shape):
+        return torch.empty_strided(tuple(tm.shape), tuple(stride), dtype=tm.dtype, device="meta")
     return torch.empty(tuple(tm.shape), dtype=tm.dtype, device="meta")
 
 
@@ -484,7 +542,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
         vals[node] = m
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     live, warns = _classify(gm, placeholders, out_node, name)
-    c.warnings = warns
+    c.warnings = warns + [(f"{name}: {w}", None, None, None) for w in dict.fromkeys(box.get("warnings", ()))]
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or node not in live:
             continue
@@ -505,10 +563,11 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
         op = getattr(node.target, "_schema", None)
         opname = op.name.split("::")[-1] if op is not None else str(node.target)
         if not any(_is_graph_value(x) for x in _leaves((a, kw))):
-            if opname in RANDOM_OPS:
+            if opname not in RANDOM_OPS:
+                vals[node] = node.target(*a, **kw)  # constants only: computed here (Note [capture])
+                continue
+            if opname not in rules.RULES:  # a draw graft cannot make anew each call: never baked in
                 raise NotCaptured(f"random numbers (aten::{opname}) feed the graph{_where(node)}")
-            vals[node] = node.target(*a, **kw)  # constants only: computed here (Note [capture])
-            continue
         out = _meta(node.meta.get("tensor_meta"))
         if out is None:  # several outputs (torch 1.13 keeps no metadata for those): from their readers
             got = {u.args[1]: _meta(u.meta.get("tensor_meta")) for u in node.users if u.target is operator.getitem}

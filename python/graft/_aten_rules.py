@@ -663,3 +663,50 @@ def _bernoulli(r, out, a, p=None, generator=None):
     ones = _filled(r, 1.0, out)
     kept = r.emit("Dropout", [ones, r.v(1.0 - p, out.dtype), r.v(True)])
     return r.emit("Mul", [kept, r.v(p, out.dtype)])
+
+
+# --- pooling -----------------------------------------------------------------------------------
+def _pool_attrs(k, kernel, stride, padding, ceil_mode, dilation=None):
+    kernel = list(kernel) * (k // len(kernel)) if len(kernel) < k else list(kernel)
+    stride = list(stride) if stride else kernel
+    stride = stride * (k // len(stride)) if len(stride) < k else stride
+    padding = list(padding) * (k // len(padding)) if len(padding) < k else list(padding)
+    attrs = [("kernel_shape", "I", kernel), ("strides", "I", stride), ("pads", "I", padding * 2),
+             ("ceil_mode", "i", int(ceil_mode))]
+    if dilation is not None:
+        dilation = list(dilation) * (k // len(dilation)) if len(dilation) < k else list(dilation)
+        attrs.append(("dilations", "I", dilation))
+    return attrs
+
+
+@rule("max_pool2d_with_indices", "max_pool1d_with_indices", "max_pool3d_with_indices")
+def _max_pool(r, out, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    k = x.dim() - 2
+    y = r.emit("MaxPool", [r.v(x)], attrs=_pool_attrs(k, kernel, stride, padding, ceil_mode, dilation))
+    return [y, None]  # the indices are not captured: reading them is refused (no name)
+
+
+@rule("avg_pool2d", "avg_pool1d", "avg_pool3d")
+def _avg_pool(r, out, x, kernel, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    if divisor_override is not None:
+        raise NotCaptured("avg_pool with divisor_override")
+    k = x.dim() - 2
+    return r.emit("AveragePool", [r.v(x)], attrs=_pool_attrs(k, kernel, stride, padding, ceil_mode)
+                  + [("count_include_pad", "i", int(count_include_pad))])
+
+
+@rule("as_strided")
+def _as_strided(r, out, a, size, stride, storage_offset=None):
+    """Only the as_strided that is a reshape of a contiguous value (functionalization writes one for
+    a view whose size-1 dimensions have other strides, as ConvNeXt's LayerNorm over a 1x1 map)."""
+    size, stride = list(size), list(stride)
+    want, acc = [0] * len(size), 1
+    for i in reversed(range(len(size))):
+        want[i] = acc
+        acc *= size[i]
+    if storage_offset or not a.is_contiguous() or acc != a.numel() or any(s != w for s, w, n in zip(stride, want, size) if n != 1):
+        raise NotCaptured("an as_strided view other than a reshape")
+    if tuple(size) == tuple(a.shape):
+        return r.v(a)
+    return r.emit("Reshape", [r.v(a), r.ints(size)])

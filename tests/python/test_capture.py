@@ -250,14 +250,36 @@ class LayerDrop(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def test_a_branch_on_a_random_draw_is_refused_and_the_rng_left_alone():
+def test_a_branch_on_a_random_draw_is_said_and_the_rng_left_alone():
+    """LayerDrop (Hugging Face's BART, OPT...): the branch this call took is replayed, and said."""
     torch.manual_seed(0)
-    g = GraftModule(LayerDrop())
+    m = LayerDrop()
+    e = copy.deepcopy(m)
+    g = GraftModule(m)
     x = torch.randn(3, 5)
     before = torch.get_rng_state()
-    with pytest.raises(GraftUnsupportedError, match="random draw deciding a branch"):
-        g(x)
+    with pytest.warns(GraftWarning, match=r"branches on a random number \(at .*test_capture.py:\d+: if torch.rand"):
+        out = g(x)
+    assert g.export_method == "capture", g.export_method
     assert torch.equal(before, torch.get_rng_state()), "the capture drew from the global RNG"
+    close(out, e(x), "output")
+
+
+class ReadsAConstant(nn.Module):
+    """.item() of a value that depends on neither the inputs nor the state: a constant, read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        scale = torch.tensor([2.0, 3.0]).max().item()
+        return self.fc(x) * scale
+
+
+def test_a_constant_read_into_python_is_captured():
+    g = train_both(ReadsAConstant(), lambda s: (seeded((4, 5), s),), "hook")
+    assert g.export_method == "capture", g.export_method
 
 
 def test_the_capture_leaves_the_rng_alone():
