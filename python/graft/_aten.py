@@ -7,6 +7,7 @@ fallback); what graft must not run at all (module hooks, a custom autograd.Funct
 GraftUnsupportedError.
 """
 import operator
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -316,7 +317,10 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
             st = dict(zip(names, wrapped[:n_state]))
             a, kw = _flatten.rebuild((args, kwargs), iter(wrapped[n_state:]))
             watch = _Watch(stop, wrapped)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), watch:
+            # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
+            # on, and as the cells' ops (which graft has) without; the values are the same.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
+                    torch.backends.mkldnn.flags(enabled=False), watch:
                 out = _functional_call(module, st, a, kw)
             box["warnings"] = watch.warnings
             leaves = _flatten.flatten_outputs(out)
@@ -344,7 +348,9 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     flat = [t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone() for _, t in state]
     flat += [t.detach().clone() for t in tensors]
     try:
-        gm = make_fx(traced, decomposition_table=_decompositions())(*flat)
+        with warnings.catch_warnings():  # torch 2.x says this on entering mkldnn.flags (above)
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+            gm = make_fx(traced, decomposition_table=_decompositions())(*flat)
     except (GraftUnsupportedError, NotCaptured):
         raise
     except Exception as ex:  # noqa: BLE001
