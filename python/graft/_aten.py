@@ -28,24 +28,28 @@ from .errors import GraftUnsupportedError
 #   made is a masked_fill; a write into the caller's input or into a buffer is a new value the graph
 #   returns, which GraftModule copies back after each call, as eager's forward writes it.
 #
-# Autograd stays on above functionalization (its wrappers require grad where the module's
-# parameters and inputs do), so a TorchFunctionMode sees each call of the forward as eager runs it,
-# with eager's requires_grad: where a call's inputs carry a gradient and its output does not (the
-# call ran under torch.no_grad, or was detach() or .data), the output goes through graft's
+# Autograd stays on while the module runs (the tensors it sees require grad where the module's
+# parameters and inputs do), so a TorchFunctionMode (_Watch) sees each call of the forward as eager
+# runs it, with eager's requires_grad: where a call's inputs carry a gradient and its output does
+# not (the call ran under torch.no_grad, or was detach() or .data), the output goes through graft's
 # stop_gradient op, and graft's autodiff treats the value as a constant there, as eager does. A
 # custom autograd.Function is seen by its backward node and refused (graft would differentiate the
 # ops of its forward, not run its backward). Module hooks are refused before anything runs: a hook
-# would run once, at the capture, and never again.
+# would run once, at the capture, and never again. A value read into Python (a branch, .item()) is
+# refused where it comes from the inputs or the state: the graph would replay this call's value.
 #
-# Why not torch.export on torch 2.x: it is this same make_fx + functionalization underneath, but it
-# runs autograd off, so graft could no longer tell a torch.no_grad region from the rest; driving the
-# two pieces directly gives one path on both torch versions.
+# torch 1.13 traces on the real tensors in one pass, the module under functionalization (its fake
+# tensors do not work there). torch 2.x traces on fake tensors (shapes, no data: no compute and no
+# memory at capture, as torch.export): first the module as it is, so that libraries asking "am I
+# being traced" (Hugging Face's masks) see fake tensors and build masks from tensor ops instead of
+# reading the mask, then that graph under functionalization. Why not torch.export itself: it runs
+# the same two pieces, but with autograd off in the graph it returns, so graft could no longer tell
+# a torch.no_grad region from the rest; driving them directly gives one path on both versions.
 #
-# Then each aten op becomes graft nodes by a rule in _RULES (the aten -> graft table below). An op
-# whose operands are all constants (no input, parameter or buffer reaches it: a causal mask, position
-# ids from arange) is computed here and becomes a Constant node. The trace runs the forward once on
-# the real tensors (autograd saving nothing for a backward that never runs), with a copy of the
-# buffers and the RNG put back, so the module's state is as it was.
+# Then each aten op becomes graft nodes by a rule in _aten_rules.RULES (the aten -> graft table).
+# An op whose operands are all constants (no input, parameter or buffer reaches it: a causal mask,
+# position ids from arange) is computed here and becomes a Constant node. The module's buffers, the
+# call's tensors and the RNG are left as they were.
 
 
 class NotCaptured(Exception):
@@ -117,13 +121,22 @@ class _Watch(TorchFunctionMode):
                 "trains one graph for every call, so it would replay the value of this call. Compute it with tensor "
                 "ops (torch.where), pass it in as a plain argument, or keep this module in eager mode"
                 f"{_user_line()}.", "unsupported")
-        if id(t) in self.random:
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+        inner = torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
+        if _is_fake(inner):  # torch 2.x traces without data: only a Python constant has a value
+            inner = getattr(inner, "constant", None)
+            if inner is None or id(t) in self.random:
+                what = "a random draw (LayerDrop with p > 0)" if id(t) in self.random else "a value"
+                raise GraftUnsupportedError(
+                    f"the forward reads {what} into Python (a branch `if tensor:`, .item(), .tolist()); graft traces "
+                    "the forward without data, as torch.export does, and trains one graph for every call. Compute "
+                    "it with tensor ops (torch.where), pass it in as a plain argument, or keep this module in eager "
+                    f"mode{_user_line()}.", "unsupported")
+        elif id(t) in self.random:
             self.warnings.append(
                 f"the forward branches on a random number{_user_line()}; graft replays the branch this call took on "
                 "every call with these input shapes (eager draws it anew each call). If the branch matters "
                 "(LayerDrop with p > 0), keep this module in eager mode.")
-        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-        inner = torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
         with disable_proxy_modes_tracing():
             return func(inner, *args[1:], **kwargs)
 
@@ -174,6 +187,14 @@ class _Watch(TorchFunctionMode):
         return out
 
 
+def _is_fake(t):
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return False
+    return isinstance(t, FakeTensor)
+
+
 def _user_line():
     """ ' (at file:line: source)' of the innermost frame on the stack outside torch and graft, or ''."""
     import os
@@ -196,6 +217,13 @@ def _user_frame(ex):
 # ops graft has rules for): attention on the CPU (its math path; a query whose keys are all masked
 # gives 0, as PyTorch's _safe_softmax).
 _DECOMPOSE = ("_scaled_dot_product_flash_attention_for_cpu", "_safe_softmax")
+
+
+# torch 2.x traces on fake tensors (shapes and dtypes, no data), as torch.export does: the forward
+# costs no compute or memory at capture, and libraries that branch on "am I being traced"
+# (Hugging Face's attention masks) build their masks from tensor ops instead of reading the mask's
+# values. torch 1.13's fake tensors do not work under functionalization: it traces on the real ones.
+_TRACING_MODE = "real" if torch.__version__.startswith("1.") else "fake"
 
 
 def _decompositions():
@@ -305,41 +333,64 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     n_state, n_in = len(state), len(tensors)
     box = {}
 
-    def traced(*flat):
-        torch._enable_functionalization(reapply_views=True)
-        try:
-            wrapped = []
-            for t, orig in zip(flat, [t for _, t in state] + list(tensors)):
-                w = torch._to_functional_tensor(t)
-                if orig.requires_grad and orig.is_floating_point():
-                    w.requires_grad_(True)
-                wrapped.append(w)
-            st = dict(zip(names, wrapped[:n_state]))
-            a, kw = _flatten.rebuild((args, kwargs), iter(wrapped[n_state:]))
-            watch = _Watch(stop, wrapped)
-            # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
-            # on, and as the cells' ops (which graft has) without; the values are the same.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
-                    torch.backends.mkldnn.flags(enabled=False), watch:
-                out = _functional_call(module, st, a, kw)
-            box["warnings"] = watch.warnings
-            leaves = _flatten.flatten_outputs(out)
-            for t in leaves:
-                custom = _custom_function(t)
-                if custom:
-                    raise GraftUnsupportedError(
-                        f"the forward calls a custom torch.autograd.Function ({custom}); graft would "
-                        "differentiate the ops of its forward instead of running its backward. Keep the "
-                        "submodule that calls it in eager mode.", "unsupported")
-            box["template"] = _flatten.rebuild(out, iter([torch.empty(0) for _ in leaves]))
-            box["n_out"] = len(leaves)
-            res = []
-            for t in list(leaves) + wrapped:
-                torch._sync(t)
-                res.append(torch._from_functional_tensor(t))
-            return tuple(res)
-        finally:
-            torch._disable_functionalization()
+    origs = [t for _, t in state] + list(tensors)
+
+    def run(flat):
+        """The module on `flat` (state, then call tensors) with autograd live and the calls watched:
+        (its output leaves, the tensors it was given, written into where it wrote)."""
+        for t, orig in zip(flat, origs):
+            if orig.requires_grad and orig.is_floating_point() and not t.requires_grad:
+                t.requires_grad_(True)
+        st = dict(zip(names, flat[:n_state]))
+        a, kw = _flatten.rebuild((args, kwargs), iter(flat[n_state:]))
+        watch = _Watch(stop, flat)
+        # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
+        # on, and as the cells' ops (which graft has) without; the values are the same.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
+                torch.backends.mkldnn.flags(enabled=False), watch:
+            out = _functional_call(module, st, a, kw)
+        box["warnings"] = watch.warnings
+        leaves = _flatten.flatten_outputs(out)
+        for t in leaves:
+            custom = _custom_function(t)
+            if custom:
+                raise GraftUnsupportedError(
+                    f"the forward calls a custom torch.autograd.Function ({custom}); graft would "
+                    "differentiate the ops of its forward instead of running its backward. Keep the "
+                    "submodule that calls it in eager mode.", "unsupported")
+        box["template"] = _flatten.rebuild(out, iter([torch.empty(0) for _ in leaves]))
+        box["n_out"] = len(leaves)
+        return list(leaves), flat
+
+    def functionalized(fn):
+        """fn(flat) -> (leaves, flat) under functionalization: every write a new value; returns the
+        leaves and the final value of each of flat."""
+        def f(*flat):
+            torch._enable_functionalization(reapply_views=True)
+            try:
+                leaves, wrapped = fn([torch._to_functional_tensor(t) for t in flat])
+                res = []
+                for t in leaves + list(wrapped):
+                    torch._sync(t)
+                    res.append(torch._from_functional_tensor(t))
+                return tuple(res)
+            finally:
+                torch._disable_functionalization()
+        return f
+
+    def trace(flat):
+        if _TRACING_MODE == "real":  # torch 1.13: one pass, the module under functionalization
+            return make_fx(functionalized(run), decomposition_table=_decompositions())(*flat)
+        # torch 2.x: the module on fake tensors as they are (Note [capture]), then that graph under
+        # functionalization.
+        first = make_fx(lambda *fl: tuple(x for part in run(list(fl)) for x in part),
+                        decomposition_table=_decompositions(), tracing_mode="fake")(*flat)
+        n = box["n_out"]
+
+        def again(wrapped):
+            outs = first(*wrapped)
+            return list(outs[:n]), wrapped
+        return make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="fake")(*flat)
 
     rng = torch.get_rng_state()
     # The trace computes on the real tensors: parameters as they are (nothing writes them), buffers
@@ -350,7 +401,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     try:
         with warnings.catch_warnings():  # torch 2.x says this on entering mkldnn.flags (above)
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-            gm = make_fx(traced, decomposition_table=_decompositions())(*flat)
+            gm = trace(flat)
     except (GraftUnsupportedError, NotCaptured):
         raise
     except Exception as ex:  # noqa: BLE001

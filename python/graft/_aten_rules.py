@@ -62,7 +62,7 @@ def _unary(onnx_op):
 
 for _n, _o in (("neg", "Neg"), ("tanh", "Tanh"), ("tanh_", "Tanh"), ("sigmoid", "Sigmoid"),
                ("sigmoid_", "Sigmoid"), ("relu", "Relu"), ("relu_", "Relu"), ("abs", "Abs"), ("log", "Log"),
-               ("exp", "Exp"), ("sqrt", "Sqrt"), ("reciprocal", "Reciprocal"), ("erf", "Erf")):
+               ("exp", "Exp"), ("sqrt", "Sqrt"), ("sin", "Sin"), ("cos", "Cos"), ("reciprocal", "Reciprocal"), ("erf", "Erf")):
     _RULES[_n] = _unary(_o)
 
 
@@ -383,9 +383,32 @@ def _embedding(r, out, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=
 
 @rule("index")
 def _index(r, out, a, indices):
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.int64:
-        raise NotCaptured("advanced indexing other than one int64 index tensor on the first axis")
-    return r.emit("Gather", [r.v(a), r.v(indices[0])], attrs=[("axis", "i", 0)])
+    """x[i0, i1, ...] with integer index tensors on consecutive axes (None elsewhere): one Gather
+    for a single index, else a GatherND over the indices broadcast together, the indexed axes
+    moved first and the result's axes put where PyTorch puts them."""
+    at = [k for k, ix in enumerate(indices) if ix is not None]
+    if not at or at != list(range(at[0], at[-1] + 1)) or \
+            any(indices[k].dtype not in (torch.int64, torch.int32) for k in at):
+        raise NotCaptured("advanced indexing other than integer index tensors on consecutive axes")
+    p, k = at[0], len(at)
+    if k == 1:
+        return r.emit("Gather", [r.v(a), r.v(indices[p], torch.int64)], attrs=[("axis", "i", p)])
+    shape = list(torch.broadcast_shapes(*[indices[j].shape for j in at]))
+    parts = [r.emit("Unsqueeze", [r.emit("Expand", [r.v(indices[j], torch.int64), r.ints(shape)]), r.ints([-1])])
+             for j in at]
+    idx = r.emit("Concat", parts, attrs=[("axis", "i", -1)])
+    x = r.v(a)
+    rank = a.dim()
+    if p:
+        x = r.emit("Transpose", [x], attrs=[("perm", "I", list(range(p, p + k)) + list(range(p))
+                                             + list(range(p + k, rank)))])
+    y = r.emit("GatherND", [x, idx])
+    if p:
+        s = len(shape)
+        total = s + rank - k
+        y = r.emit("Transpose", [y], attrs=[("perm", "I", list(range(s, s + p)) + list(range(s))
+                                             + list(range(s + p, total)))])
+    return y
 
 
 @rule("convolution")
@@ -710,3 +733,6 @@ def _as_strided(r, out, a, size, stride, storage_offset=None):
     if tuple(size) == tuple(a.shape):
         return r.v(a)
     return r.emit("Reshape", [r.v(a), r.ints(size)])
+
+
+from . import _aten_layers  # noqa: E402,F401  (more rules)

@@ -100,6 +100,20 @@ struct ExpF {
     return std::exp(x);
   }
 };
+struct SinF {
+  static constexpr int64_t kWork = kMath;
+  template <class T>
+  static T f(T x) {
+    return std::sin(x);
+  }
+};
+struct CosF {
+  static constexpr int64_t kWork = kMath;
+  template <class T>
+  static T f(T x) {
+    return std::cos(x);
+  }
+};
 struct LogF {
   static constexpr int64_t kWork = kMath;
   template <class T>
@@ -802,6 +816,11 @@ void grad_sqrt(GradBuilder& g) {
 }
 void grad_exp(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.y(0)})); }
 void grad_log(GradBuilder& g) { g.set_dx(0, g.emit1("Div", {g.dy(0), g.x(0)})); }
+// sin' = cos, cos' = -sin (rotary position embeddings computed from a buffer).
+void grad_sin(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.emit1("Cos", {g.x(0)})})); }
+void grad_cos(GradBuilder& g) {
+  g.set_dx(0, g.emit1("Neg", {g.emit1("Mul", {g.dy(0), g.emit1("Sin", {g.x(0)})})}));
+}
 void grad_erf(GradBuilder& g) { g.set_dx(0, g.emit1("ErfGrad", {g.dy(0), g.x(0)}, {}, "graft")); }
 void grad_tanh(GradBuilder& g) { g.set_dx(0, g.emit1("TanhGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
 void grad_sigmoid(GradBuilder& g) {
@@ -848,6 +867,8 @@ const OpDef kOps[] = {
      .kernel = unary_kernel<ExpF>,
      .grad = grad_exp,
      .inplace_input = 0},
+    {.name = "Sin", .infer = infer_unary_float, .kernel = unary_kernel<SinF>, .grad = grad_sin},
+    {.name = "Cos", .infer = infer_unary_float, .kernel = unary_kernel<CosF>, .grad = grad_cos},
     {.name = "Log",
      .infer = infer_unary_float,
      .kernel = unary_kernel<LogF>,

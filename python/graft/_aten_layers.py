@@ -1,0 +1,387 @@
+"""More rules of the aten -> graft table (_aten_rules.py): torch.nn layers that have no graft op of
+their own, each composed of graft ops. Imported at the end of _aten_rules.py.
+
+Where a formula is piecewise (ELU, Softplus), the branch not taken is computed so that it cannot
+overflow: graft's Where sends a zero gradient into that branch, and 0 * inf (the gradient of exp at
+a large x) would be NaN.
+"""
+import torch
+
+from ._aten import NotCaptured, elem
+from ._aten_rules import RULES, _axis, rule
+
+_leaky_relu = RULES["leaky_relu"]
+
+
+def _where_pos(r, x, dt, neg, threshold=0.0):
+    """x > threshold ? x : neg (x a graph value name)."""
+    return r.emit("Where", [r.emit("Greater", [x, r.v(float(threshold), dt)]), x, neg])
+
+
+def _softplus(r, z, dt):
+    """log(1 + exp(z)), stably: max(z, 0) + log(1 + exp(-|z|)) (exp never overflows; its gradient
+    is sigmoid(z), as PyTorch's)."""
+    tail = r.emit("Log", [r.emit("Add", [r.v(1.0, dt), r.emit("Exp", [r.emit("Neg", [r.emit("Abs", [z])])])])])
+    return r.emit("Add", [r.emit("Relu", [z]), tail])
+
+
+def _channel_vector(r, w, rank):
+    """A per-channel parameter [C] shaped [C, 1, ...] to broadcast over axis 1 of a rank-`rank` value."""
+    return r.emit("Reshape", [r.v(w), r.ints([w.numel()] + [1] * (rank - 2))])
+
+
+def _reduce_axes(a, dims):
+    return list(range(a.dim())) if not dims else [_axis(d, a.dim()) for d in dims]
+
+
+# --- activations ---------------------------------------------------------------------------------
+@rule("rrelu_with_noise", "rrelu_with_noise_functional")
+def _rrelu(r, out, a, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    if training:
+        raise NotCaptured("RReLU in training mode (a random slope per element, drawn by PyTorch)")
+    y = _leaky_relu(r, out, a, (lower + upper) / 2)  # eval: the mean slope
+    return [y, None] if isinstance(out, (tuple, list)) else y  # 2.x's functional form also gives the noise
+
+
+@rule("elu", "elu_")
+def _elu(r, out, a, alpha=1.0, scale=1.0, input_scale=1.0):
+    """x > 0 ? scale * x : scale * alpha * (exp(input_scale * x) - 1)."""
+    dt, x = a.dtype, r.v(a)
+    neg = r.emit("Exp", [r.emit("Mul", [r.emit("Min", [x, r.v(0.0, dt)]), r.v(float(input_scale), dt)])])
+    neg = r.emit("Mul", [r.emit("Sub", [neg, r.v(1.0, dt)]), r.v(float(alpha * scale), dt)])
+    pos = x if scale == 1 else r.emit("Mul", [x, r.v(float(scale), dt)])
+    return r.emit("Where", [r.emit("Greater", [x, r.v(0.0, dt)]), pos, neg])
+
+
+@rule("celu", "celu_")
+def _celu(r, out, a, alpha=1.0):
+    return _elu(r, out, a, alpha, 1.0, 1.0 / alpha)
+
+
+@rule("selu", "selu_")
+def _selu(r, out, a):
+    return _elu(r, out, a, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946)
+
+
+@rule("softplus")
+def _softplus_rule(r, out, a, beta=1.0, threshold=20.0):
+    """x * beta > threshold ? x : softplus(beta * x) / beta."""
+    dt, x = a.dtype, r.v(a)
+    z = x if beta == 1 else r.emit("Mul", [x, r.v(float(beta), dt)])
+    y = _softplus(r, z, dt)
+    if beta != 1:
+        y = r.emit("Div", [y, r.v(float(beta), dt)])
+    return r.emit("Where", [r.emit("Greater", [z, r.v(float(threshold), dt)]), x, y])
+
+
+@rule("mish", "mish_")
+def _mish(r, out, a):  # x * tanh(softplus(x))
+    x = r.v(a)
+    return r.emit("Mul", [x, r.emit("Tanh", [_softplus(r, x, a.dtype)])])
+
+
+@rule("_prelu_kernel")
+def _prelu_kernel(r, out, a, w):  # torch 2.x: w already shaped to broadcast
+    x = r.v(a)
+    return _where_pos(r, x, a.dtype, r.emit("Mul", [x, r.v(w)]))
+
+
+@rule("prelu")
+def _prelu(r, out, a, w):  # torch 1.13: w is [C] (a slope per channel, axis 1) or [1]
+    x = r.v(a)
+    wn = _channel_vector(r, w, a.dim()) if w.numel() > 1 and a.dim() > 2 else r.v(w)
+    return _where_pos(r, x, a.dtype, r.emit("Mul", [x, wn]))
+
+
+@rule("threshold", "threshold_")
+def _threshold(r, out, a, threshold, value):  # x > threshold ? x : value
+    return _where_pos(r, r.v(a), a.dtype, r.v(float(value), a.dtype), threshold)
+
+
+# --- normalization -------------------------------------------------------------------------------
+@rule("native_group_norm")
+def _group_norm(r, out, x, w, b, n, c, hw, groups, eps):
+    """graft's LayerNormalization over each group ([N, G, C/G * HxW], its last axis), then the
+    per-channel affine."""
+    dt, size = x.dtype, (c // groups) * hw
+    y = r.emit("Reshape", [r.v(x), r.ints([n, groups, size])])
+    y = r.emit("LayerNormalization", [y, r.v(torch.ones(size, dtype=dt)), r.v(torch.zeros(size, dtype=dt))],
+               attrs=[("axis", "i", 2), ("epsilon", "f", float(eps))])
+    y = r.emit("Reshape", [y, r.ints(x.shape)])
+    if w is not None:
+        y = r.emit("Mul", [y, _channel_vector(r, w, x.dim())])
+    if b is not None:
+        y = r.emit("Add", [y, _channel_vector(r, b, x.dim())])
+    return [y, None, None]
+
+
+# --- pixel shuffles and padding ------------------------------------------------------------------
+def _shuffle(r, out, a, split, perm):
+    """Reshape the last three axes to `split`, permute them by `perm`, reshape to out's shape."""
+    lead = list(a.shape[:-3])
+    k = len(lead)
+    y = r.emit("Reshape", [r.v(a), r.ints(lead + split)])
+    y = r.emit("Transpose", [y], attrs=[("perm", "I", list(range(k)) + [k + p for p in perm])])
+    return r.emit("Reshape", [y, r.ints(out.shape)])
+
+
+@rule("pixel_shuffle")
+def _pixel_shuffle(r, out, a, f):  # [C*f*f, H, W] -> [C, f, f, H, W] -> [C, H, f, W, f] -> [C, H*f, W*f]
+    c, h, w = a.shape[-3:]
+    return _shuffle(r, out, a, [c // (f * f), f, f, h, w], [0, 3, 1, 4, 2])
+
+
+@rule("pixel_unshuffle")
+def _pixel_unshuffle(r, out, a, f):  # [C, H*f, W*f] -> [C, H, f, W, f] -> [C, f, f, H, W] -> [C*f*f, H, W]
+    c, h, w = a.shape[-3:]
+    return _shuffle(r, out, a, [c, h // f, f, w // f, f], [0, 2, 4, 1, 3])
+
+
+def _onnx_pads(rank, pad):
+    """PyTorch's pad list (last axis first: begin, end, then the axis before...) as ONNX's
+    [begin of each axis..., end of each axis...]."""
+    begins, ends = [0] * rank, [0] * rank
+    for i in range(len(pad) // 2):
+        begins[rank - 1 - i], ends[rank - 1 - i] = int(pad[2 * i]), int(pad[2 * i + 1])
+    return begins + ends
+
+
+def _pad_rule(mode):
+    def fn(r, out, a, pad):
+        return r.emit("Pad", [r.v(a), r.ints(_onnx_pads(a.dim(), pad))], attrs=[("mode", "s", mode)])
+    return fn
+
+
+for _k in (1, 2, 3):
+    RULES[f"reflection_pad{_k}d"] = _pad_rule("reflect")
+    RULES[f"replication_pad{_k}d"] = _pad_rule("edge")
+
+
+@rule("constant_pad_nd")
+def _constant_pad(r, out, a, pad, value=0):
+    return r.emit("Pad", [r.v(a), r.ints(_onnx_pads(a.dim(), pad)), r.v(value, a.dtype)],
+                  attrs=[("mode", "s", "constant")])
+
+
+# --- losses and reductions -----------------------------------------------------------------------
+def _reduce_loss(r, loss, reduction):
+    if reduction == 0:
+        return loss
+    return r.emit("ReduceMean" if reduction == 1 else "ReduceSum", [loss], attrs=[("keepdims", "i", 0)])
+
+
+@rule("binary_cross_entropy_with_logits")
+def _bce_with_logits(r, out, x, y, weight=None, pos_weight=None, reduction=1):
+    """(1 - y) * x + (1 + (pos_weight - 1) * y) * softplus(-x), times weight (PyTorch's formula)."""
+    dt = x.dtype
+    xn, yn = r.v(x), r.v(y, dt)
+    sp = _softplus(r, r.emit("Neg", [xn]), dt)
+    if pos_weight is not None:
+        lw = r.emit("Sub", [r.v(pos_weight, dt), r.v(1.0, dt)])
+        sp = r.emit("Mul", [sp, r.emit("Add", [r.emit("Mul", [lw, yn]), r.v(1.0, dt)])])
+    loss = r.emit("Add", [r.emit("Mul", [r.emit("Sub", [r.v(1.0, dt), yn]), xn]), sp])
+    if weight is not None:
+        loss = r.emit("Mul", [loss, r.v(weight, dt)])
+    return _reduce_loss(r, loss, reduction)
+
+
+@rule("logsumexp")
+def _logsumexp(r, out, a, dims=(), keepdim=False):
+    """m + log(sum(exp(x - m))), m the max along dims (0 where it is infinite, as PyTorch), outside
+    the gradient (its contributions cancel: d/dx is softmax(x), PyTorch's formula)."""
+    dt, x = a.dtype, r.v(a)
+    axes = _reduce_axes(a, dims)
+    m = r.emit("ReduceMax", [x], attrs=[("axes", "I", axes), ("keepdims", "i", 1)])
+    inf = r.emit("Equal", [r.emit("Abs", [m]), r.v(float("inf"), dt)])
+    m = r.emit("StopGradient", [r.emit("Where", [inf, r.v(0.0, dt), m])], domain="graft")
+    s = r.emit("ReduceSum", [r.emit("Exp", [r.emit("Sub", [x, m])]), r.ints(axes)], attrs=[("keepdims", "i", 1)])
+    y = r.emit("Add", [r.emit("Log", [s]), m])
+    return y if keepdim else r.emit("Squeeze", [y, r.ints(axes)])
+
+
+# torch 1.13's cross_entropy with label_smoothing takes the mean of a masked_select (the rows whose
+# target is not ignore_index): a value whose length depends on the targets. It gets no graft value
+# (a reader other than mean / sum is refused); mean and sum of it are computed on the whole tensor.
+_base_mean, _base_sum = RULES["mean"], RULES["sum"]
+
+
+def _selections(r):
+    return r.__dict__.setdefault("masked_selects", {})
+
+
+@rule("masked_select")
+def _masked_select(r, out, a, mask):
+    _selections(r)[id(out)] = (out, a, mask)
+    return [None]
+
+
+def _of_selection(r, a, mean):
+    hit = _selections(r).get(id(a))
+    if hit is None or hit[0] is not a:
+        return None
+    _, x, mask = hit
+    dt = a.dtype
+    shape = list(torch.broadcast_shapes(x.shape, mask.shape))
+    m = r.v(mask, torch.bool)
+    if list(mask.shape) != shape:
+        m = r.emit("Expand", [m, r.ints(shape)])
+    kept = r.emit("ReduceSum", [r.emit("Where", [m, r.v(x), r.v(0.0, dt)]), r.ints(range(len(shape)))],
+                  attrs=[("keepdims", "i", 0)])
+    if not mean:
+        return kept
+    count = r.emit("ReduceSum", [r.emit("Cast", [m], attrs=[("to", "i", elem(dt))]),
+                                 r.ints(range(len(shape)))], attrs=[("keepdims", "i", 0)])
+    return r.emit("Div", [kept, count])
+
+
+@rule("mean")
+def _mean(r, out, a, *rest, **kw):
+    return _of_selection(r, a, True) or _base_mean(r, out, a, *rest, **kw)
+
+
+@rule("sum")
+def _sum(r, out, a, dims=None, keepdim=False, dtype=None):
+    hit = _of_selection(r, a, False)
+    if hit is not None:
+        return hit
+    if not a.is_floating_point() and not out.is_floating_point():
+        # a count (torch 2.x's cross_entropy sums a bool mask): graft's ReduceSum takes floats, so
+        # in float64 (exact below 2**53), cast back to PyTorch's integer result
+        s = r.emit("ReduceSum", [r.v(a, torch.float64), r.ints(_reduce_axes(a, dims))],
+                   attrs=[("keepdims", "i", int(keepdim))])
+        return r.emit("Cast", [s], attrs=[("to", "i", elem(out.dtype))])
+    return _base_sum(r, out, a, dims, keepdim, dtype)
+
+
+@rule("index_put", "index_put_")
+def _index_put(r, out, a, indices, values, accumulate=False):
+    """x[mask] = value (one bool mask over the leading axes, one value): a Where."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool or values.numel() != 1:
+        raise NotCaptured("index_put other than of one value through one bool mask")
+    mask = indices[0]
+    m = r.v(mask)
+    if mask.dim() < a.dim():
+        m = r.emit("Unsqueeze", [m, r.ints(range(mask.dim(), a.dim()))])
+    v = r.emit("Reshape", [r.v(values, a.dtype), r.ints([])])
+    x = r.v(a)
+    if accumulate:
+        return r.emit("Add", [x, r.emit("Where", [m, v, r.v(0, a.dtype)])])
+    return r.emit("Where", [m, v, x])
+
+
+# --- pooling, bags, gather and scatter -----------------------------------------------------------
+def _adaptive_avg(r, a, size, k):
+    """Each of the last k axes in turn: where its size is a multiple of the output's, a reshape and
+    a mean over each window; otherwise a product with the [in, out] matrix of PyTorch's windows
+    (output o averages inputs floor(o * n / m) to ceil((o + 1) * n / m))."""
+    dt, y = a.dtype, r.v(a)
+    shape = list(a.shape)
+    rank = len(shape)
+    for i, m in enumerate(size):
+        d = rank - k + i
+        n = shape[d]
+        if n % m == 0:
+            if n != m:
+                y = r.emit("Reshape", [y, r.ints(shape[:d] + [m, n // m] + shape[d + 1:])])
+                y = r.emit("ReduceMean", [y], attrs=[("axes", "I", [d + 1]), ("keepdims", "i", 0)])
+        else:
+            mat = torch.zeros(n, m, dtype=dt)
+            for o in range(m):
+                lo, hi = (o * n) // m, -((-(o + 1) * n) // m)
+                mat[lo:hi, o] = 1.0 / (hi - lo)
+            perm = list(range(rank))
+            perm[d], perm[-1] = perm[-1], perm[d]
+            if d != rank - 1:
+                y = r.emit("Transpose", [y], attrs=[("perm", "I", perm)])
+            y = r.emit("MatMul", [y, r.v(mat)])
+            if d != rank - 1:
+                y = r.emit("Transpose", [y], attrs=[("perm", "I", perm)])
+        shape[d] = m
+    return y
+
+
+@rule("_adaptive_avg_pool2d")
+def _adaptive_avg_pool2d(r, out, a, size):
+    return _adaptive_avg(r, a, list(out.shape[-2:]), 2)
+
+
+@rule("_adaptive_avg_pool3d")
+def _adaptive_avg_pool3d(r, out, a, size):
+    return _adaptive_avg(r, a, list(out.shape[-3:]), 3)
+
+
+@rule("_embedding_bag")
+def _embedding_bag(r, out, w, idx, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """out = M @ weight[indices], M [bags, indices] the bags' membership (offsets[b] <= j < the next
+    offset), without padding_idx, times per_sample_weights (sum), each row over its count (mean; an
+    empty bag gives zeros). M is built from the offsets in the graph: they may be a call tensor.
+    Its size is bags x indices."""
+    if mode not in (0, 1) or scale_grad_by_freq or sparse:
+        raise NotCaptured("EmbeddingBag with mode='max', scale_grad_by_freq or sparse")
+    dt, n = w.dtype, idx.shape[0]
+    bags = out[0].shape[0]
+    offs, ids = r.v(offsets, torch.int64), r.v(idx, torch.int64)
+    starts = r.emit("Slice", [offs, r.ints([0]), r.ints([bags]), r.ints([0]), r.ints([1])])
+    if include_last_offset:
+        ends = r.emit("Slice", [offs, r.ints([1]), r.ints([bags + 1]), r.ints([0]), r.ints([1])])
+    else:
+        rest = [r.emit("Slice", [offs, r.ints([1]), r.ints([bags]), r.ints([0]), r.ints([1])])] if bags > 1 else []
+        ends = r.emit("Concat", rest + [r.ints([n])], attrs=[("axis", "i", 0)])
+    j = r.v(torch.arange(n).view(1, n))
+    member = r.emit("And", [r.emit("LessOrEqual", [r.emit("Unsqueeze", [starts, r.ints([1])]), j]),
+                            r.emit("Less", [j, r.emit("Unsqueeze", [ends, r.ints([1])])])])
+    if padding_idx is not None and padding_idx >= 0:
+        pad = r.emit("Equal", [ids, r.v(int(padding_idx))])
+        member = r.emit("And", [member, r.emit("Unsqueeze", [r.emit("Not", [pad]), r.ints([0])])])
+    m = r.emit("Cast", [member], attrs=[("to", "i", elem(dt))])
+    if per_sample_weights is not None:
+        m = r.emit("Mul", [m, r.emit("Unsqueeze", [r.v(per_sample_weights, dt), r.ints([0])])])
+    if mode == 1:
+        count = r.emit("ReduceSum", [m, r.ints([1])], attrs=[("keepdims", "i", 1)])
+        m = r.emit("Div", [m, r.emit("Max", [count, r.v(1.0, dt)])])
+    y = r.emit("MatMul", [m, r.emit("Gather", [r.v(w), ids], attrs=[("axis", "i", 0)])])
+    return [y, None, None, None]
+
+
+@rule("gather")
+def _gather(r, out, a, dim, index, sparse_grad=False):
+    """GatherND with each element's full coordinates: its own position on every axis but dim, the
+    index on dim (its gradient, GatherND's, adds into the gathered places)."""
+    rank, shape = index.dim(), list(index.shape)
+    if rank == 0:
+        raise NotCaptured("gather with a 0-d index")
+    dim = _axis(dim, rank)
+    parts = []
+    for d in range(rank):
+        if d == dim:
+            parts.append(r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]))
+        else:
+            pos = torch.arange(shape[d]).view([-1 if k == d else 1 for k in range(rank)]).expand(shape)
+            parts.append(r.v(pos.unsqueeze(-1).contiguous()))
+    coords = r.emit("Concat", parts, attrs=[("axis", "i", rank)]) if len(parts) > 1 else parts[0]
+    return r.emit("GatherND", [r.v(a), coords])
+
+
+@rule("scatter_add", "scatter_add_")
+def _scatter_add(r, out, a, dim, index, src):
+    """a + the sum of src's elements into their index along dim, as a one-hot product: for each
+    element of index, a row of a.shape[dim] (1 where the index is), times its src element, summed
+    over dim (its cost: index's size times a.shape[dim])."""
+    dt, rank = out.dtype, a.dim()
+    dim = _axis(dim, rank)
+    shape, n = list(index.shape), a.shape[dim]
+    s = r.v(src, dt)
+    if list(src.shape) != shape:  # only src's leading block of index's shape is read
+        s = r.emit("Slice", [s, r.ints([0] * rank), r.ints(shape), r.ints(range(rank)), r.ints([1] * rank)])
+    hot = r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
+                           r.v(torch.arange(n).view([1] * rank + [n]))])
+    hot = r.emit("Cast", [hot], attrs=[("to", "i", elem(dt))])
+    y = r.emit("Mul", [hot, r.emit("Unsqueeze", [s, r.ints([rank])])])
+    y = r.emit("ReduceSum", [y, r.ints([dim])], attrs=[("keepdims", "i", 0)])  # [..., n] without dim
+    perm = list(range(dim)) + [rank - 1] + list(range(dim, rank - 1))
+    y = r.emit("Transpose", [y], attrs=[("perm", "I", perm)])
+    pad = [0 if d == dim else a.shape[d] - shape[d] for d in range(rank)]
+    if any(pad):  # index shorter than a on another axis: nothing added there
+        y = r.emit("Pad", [y, r.ints([0] * rank + pad), r.v(0, dt)], attrs=[("mode", "s", "constant")])
+    return r.emit("Add", [r.v(a, dt), y])
