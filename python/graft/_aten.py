@@ -107,9 +107,10 @@ class _Watch(TorchFunctionMode):
     inputs or state, refused (the trace would replay this call's value); a constant, read; a random
     draw, read and said (LayerDrop: graft replays this call's branch, as torch.onnx.export did)."""
 
-    def __init__(self, stop, graph_tensors):
+    def __init__(self, stop, graph_tensors, fake=False):
         super().__init__()
         self.stop = stop
+        self.fake = fake  # tracing fake tensors (torch 2.x)
         self.graph = {id(t): t for t in graph_tensors}   # values from the inputs or state (kept alive)
         self.random = {}                                  # values from a random draw
         self.warnings = []
@@ -137,6 +138,10 @@ class _Watch(TorchFunctionMode):
                 f"the forward branches on a random number{_user_line()}; graft replays the branch this call took on "
                 "every call with these input shapes (eager draws it anew each call). If the branch matters "
                 "(LayerDrop with p > 0), keep this module in eager mode.")
+        if self.fake:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                return func(inner, *args[1:], **kwargs)
         with disable_proxy_modes_tracing():
             return func(inner, *args[1:], **kwargs)
 
@@ -169,6 +174,15 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
+        if self.fake and not any(id(a) in self.graph or id(a) in self.random or _is_fake(a) for a in ins) \
+                and getattr(func, "__name__", "") not in RANDOM_OPS:
+            # Constants only (a causal mask from torch.full and triu): computed on real tensors, so
+            # that what the forward reads of them (nn.Transformer compares its mask with a causal
+            # one) has a value; the tracer takes a real tensor for a constant of the graph.
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
         self._follow(out, ins, func)
         if not any(a.requires_grad for a in ins):
@@ -343,7 +357,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
                 t.requires_grad_(True)
         st = dict(zip(names, flat[:n_state]))
         a, kw = _flatten.rebuild((args, kwargs), iter(flat[n_state:]))
-        watch = _Watch(stop, flat)
+        watch = _Watch(stop, flat, fake=_TRACING_MODE == "fake")
         # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
         # on, and as the cells' ops (which graft has) without; the values are the same.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \

@@ -309,12 +309,47 @@ def hf_vit(dropout):
                lambda seed: _images(seed, size=IMAGE, batch=BATCH))
 
 
+class Seq2Seq(nn.Module):
+    """nn.Transformer (encoder and decoder) over token embeddings, a padded source (a boolean
+    key-padding mask) and a causal target mask, as in PyTorch's translation tutorial."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.t = nn.Transformer(HIDDEN, 2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=2 * HIDDEN,
+                                dropout=0.1 if dropout else 0.0, batch_first=True)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, src, tgt, src_pad, labels):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        y = self.t(self.emb(src), self.emb(tgt), tgt_mask=causal, src_key_padding_mask=src_pad,
+                   memory_key_padding_mask=src_pad)
+        return self.head(y)
+
+
+def transformer(dropout):
+    def batch(seed):
+        src, tgt = _tokens(seed), _tokens(seed + 500)
+        pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+        pad[0, -3:] = True  # the first sequence is 3 tokens shorter
+        return src, tgt, pad, _tokens(seed + 700)
+    return Zoo(Seq2Seq(dropout).train(), batch, lambda out, b: F.cross_entropy(out.flatten(0, 1), b[-1].flatten()))
+
+
+def bloom(dropout):
+    from transformers import BloomConfig, BloomForCausalLM
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=2,
+                      **_zero(dropout, "hidden_dropout", "attention_dropout"))
+    return _hf(_Keywords(BloomForCausalLM(cfg)), _lm_batch)
+
+
 BUILDERS = {
     "resnet18": resnet18, "mobilenet_v2": mobilenet_v2, "efficientnet_b0": efficientnet_b0,
     "convnext_tiny": convnext_tiny, "vit_b_16": vit_b_16,
     "lstm": lstm, "gru": gru, "conv1d": conv1d,
     "gpt2": gpt2, "bert": bert, "roberta": roberta, "distilbert": distilbert, "t5": t5, "bart": bart,
     "llama": llama, "mistral": mistral, "opt": opt, "gpt_neox": gpt_neox, "hf_vit": hf_vit,
+    "transformer": transformer, "bloom": bloom,
 }
 MODELS = list(BUILDERS)
 
