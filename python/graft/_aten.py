@@ -111,6 +111,7 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.stop = stop
         self.fake = fake  # tracing fake tensors (torch 2.x)
+        self.shadows = {}  # id(fake constant) -> (it, its real value): _shadow
         self.graph = {id(t): t for t in graph_tensors}   # values from the inputs or state (kept alive)
         self.random = {}                                  # values from a random draw
         self.warnings = []
@@ -124,8 +125,9 @@ class _Watch(TorchFunctionMode):
                 f"{_user_line()}.", "unsupported")
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
         inner = torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
-        if _is_fake(inner):  # torch 2.x traces without data: only a Python constant has a value
-            inner = getattr(inner, "constant", None)
+        if _is_fake(inner):  # torch 2.x traces without data: only a constant has a value
+            hit = self.shadows.get(id(t))
+            inner = hit[1] if hit is not None and hit[0] is t else getattr(inner, "constant", None)
             if inner is None or id(t) in self.random:
                 what = "a random draw (LayerDrop with p > 0)" if id(t) in self.random else "a value"
                 raise GraftUnsupportedError(
@@ -144,6 +146,32 @@ class _Watch(TorchFunctionMode):
                 return func(inner, *args[1:], **kwargs)
         with disable_proxy_modes_tracing():
             return func(inner, *args[1:], **kwargs)
+
+    def _shadow(self, func, args, kwargs, out):
+        """On fake tensors, a call on constants only (a causal mask from torch.full and triu) is
+        also computed on real tensors beside the trace, so that what the forward reads of it
+        (nn.Transformer compares its mask with a causal one) has a value."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        def real(x):
+            if isinstance(x, torch.Tensor):
+                hit = self.shadows.get(id(x))
+                if hit is None or hit[0] is not x:
+                    raise LookupError
+                return hit[1]
+            if isinstance(x, (list, tuple)):
+                return type(x)(real(y) for y in x)
+            return x
+        try:
+            ra, rk = real(tuple(args)), {k: real(v) for k, v in kwargs.items()}
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                got = func(*ra, **rk)
+        except Exception:  # noqa: BLE001  (no shadow of an input, or a call that needs the trace)
+            return
+        for f, r in zip(_leaves(out), _leaves(got)):
+            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and not _is_fake(r):
+                self.shadows[id(f)] = (f, r)
 
     def _follow(self, out, ins, func):
         dep = any(id(a) in self.graph for a in ins)
@@ -174,16 +202,10 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
-        if self.fake and not any(id(a) in self.graph or id(a) in self.random or _is_fake(a) for a in ins) \
-                and getattr(func, "__name__", "") not in RANDOM_OPS:
-            # Constants only (a causal mask from torch.full and triu): computed on real tensors, so
-            # that what the forward reads of them (nn.Transformer compares its mask with a causal
-            # one) has a value; the tracer takes a real tensor for a constant of the graph.
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-            with unset_fake_temporarily(), disable_proxy_modes_tracing():
-                return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if self.fake and not any(id(a) in self.graph or id(a) in self.random for a in ins) \
+                and getattr(func, "__name__", "") not in RANDOM_OPS:
+            self._shadow(func, args, kwargs, out)
         self._follow(out, ins, func)
         if not any(a.requires_grad for a in ins):
             return out

@@ -12,8 +12,8 @@
 * After the export, every trainable parameter of a submodule that ran must be a graph input of
   its own shape: a graph that silently dropped or folded a parameter is refused.
 * The export runs in a forked child process (isolated): see Note [export in a child process].
-  graft's own capture (_capture.py), tried first, runs in this process (in_this_process, Note
-  [code pages read once] in _proc.py).
+  It is GraftModule's fallback: the capture on PyTorch's own tracer (_aten.py, Note [capture]),
+  tried first, runs in this process.
 """
 import contextlib
 import gc
@@ -87,23 +87,17 @@ class Exported:
 # 13 of them copies of the parent's (Python's reference counts and allocations into the parent's
 # heap write to shared pages), so on a model this small the moment of the export costs the system
 # more than an export in the process did (which kept 11 MiB for good); the training process itself
-# then runs below eager's peak. graft's own capture (_capture.py), which needs none of the
-# exporter's machinery, runs in the process instead: only its code pages would stay, and those it
-# gives back (Note [code pages read once], _proc.py); the exporter is what runs here only for
-# what the capture cannot take.
+# then runs below eager's peak. The capture (_aten.py), which needs none of the exporter's
+# machinery, runs in the process; the exporter runs only for what the capture cannot take.
 #
 # The child runs torch with one thread: after fork only the forking thread exists, and an
 # OpenMP team of the parent's would wait for threads that are not there. Where fork is missing
 # or fails (no os.fork, ENOMEM), the result cannot be pickled (a class defined inside a
-# function), or GRAFT_EXPORT says inprocess / capture-inprocess, the export runs in this process
+# function), or GRAFT_EXPORT says inprocess, the export runs in this process
 # as before. A child that dies (a crash inside the exporter) becomes a GraftExportError instead of
 # taking the user's process down.
 
 _IN_CHILD = False
-
-
-def in_this_process(fn, *args):
-    return fn(*args)
 
 
 def isolated(fn, *args, in_process=False):
@@ -112,7 +106,7 @@ def isolated(fn, *args, in_process=False):
     child's peak rise in bytes, 0 when fn ran here."""
     global _IN_CHILD
     if in_process or not hasattr(os, "fork") or _IN_CHILD:
-        return in_this_process(fn, *args), 0
+        return fn(*args), 0
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
