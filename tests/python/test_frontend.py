@@ -670,11 +670,6 @@ class Median(WithCounter):
         return h.median(dim=0).values  # the exporter has no ONNX form of aten::median
 
 
-class Elu(WithCounter):
-    def body(self, h):
-        return F.elu(h)  # exports to ONNX Elu, which graft lacks
-
-
 class Atan(WithCounter):
     def body(self, h):
         return torch.atan(h)  # exports to ONNX Atan, which graft lacks
@@ -701,7 +696,6 @@ def assert_unchanged(m, snap):
 
 @pytest.mark.parametrize("cls, error, needles", [
     (Median, GraftExportError, ["Median", "aten::median", "eager mode"]),
-    (Elu, GraftUnsupportedError, ["Elu", "'Elu'", "eager mode"]),
     (Atan, GraftUnsupportedError, ["Atan", "'Atan'", "eager mode"]),
 ])
 def test_unexportable_or_unsupported_module(cls, error, needles):
