@@ -337,11 +337,11 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
                         "' (" + np.op_type() + ")";
     // graft's own domain: only StopGradient, which graft's PyTorch capture writes (a constant for
     // autodiff where eager's autograd stops a gradient; python/graft/_aten.py, Note [capture]).
-    GRAFT_CHECK(np.domain().empty() || np.domain() == "ai.onnx" ||
-                    (np.domain() == "graft" && np.op_type() == "StopGradient"),
-                ErrorKind::Unsupported,
-                label + " is in domain '" + np.domain() +
-                    "'; graft supports the default ONNX domain only");
+    GRAFT_CHECK(
+        np.domain().empty() || np.domain() == "ai.onnx" ||
+            (np.domain() == "graft" && np.op_type() == "StopGradient"),
+        ErrorKind::Unsupported,
+        label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
     for (const auto& o : np.output()) {
       if (o.empty()) continue;
       GRAFT_CHECK(g.find(o) < 0 && !producer_of.count(o), ErrorKind::InvalidModel,
