@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from . import _flatten
+from . import _export, _flatten
 from .errors import GraftUnsupportedError
 
 # Note [capture]
@@ -346,7 +346,7 @@ class Captured:
         self.stops = False                   # the graph stops a gradient (no torch.onnx.export then)
 
 
-PREFIX = "m."  # graph inputs bound to module state: PREFIX + its state_dict name
+PREFIX = _export.PREFIX  # graph inputs bound to module state: PREFIX + its state_dict name
 _ELEM = {torch.float32: 1, torch.int64: 7, torch.int32: 6, torch.bool: 9, torch.float64: 11}
 
 

@@ -4,7 +4,7 @@ reach a rule as meta tensors (shape and dtype), constants as real tensors or num
 op's result as meta tensors. A rule that cannot take its arguments raises NotCaptured."""
 import torch
 
-from ._aten import NotCaptured
+from ._aten import PREFIX, NotCaptured
 
 # --- the rules: (builder, out, *aten args) -> output name(s) ------------------------------------
 RULES = {}
@@ -545,7 +545,7 @@ def _batch_norm(r, out, x, w, b, mean, var, training, momentum, eps, functional)
     if have:  # torch 1.13 writes the statistics in place without saying so: the update is graft's to make
         for t, new in ((mean, new_mean), (var, new_var)):
             name = r.name_of(t)
-            if name is None or not name.startswith("m."):
+            if name is None or not name.startswith(PREFIX):
                 raise NotCaptured("batch_norm statistics that are not the module's buffers")
             r.updates[name] = new
     return [y, None, None]

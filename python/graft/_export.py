@@ -23,7 +23,6 @@ import pickle
 import re
 import signal
 import sys
-import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field

@@ -16,14 +16,10 @@ import torch
 import torch.nn as nn
 
 from graft.frontend import GraftError, GraftModule, GraftUnsupportedError, GraftWarning
+from parity import close, train_both
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
                                         "ignore::UserWarning")
-
-
-def close(a, b, what, rtol=1e-4, atol=1e-5):
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
-    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 class Block(nn.Module):
@@ -64,37 +60,6 @@ class Recurrent(nn.Module):
         out, state = self.rnn(x, h0)
         h = state[0] if isinstance(state, tuple) else state
         return self.head(out).sum() + (h * h).sum()
-
-
-def train_both(model, make_inputs, mode, steps=2, dtype=torch.float32, rtol=1e-3, atol=1e-4):
-    """The model in GraftModule and an eager copy, `steps` SGD steps on the same inputs: losses,
-    .grad and parameters compared at every step. Returns the GraftModule."""
-    torch.manual_seed(0)
-    model = model.to(dtype)
-    eager = copy.deepcopy(model)
-    g = GraftModule(model, gradients=mode)
-    opt_g = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    for step in range(steps):
-        args = make_inputs(step)
-        for o in (opt_g, opt_e):
-            o.zero_grad(set_to_none=True)
-        lg = g(*args)
-        le = eager(*[a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                     for a in args])
-        lg = lg.float().sum() if lg.dim() else lg
-        le = le.float().sum() if le.dim() else le
-        close(lg.detach(), le.detach(), f"step {step} loss", rtol, atol)
-        lg.backward()
-        le.backward()
-        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert (p.grad is None) == (q.grad is None), f"step {step}: {n}.grad presence differs"
-            if q.grad is not None:  # float32 noise is judged against the gradient's scale (a
-                # gradient that is 0 in exact arithmetic, as a key bias's, is noise of either sign)
-                close(p.grad, q.grad, f"step {step}: {n}.grad", rtol, max(atol, rtol * q.grad.abs().max().item()))
-        opt_g.step()
-        opt_e.step()
-    return g
 
 
 def ids_batch(step):

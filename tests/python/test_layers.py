@@ -5,56 +5,22 @@ against an eager copy, outputs, losses, every .grad, parameters and buffers comp
 
 Run with the compiled package on the path:  PYTHONPATH=build/python python3 -m pytest tests/python/test_layers.py
 """
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import parity
 from graft.frontend import GraftModule
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
                                         "ignore::UserWarning")
 
 
-def close(a, b, what, rtol=1e-7, atol=1e-9):
-    assert not a.isnan().any(), f"{what}: NaN"
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
-    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def train_both(model, make_inputs, steps=2, dtype=torch.float64, tol=(1e-7, 1e-9)):
-    """The model (float64 by default) in GraftModule and an eager copy, `steps` SGD steps on the
-    same inputs: outputs, the loss (the output's dot product with a fixed random tensor, or the
-    output itself where it is a scalar), every .grad, parameter and buffer compared at every step."""
-    torch.manual_seed(0)
-    model = model.to(dtype)
-    eager = copy.deepcopy(model)
-    g = GraftModule(model)
-    opt_g = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    for step in range(steps):
-        args = make_inputs(step)
-        for o in (opt_g, opt_e):
-            o.zero_grad(set_to_none=True)
-        yg, ye = g(*args), eager(*[a.clone() for a in args])
-        close(yg.detach(), ye.detach(), f"step {step} output", *tol)
-        w = torch.randn(ye.shape, generator=torch.Generator().manual_seed(step), dtype=ye.dtype)
-        lg, le = (yg, ye) if ye.dim() == 0 else ((yg * w).sum(), (ye * w).sum())
-        close(lg.detach(), le.detach(), f"step {step} loss", *tol)
-        lg.backward()
-        le.backward()
-        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert q.grad is not None and p.grad is not None, f"step {step}: {n}.grad missing"
-            close(p.grad, q.grad, f"step {step}: {n}.grad", *tol)
-        opt_g.step()
-        opt_e.step()
-        for (n, b), c in zip(model.named_buffers(), eager.buffers()):
-            close(b, c, f"step {step}: buffer {n}", *tol)
-    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-        close(p.detach(), q.detach(), f"parameter {n}", *tol)
-    return g
+def train_both(model, make_inputs, dtype=torch.float64, tol=(1e-7, 1e-9)):
+    """parity.train_both in float64 with tight tolerances by default."""
+    return parity.train_both(model, make_inputs, dtype=dtype, rtol=tol[0], atol=tol[1])
 
 
 class Fn(nn.Module):
