@@ -449,7 +449,15 @@ class GraftModule(torch.nn.Module):
     def _build(self, args, kwargs, tensors) -> _Entry:
         # The exported file is only read while the session is built: nothing of it stays on disk.
         with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
-            return self._build_in(os.path.join(tmp, "model.onnx"), args, kwargs, tensors)
+            try:
+                return self._build_in(os.path.join(tmp, "model.onnx"), args, kwargs, tensors)
+            except GraftError as err:
+                # The exporter was the fallback: say first why the capture did not take the module.
+                why = self.export_method.partition("(not captured: ")[2][:-1]
+                if not why or "graft's capture did not take" in err.message:
+                    raise
+                raise type(err)(f"{err.message} (graft's capture did not take it first: {why})", err.kind,
+                                err.node) from None
 
     def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
