@@ -7,6 +7,7 @@ fallback); what graft must not run at all (module hooks, a custom autograd.Funct
 GraftUnsupportedError.
 """
 import operator
+import traceback
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -231,21 +232,14 @@ def _is_fake(t):
     return isinstance(t, FakeTensor)
 
 
-def _user_line():
-    """ ' (at file:line: source)' of the innermost frame on the stack outside torch and graft, or ''."""
+def _user_line(frames=None):
+    """ ' (at file:line: source)' of the innermost of `frames` (by default the stack now) outside
+    torch and graft, or ''."""
     import os
     import traceback
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_stack() if not os.path.abspath(f.filename).startswith(skip)]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
-
-
-def _user_frame(ex):
-    """ ' (at file:line)' of the innermost frame of `ex` outside torch and graft, or ''."""
-    import os
-    import traceback
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_tb(ex.__traceback__) if not os.path.abspath(f.filename).startswith(skip)]
+    frames = traceback.extract_stack() if frames is None else frames
+    frames = [f for f in frames if not os.path.abspath(f.filename).startswith(skip)]
     return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
@@ -429,11 +423,12 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
         return make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="fake")(*flat)
 
     rng = torch.get_rng_state()
-    # The trace computes on the real tensors: parameters as they are (nothing writes them), buffers
-    # and call tensors as copies (an op that writes without saying so in its schema, torch 1.13's
-    # BatchNorm statistics, must not change the module).
-    flat = [t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone() for _, t in state]
-    flat += [t.detach().clone() for t in tensors]
+    # On torch 1.13 the trace computes on the real tensors: parameters as they are (nothing writes
+    # them), buffers and call tensors as copies (an op that writes without saying so in its schema,
+    # torch 1.13's BatchNorm statistics, must not change the module). Fake tensors need no copies.
+    copy = _TRACING_MODE == "real"
+    flat = [t.detach().clone() if copy and not isinstance(t, torch.nn.Parameter) else t.detach() for _, t in state]
+    flat += [t.detach().clone() if copy else t.detach() for t in tensors]
     try:
         with warnings.catch_warnings():  # torch 2.x says this on entering mkldnn.flags (above)
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
@@ -447,7 +442,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
                 "the forward reads a tensor's value into Python (a branch `if tensor:`, .item(), .tolist(), "
                 "or a random draw deciding a branch, as LayerDrop): graft trains one graph for every call, so it "
                 "would replay the value of this call. Compute it with tensor ops (torch.where), pass it in as a "
-                f"plain argument, or keep this module in eager mode{_user_frame(ex)}.", "unsupported") from None
+                f"plain argument, or keep this module in eager mode{_user_line(traceback.extract_tb(ex.__traceback__))}.", "unsupported") from None
         raise GraftUnsupportedError(f"PyTorch's tracer (make_fx) stopped in the forward: {type(ex).__name__}: "
                                     f"{first}", "unsupported") from ex
     finally:

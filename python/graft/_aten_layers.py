@@ -8,7 +8,7 @@ a large x) would be NaN.
 import torch
 
 from ._aten import NotCaptured, elem
-from ._aten_rules import RULES, _axis, rule
+from ._aten_rules import RULES, _axis, _reduce_axes, rule
 
 _leaky_relu = RULES["leaky_relu"]
 
@@ -28,10 +28,6 @@ def _softplus(r, z, dt):
 def _channel_vector(r, w, rank):
     """A per-channel parameter [C] shaped [C, 1, ...] to broadcast over axis 1 of a rank-`rank` value."""
     return r.emit("Reshape", [r.v(w), r.ints([w.numel()] + [1] * (rank - 2))])
-
-
-def _reduce_axes(a, dims):
-    return list(range(a.dim())) if not dims else [_axis(d, a.dim()) for d in dims]
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -242,15 +238,7 @@ def _mean(r, out, a, *rest, **kw):
 @rule("sum")
 def _sum(r, out, a, dims=None, keepdim=False, dtype=None):
     hit = _of_selection(r, a, False)
-    if hit is not None:
-        return hit
-    if not a.is_floating_point() and not out.is_floating_point():
-        # a count (torch 2.x's cross_entropy sums a bool mask): graft's ReduceSum takes floats, so
-        # in float64 (exact below 2**53), cast back to PyTorch's integer result
-        s = r.emit("ReduceSum", [r.v(a, torch.float64), r.ints(_reduce_axes(a, dims))],
-                   attrs=[("keepdims", "i", int(keepdim))])
-        return r.emit("Cast", [s], attrs=[("to", "i", elem(out.dtype))])
-    return _base_sum(r, out, a, dims, keepdim, dtype)
+    return hit if hit is not None else _base_sum(r, out, a, dims, keepdim, dtype)
 
 
 @rule("index_put", "index_put_")

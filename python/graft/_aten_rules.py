@@ -4,7 +4,7 @@ reach a rule as meta tensors (shape and dtype), constants as real tensors or num
 op's result as meta tensors. A rule that cannot take its arguments raises NotCaptured."""
 import torch
 
-from ._aten import PREFIX, NotCaptured
+from ._aten import PREFIX, NotCaptured, elem
 
 # --- the rules: (builder, out, *aten args) -> output name(s) ------------------------------------
 RULES = {}
@@ -21,6 +21,13 @@ def rule(*names):
 
 def _axis(d, rank):
     return d + rank if d < 0 else d
+
+
+def _reduce_axes(a, dims):
+    """The axes a reduction over `dims` (an int, a list, or None / empty for all) covers."""
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return list(range(a.dim()))
+    return [_axis(d, a.dim()) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
 def _binary(onnx_op):
@@ -296,7 +303,7 @@ def _baddbmm(r, out, c, a, b, beta=1, alpha=1):
 def _mean(r, out, a, dims=None, keepdim=False, dtype=None):
     if dtype is not None:
         raise NotCaptured("mean with a dtype")
-    axes = list(range(a.dim())) if not dims else [_axis(d, a.dim()) for d in dims]
+    axes = _reduce_axes(a, dims)
     return r.emit("ReduceMean", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
 
 
@@ -304,13 +311,18 @@ def _mean(r, out, a, dims=None, keepdim=False, dtype=None):
 def _sum(r, out, a, dims=None, keepdim=False, dtype=None):
     if dtype is not None and dtype != a.dtype:
         raise NotCaptured("sum with a dtype")
-    axes = list(range(a.dim())) if not dims else [_axis(d, a.dim()) for d in dims]
-    return r.emit("ReduceSum", [r.v(a), r.ints(axes)], attrs=[("keepdims", "i", int(keepdim))])
+    if not a.is_floating_point() and not out.is_floating_point():
+        # a count (torch 2.x's cross_entropy sums a bool mask): graft's ReduceSum takes floats, so
+        # in float64 (exact below 2**53), cast back to PyTorch's integer result
+        s = r.emit("ReduceSum", [r.v(a, torch.float64), r.ints(_reduce_axes(a, dims))],
+                   attrs=[("keepdims", "i", int(keepdim))])
+        return r.emit("Cast", [s], attrs=[("to", "i", elem(out.dtype))])
+    return r.emit("ReduceSum", [r.v(a), r.ints(_reduce_axes(a, dims))], attrs=[("keepdims", "i", int(keepdim))])
 
 
 @rule("amax")
 def _amax(r, out, a, dims=(), keepdim=False):
-    axes = list(range(a.dim())) if not dims else [_axis(d, a.dim()) for d in dims]
+    axes = _reduce_axes(a, dims)
     return r.emit("ReduceMax", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
 
 
@@ -615,8 +627,7 @@ for _n, _o in (("and", "And"), ("or", "Or"), ("xor", "Xor")):
 def _any_of(r, a, dim, keepdim):
     """Whether any element along dim (all where None) is true, as bool."""
     x = r.emit("Cast", [_bool(r, a)], attrs=[("to", "i", 1)])
-    axes = list(range(a.dim())) if dim is None else [_axis(d, a.dim()) for d in (dim if isinstance(dim, (list, tuple))
-                                                                                 else [dim])]
+    axes = _reduce_axes(a, dim)
     m = r.emit("ReduceMax", [x], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
     return r.emit("Greater", [m, r.v(0.0)])
 
@@ -630,8 +641,7 @@ def _any(r, out, a, dim=None, keepdim=False):
 def _all(r, out, a, dim=None, keepdim=False):
     neg = r.emit("Not", [_bool(r, a)])
     x = r.emit("Cast", [neg], attrs=[("to", "i", 1)])
-    axes = list(range(a.dim())) if dim is None else [_axis(d, a.dim()) for d in (dim if isinstance(dim, (list, tuple))
-                                                                                 else [dim])]
+    axes = _reduce_axes(a, dim)
     m = r.emit("ReduceMax", [x], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
     return r.emit("Not", [r.emit("Greater", [m, r.v(0.0)])])
 

@@ -181,7 +181,7 @@ class _Prepared:
     """What the export (run in a child process: _export.isolated) hands back; picklable."""
     ex: Any = None                 # _export.Exported, its ONNX model dropped
     float_outputs: List[str] = dataclasses.field(default_factory=list)
-    state_updates: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    state_updates: List[Tuple[str, Tuple[str, Any]]] = dataclasses.field(default_factory=list)  # as _Entry's
     counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
     stops: bool = False  # the captured graph stops a gradient: torch.onnx.export is no way in
 
@@ -250,17 +250,6 @@ def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
     p.state_updates = list(c.updates)
     p.stops = c.stops
     return p
-
-
-def _graft_threads():
-    from . import _graft
-    return _graft.num_threads()
-
-
-def _set_graft_threads(n):
-    """graft's thread team follows torch.set_num_threads, checked at every call."""
-    from . import _graft
-    _graft.set_num_threads(n)
 
 
 class _Call:
@@ -537,7 +526,7 @@ class GraftModule(torch.nn.Module):
             # and outputs form reference cycles that hold every activation of that forward until
             # Python's cyclic collector happens to run (many steps later: a training loop makes
             # few Python objects). Collect them now, once per export, so that the first step
-            # does not hold the activations twice. Then hand the freed heap pages back.
+            # does not hold the activations twice.
             gc.collect()
             self._cache[key] = entry
             self._exports += 1
@@ -597,8 +586,9 @@ class GraftModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         name = self._name()
-        if torch.get_num_threads() != _graft_threads():
-            _set_graft_threads(torch.get_num_threads())
+        from . import _graft
+        if torch.get_num_threads() != _graft.num_threads():  # graft's team follows torch.set_num_threads
+            _graft.set_num_threads(torch.get_num_threads())
         bf16 = self.precision == "bf16"
         if _autocast_cpu():
             if _autocast_cpu_dtype() == torch.bfloat16:
