@@ -360,7 +360,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     call_ids = {id(t) for t in tensors}
     if any(id(t) in call_ids for _, t in state):
         raise NotCaptured("a call tensor that is also a parameter or buffer")
-    n_state, n_in = len(state), len(tensors)
+    n_state = len(state)
     box = {}
 
     origs = [t for _, t in state] + list(tensors)
