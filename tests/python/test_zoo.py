@@ -10,10 +10,8 @@ GraftModule and an identical eager copy each train 3 AdamW steps on the same bat
 And once per model with the config's default dropout: 2 AdamW steps through GraftModule, finite
 losses.
 
-A model graft cannot run yet is an expected failure (xfail, its reason the graft error's first
-line) only when the first call raises graft.GraftUnsupportedError or graft.GraftExportError: the
-suite stays green and lists the gaps. Anything else (wrong numbers, another exception, a failure
-after the first call) fails.
+Every listed model must run: a refusal (graft.GraftUnsupportedError, graft.GraftExportError) fails
+the suite like wrong numbers do. A model graft cannot run is not listed (README, "The model zoo").
 
 Needs Hugging Face transformers (build/venv-zoo, made by tools/setup) and Debian's torchvision:
     HF_HUB_OFFLINE=1 PYTHONPATH=build/python build/venv-zoo/bin/python -m pytest tests/python/test_zoo.py
@@ -49,8 +47,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::graft.GraftWarning", "ignore::t
 # falling out of this list (to torch.onnx.export) is a change to say, not to find later in a table.
 CAPTURED = {"resnet18", "mobilenet_v2", "efficientnet_b0", "convnext_tiny", "vit_b_16", "lstm", "gru", "conv1d", "gpt2", "bert",
             "roberta", "distilbert", "t5", "bart", "llama", "mistral", "opt", "gpt_neox", "hf_vit", "transformer"}
-# BLOOM's GeLU is a custom torch.autograd.Function (its own backward): refused until graft runs such a
-# Function as an opaque node (an xfail naming it).
 
 
 def first_line(ex: BaseException) -> str:
@@ -59,16 +55,8 @@ def first_line(ex: BaseException) -> str:
 
 
 def graft_call(g, batch, step):
-    """g(*batch); at step 0 a GraftUnsupportedError / GraftExportError is a known gap (xfail)."""
-    try:
-        return g(*batch)
-    except (graft.GraftUnsupportedError, graft.GraftExportError) as ex:
-        if step != 0:
-            raise
-        reason = f"{type(ex).__name__}: {first_line(ex)}"
-    # Outside the except block, so that the xfail does not chain the exporter's exception: under
-    # torch 1.13, pytest's report of its frames calls repr() on a freed torch.Graph and crashes.
-    pytest.xfail(reason)
+    """g(*batch) (step: for the caller's messages; a refusal at any step fails)."""
+    return g(*batch)
 
 
 def close_loss(got, want, what):
