@@ -10,16 +10,21 @@ loop of the eager row, wrapped, in each mode, each in its own process (needs gra
 The model is the seed's: L x (nn.Linear(H, H), nn.ReLU()), loss = out.mean(), torch.optim.SGD with
 lr 0.01 and no momentum, optimizer.zero_grad(set_to_none=...) before each step. Every system runs
 in a fresh process with the same thread count: PyTorch as ``python3 -m graft.bench --worker torch``
-and graft as ``graft bench --mode M --json``. Each does one warm-up step, then N timed steps, and
-measures the peak resident-memory delta of a step the same way: write "5" to /proc/self/clear_refs
-(VmHWM := VmRSS) at the step's start, read VmHWM after the optimizer step, subtract VmRSS at the
-start. peak_total_bytes is the whole process's peak RSS during the timed steps minus its RSS before
-the model was created (parameters, gradients, optimizer state, activations, framework overhead:
-what a user pays). Children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set), so that glibc returns freed
-large blocks and the RSS delta reflects live memory at small sizes too; --malloc default leaves
-glibc's own policy instead (for timing: the memory policy makes large blocks fault in every step). Reported per row: MA / MAX_MA (graft's allocator; null for CPU PyTorch, which has no
-allocator statistics), the peak RSS delta (max over the timed steps), seconds per step (median),
-and the ratios of RSS delta and time to PyTorch eager.
+and graft as ``graft bench --mode M --json``. Each does one warm-up step, then N timed steps.
+
+Memory is compared as anonymous memory (resident minus file-backed and shared pages: what can run
+a machine out of memory; code pages count for no system), sampled the same way for every system:
+this parent reads each child's /proc/PID/statm at about 1 kHz (graft._proc.AnonSampler), and the
+child reports when each step began and ended (CLOCK_MONOTONIC) with its own exact readings at those
+moments. peak_anon_delta_bytes: per step, the peak during it minus the level at its start (max over
+the timed steps); peak_anon_bytes: the peak during the timed steps minus the level before the model
+was created (parameters, gradients, optimizer state, activations, framework overhead: what a user
+pays). Children run under glibc's default malloc policy (--malloc memory: blocks above 64 KiB
+mapped and returned, for memory rows only). Reported per row: MA / MAX_MA (graft's allocator; null
+for CPU PyTorch, which has no allocator statistics), both anonymous peaks, seconds per step
+(median), and the ratios of memory and time to PyTorch eager. The JSON also keeps the older
+resident-set measure (peak_rss_delta_bytes: VmHWM reset at the step's start; peak_total_bytes),
+which counts code pages.
 
 The graft binary is --graft-bin, else $GRAFT_BIN, else bin/graft under the install prefix this
 package was installed to (<prefix>/lib/python3/dist-packages/graft -> <prefix>/bin/graft), else
@@ -86,6 +91,7 @@ def torch_worker(a):
     if a.worker == "graftmodule":  # graft's code is loaded before the baseline, as torch's is
         from . import _graft, frontend  # noqa: F401
     rss_before_model = _status_bytes("VmRSS")
+    marks = _proc.StepMarks()
     layers = []
     for _ in range(a.layer):
         layers += [nn.Linear(a.hidden, a.hidden), nn.ReLU()]
@@ -106,6 +112,7 @@ def torch_worker(a):
     secs, rss, total = [], [], []
     loss = None
     for k in range(a.steps + 1):  # k = 0: warm-up
+        marks.start()
         t0 = time.perf_counter()
         if mode != "step":  # step mode: SGD runs inside backward, no .grad exists
             opt.zero_grad(set_to_none=a.set_to_none)
@@ -119,6 +126,7 @@ def torch_worker(a):
         if mode != "step":
             opt.step()
         t1 = time.perf_counter()
+        marks.end()
         hwm = _status_bytes("VmHWM")
         if k == 0:
             continue
@@ -141,6 +149,7 @@ def torch_worker(a):
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),  # the policy it ran under
+        **marks.to_json(warmup=1),
     }
 
 
@@ -225,6 +234,7 @@ def zoo_worker(a):
             from .frontend import GraftModule
             _graft.set_num_threads(a.threads)
             unsupported = (GraftUnsupportedError, GraftExportError)
+        marks = _proc.StepMarks()
         z = zoo.build(a.zoo_model, dropout=False, seed=0)
         model = z.model
         batch = z.make_batch(0)
@@ -239,6 +249,7 @@ def zoo_worker(a):
         secs, losses = [], []
         for k in range(ZOO_WARMUP + a.steps):
             stage = "first step" if k == 0 else f"step {k}"
+            marks.start()
             t0 = time.perf_counter()
             if not step_mode:
                 opt.zero_grad(set_to_none=a.set_to_none)
@@ -248,13 +259,14 @@ def zoo_worker(a):
             if not step_mode:
                 opt.step()
             t1 = time.perf_counter()
+            marks.end()
             losses.append(float(loss))
             if k == 0:
                 row["first_step_seconds"] = t1 - t0
             if k >= ZOO_WARMUP:
                 secs.append(t1 - t0)
         row.update(status="ok", step_seconds=statistics.median(secs), step_seconds_per_step=secs,
-                   loss=losses[0], loss_last=losses[-1])
+                   loss=losses[0], loss_last=losses[-1], **marks.to_json(warmup=ZOO_WARMUP))
         if not graft_side:  # after the timing; on a copy: training-mode BatchNorm updates its statistics
             stage = "counting FLOPs"
             row["flops_per_step"] = 3 * forward_flops(copy.deepcopy(model), batch)
@@ -289,19 +301,20 @@ def run_zoo_child(a, name, worker, mode="hook", precision=None):
     failed = {"model": name, "system": system, "mode": mode, "precision": precision, "step_seconds": None,
               "loss": None, "flops_per_step": None}
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=_zoo_child_env(), timeout=ZOO_TIMEOUT)
+        rc, out, err, samples = _proc.run_sampled(cmd, env=_child_env(a.malloc, _zoo_child_env()),
+                                                  timeout=ZOO_TIMEOUT)
     except subprocess.TimeoutExpired:
         return {**failed, "status": "timeout", "error": f"no result after {ZOO_TIMEOUT} s"}
     except OSError as e:
         return {**failed, "status": "error", "error": f"cannot run {cmd[0]}: {e.strerror}"}
-    for line in reversed(p.stdout.strip().splitlines()):
+    for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                return _proc.summarize_anon(json.loads(line), samples)
             except ValueError:
                 break
-    why = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
-    tail = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    why = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
+    tail = [l for l in err.strip().splitlines() if l.strip()]
     return {**failed, "status": "crash", "error": f"process {why}: {tail[-1] if tail else 'no message'}"}
 
 
@@ -349,6 +362,11 @@ def zoo_rows(a, names, progress=None):
                 "flops_per_step": flops,
                 "eager_gflops": flops / es / 1e9 if flops and es else None,
                 "graft_gflops": flops / gs / 1e9 if flops and gs else None,
+                "eager_peak_anon_bytes": eager.get("peak_anon_bytes"),
+                "graft_peak_anon_bytes": g.get("peak_anon_bytes"),
+                "anon_ratio": _ratio(g.get("peak_anon_bytes"), eager.get("peak_anon_bytes")),
+                "eager_peak_anon_bytes_first_call": eager.get("peak_anon_bytes_first_call"),
+                "graft_peak_anon_bytes_first_call": g.get("peak_anon_bytes_first_call"),
                 "eager_first_step_seconds": eager.get("first_step_seconds"),
                 "graft_first_step_seconds": g.get("first_step_seconds"),
                 "eager_step_seconds_per_step": eager.get("step_seconds_per_step", []),
@@ -380,6 +398,8 @@ def _zoo_config(a, names):
             "threads": a.threads, "precision": a.precision, "optimizer": a.optimizer,
             "lr": 0.01 if a.optimizer == "sgd" else 1e-3, "set_to_none": a.set_to_none,
             "activation_budget": a.activation_budget, "flops_method": ZOO_FLOPS_METHOD,
+            "memory_measure": f"anonymous (statm resident - shared), sampled at ~{_proc.SAMPLE_HZ} Hz",
+            "malloc": "glibc default" if a.malloc == "default" else "MALLOC_MMAP_THRESHOLD_=65536",
             "python": sys.executable}
 
 
@@ -387,7 +407,7 @@ def _f(v, spec, width):
     return "-".rjust(width) if v is None else format(v, spec).rjust(width)
 
 
-ZOO_FMT = "{:<16} {:<10} {:>12} {:>12} {:>11} {:>9} {:>9} {:>9}  {}"
+ZOO_FMT = "{:<16} {:<10} {:>12} {:>12} {:>11} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9}  {}"
 
 
 def print_zoo_header(c):
@@ -398,7 +418,7 @@ def print_zoo_header(c):
     print(f"model zoo: {vs}, {opt}, {c['steps']} timed step(s) after {c['warmup_steps']} warm-up (median{runs}), "
           f"{c['threads']} thread(s), each model and system its own process")
     print(ZOO_FMT.format("model", "mode", "eager s/step", "graft s/step", "graft/eager", "GFLOP/s e",
-                         "GFLOP/s g", "Δloss rel", "status"), flush=True)
+                         "GFLOP/s g", "anon e", "anon g", "anon g/e", "Δloss rel", "status"), flush=True)
 
 
 def print_zoo_row(r):
@@ -406,13 +426,17 @@ def print_zoo_row(r):
     print(ZOO_FMT.format(r["model"], r["mode"], _f(r["eager_step_seconds"], ".4f", 12),
                          _f(r["graft_step_seconds"], ".4f", 12), _f(r["time_ratio"], ".2f", 11),
                          _f(r["eager_gflops"], ".2f", 9), _f(r["graft_gflops"], ".2f", 9),
-                         _f(r["loss_rel_diff"], ".1e", 9), status[:200]), flush=True)
+                         _human(r.get("eager_peak_anon_bytes")), _human(r.get("graft_peak_anon_bytes")),
+                         _f(r.get("anon_ratio"), ".2f", 10), _f(r["loss_rel_diff"], ".1e", 9), status[:200]),
+          flush=True)
 
 
 def print_zoo_footer(doc):
     rows = doc["rows"]
     ok = [r for r in rows if r["status"] == "ok"]
-    print(f"{len(ok)} of {len(rows)} rows ran; GFLOP/s: {doc['config']['flops_method']} over the median step")
+    print(f"{len(ok)} of {len(rows)} rows ran; GFLOP/s: {doc['config']['flops_method']} over the median step; "
+          f"anon: peak anonymous memory during the timed steps minus before the model was built, sampled at "
+          f"~{_proc.SAMPLE_HZ} Hz from the parent")
     if doc["config"]["precision"] != "fp32":
         print("graft bf16 vs eager fp32: " + ", ".join(f"{r['model']} {_fmt_ratio(r['time_ratio_vs_eager_fp32'])}"
                                                     for r in rows))
@@ -467,12 +491,12 @@ def _size_args(a):
 
 
 def _child_env(malloc, env=None):
-    # Every system runs with the same malloc policy. "memory" (the default): blocks above 64 KiB
-    # are mmap'ed and returned on free, so the peak RSS delta tracks what is live rather than what
-    # glibc cached from the previous step (at the seed's size every large block is mmap'ed anyway);
-    # an explicit MALLOC_MMAP_THRESHOLD_ in the environment wins. It makes every such block cost
-    # page faults each time, which at small sizes slows both systems by up to 2x, so "default"
-    # leaves glibc's own adaptive thresholds (what a user's process runs with) for timing. Setting
+    # Every system runs with the same malloc policy. "default": glibc's own adaptive thresholds,
+    # what a user's process runs with (memory glibc keeps cached counts: the user pays for it too).
+    # "memory": blocks above 64 KiB are mmap'ed and returned on free, so memory tracks what is live
+    # rather than what glibc cached from the previous step; an explicit MALLOC_MMAP_THRESHOLD_ in
+    # the environment wins. It makes every such block cost page faults each time, which at small
+    # sizes slows both systems by up to 2x: a policy for memory rows only, never for timing. Setting
     # the mmap threshold by hand also fixes the trim threshold at 128 KiB, so that freeing any
     # block at the heap's top unmaps it: not a fair timing policy either.
     env = dict(os.environ if env is None else env)
@@ -484,16 +508,19 @@ def _child_env(malloc, env=None):
 def _run_json(cmd, what, malloc, env=None):
     env = _child_env(malloc, env)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        rc, out, err, samples = _proc.run_sampled(cmd, env=env)
     except OSError as e:
         raise BenchError(f"{what}: cannot run {cmd[0]}: {e.strerror}")
-    if p.returncode != 0:
-        lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
-        raise BenchError(f"{what} failed (exit {p.returncode}): {lines[-1] if lines else 'no message'}")
+    if rc != 0:
+        lines = [l for l in err.strip().splitlines() if l.strip()]
+        raise BenchError(f"{what} failed (exit {rc}): {lines[-1] if lines else 'no message'}")
     try:
-        return json.loads(p.stdout.strip().splitlines()[-1])
+        doc = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise BenchError(f"{what} printed no JSON")
+    for row in doc.get("rows", [doc]):  # graft bench prints {config, rows}; the workers one row
+        _proc.summarize_anon(row, samples)
+    return doc
 
 
 def run_torch(a):
@@ -548,15 +575,15 @@ def print_table(doc):
     print(f"seed benchmark: B={c['batch']} H={c['hidden']} L={c['layer']} {c.get('precision', 'fp32')}, {opt}, "
           f"{c['steps']} timed step(s) after 1 warm-up, set_to_none={str(c['set_to_none']).lower()}, "
           f"{c['threads']} thread(s), each row its own process")
-    hdr = ("system", "mode", "MA", "MAX_MA", "peak RSS delta", "peak total", "s/step", "GFLOP/s", "RSS ratio",
-           "total ratio", "time ratio")
-    fmt = "{:<12} {:<11} {:>11} {:>11} {:>15} {:>11} {:>10} {:>8} {:>10} {:>11} {:>10}"
+    hdr = ("system", "mode", "MA", "MAX_MA", "anon step Δ", "peak anon", "s/step", "GFLOP/s", "Δ ratio",
+           "anon ratio", "time ratio")
+    fmt = "{:<12} {:<11} {:>11} {:>11} {:>12} {:>11} {:>10} {:>8} {:>8} {:>10} {:>10}"
     print(fmt.format(*hdr))
     for r in doc["rows"]:
         print(fmt.format(r["system"], r["mode"], _human(r["ma_bytes"]), _human(r["max_ma_bytes"]),
-                         _human(r["peak_rss_delta_bytes"]), _human(r.get("peak_total_bytes")),
-                         f"{r['step_seconds']:.4f}", f"{r.get('gflops', 0.0):.1f}", _fmt_ratio(r.get("rss_ratio")),
-                         _fmt_ratio(r.get("total_ratio")), _fmt_ratio(r.get("time_ratio"))))
+                         _human(r.get("peak_anon_delta_bytes")), _human(r.get("peak_anon_bytes")),
+                         f"{r['step_seconds']:.4f}", f"{r.get('gflops', 0.0):.1f}", _fmt_ratio(r.get("anon_ratio")),
+                         _fmt_ratio(r.get("total_anon_ratio")), _fmt_ratio(r.get("time_ratio"))))
     if c.get("sgemm_gflops") is not None:
         print(f"ceiling: sgemm {c['batch']}x{c['hidden']}x{c['hidden']} {c['sgemm_gflops']:.1f} GFLOP/s "
               f"(timed in the graft processes)")
@@ -564,7 +591,9 @@ def print_table(doc):
         print("time vs eager fp32: " + ", ".join(f"{r['system']} {r['mode']} {_fmt_ratio(r.get('time_ratio_vs_eager_fp32'))}"
                                                  for r in doc["rows"]))
     print("ratios are to PyTorch eager (under autocast with --precision bf16); MA / MAX_MA are graft's allocator "
-          "(CPU PyTorch has no allocator stats)")
+          "(CPU PyTorch has no allocator stats); anon step Δ: anonymous memory's peak during a step minus its level "
+          "at the step's start; peak anon: its peak during the timed steps minus its level before the model was "
+          f"built; sampled from the parent at ~{_proc.SAMPLE_HZ} Hz; malloc: {c.get('malloc')}")
 
 
 def plot(path, doc, timelines):
@@ -601,9 +630,9 @@ def plot(path, doc, timelines):
             ax.axvline(tl["barrier_step"], color="gray", linestyle=":", linewidth=1)
             ax.text(tl["barrier_step"], 0, " end of forward", color="gray", va="bottom", fontsize=8)
     torch_row = next((r for r in doc["rows"] if r["system"] == "pytorch"), None)
-    if torch_row is not None and torch_row["peak_rss_delta_bytes"] >= 0:
-        ax.axhline(torch_row["peak_rss_delta_bytes"] / mib, color="black", linestyle="-.", linewidth=1,
-                   label=f"PyTorch eager peak RSS delta ({torch_row['peak_rss_delta_bytes'] / mib:.2f} MiB)")
+    if torch_row is not None and torch_row.get("peak_anon_delta_bytes", -1) >= 0:
+        ax.axhline(torch_row["peak_anon_delta_bytes"] / mib, color="black", linestyle="-.", linewidth=1,
+                   label=f"PyTorch eager peak anonymous-memory delta ({torch_row['peak_anon_delta_bytes'] / mib:.2f} MiB)")
     ax.set_xlabel("op index (executor step; -1 = before the run, last = gradient delivery + SGD)")
     ax.set_ylabel("MiB above the step's start (graft allocator)")
     ax.set_title(f"Memory over one training step: B={c['batch']} H={c['hidden']} L={c['layer']}, "
@@ -632,10 +661,10 @@ def build_parser():
     p.add_argument("--set-to-none", action="store_true", help="zero_grad(set_to_none=True)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                    help="sgd (lr 0.01) or adamw (torch.optim.AdamW's defaults), both systems")
-    p.add_argument("--malloc", choices=["memory", "default"], default="memory",
-                   help="glibc policy of every row's process: memory (blocks above 64 KiB mapped and "
-                        "returned, so RSS tracks live bytes; the default) or default (glibc's adaptive "
-                        "thresholds, for timing)")
+    p.add_argument("--malloc", choices=["memory", "default"], default="default",
+                   help="glibc policy of every row's process: default (glibc's own adaptive thresholds, what a "
+                        "user's process runs with) or memory (blocks above 64 KiB mapped and returned, so "
+                        "memory tracks live bytes; it slows small steps)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both systems (default: os.cpu_count(); with --zoo 2)")
     p.add_argument("--activation-budget", type=int, default=0, metavar="BYTES",
@@ -730,6 +759,8 @@ def main(argv=None):
         fp32_sec = rows[1]["step_seconds"] if a.precision != "fp32" else ref_sec
         ref_total = torch_row.get("peak_total_bytes")
         for r in rows:
+            r["anon_ratio"] = _ratio(r.get("peak_anon_delta_bytes"), torch_row.get("peak_anon_delta_bytes"))
+            r["total_anon_ratio"] = _ratio(r.get("peak_anon_bytes"), torch_row.get("peak_anon_bytes"))
             r["rss_ratio"] = _ratio(r["peak_rss_delta_bytes"], ref_rss)
             r["total_ratio"] = _ratio(r.get("peak_total_bytes"), ref_total)
             r["time_ratio"] = _ratio(r["step_seconds"], ref_sec)

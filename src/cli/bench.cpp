@@ -8,6 +8,9 @@
 //             session.step(); sgd.step(); t1; VmHWM - base = peak RSS delta; MA = current.
 //   One warm-up step first (not reported), then N timed steps: seconds = median, RSS delta = max,
 //   MA / MAX_MA from the last step (they are the same every step after the warm-up).
+//   Anonymous memory, what the benchmarks compare across systems, has no high-water mark: each
+//   step's window (CLOCK_MONOTONIC) and the levels at its ends go into the row, and the parent
+//   (python3 -m graft.bench) samples this process's /proc/PID/statm at ~1 kHz and takes the peaks.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -110,6 +113,12 @@ struct ModeResult {
   // Whole-process peak RSS during the timed steps minus the RSS before the model was created:
   // parameters, gradients, optimizer state, activations and overhead, what a user pays.
   int64_t peak_total = -1;
+  // For the parent's anonymous-memory sampler (graft._proc.summarize_anon): the level before the
+  // model was created, and each step's window (monotonic seconds; the warm-up first) with the
+  // levels read at its start and end.
+  int64_t anon_before_model = -1;
+  std::vector<std::array<double, 2>> windows;
+  std::vector<int64_t> anon_starts, anon_ends;
   std::vector<double> secs;
   double loss = 0;
   int64_t planned_peak = 0, param_bytes = 0, grad_bytes = 0, input_bytes = 0, const_bytes = 0,
@@ -127,6 +136,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   ModeResult r;
   r.mode = mode;
   const int64_t rss_before_model = vm_rss();
+  r.anon_before_model = anon_bytes();
   Allocator alloc;
   SessionOptions so;
   so.loss = "loss";
@@ -187,6 +197,8 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   const bool hwm_ok = reset_hwm();
   for (int k = 0; k <= a.steps; ++k) {  // k = 0: warm-up
     const bool last = k == a.steps;
+    const double w0 = monotonic_seconds();
+    r.anon_starts.push_back(anon_bytes());
     auto t0 = clock_t_::now();
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
@@ -205,6 +217,8 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
     if (mode != GradMode::Step && a.clip_norm > 0) clip_grad_norm(opt.params(), a.clip_norm);
     if (mode != GradMode::Step) opt.step();
     auto t3 = clock_t_::now();
+    r.anon_ends.push_back(anon_bytes());
+    r.windows.push_back({w0, monotonic_seconds()});
     int64_t hwm = vm_hwm();
     if (k == 0) continue;
     r.secs.push_back(std::chrono::duration<double>(t3 - t0).count());
@@ -417,7 +431,12 @@ json row_json(const ModeResult& r, const Sizes& sz) {
           {"grad_bytes", r.grad_bytes},
           {"input_bytes", r.input_bytes},
           {"loss_bytes", r.loss_bytes},
-          {"constant_bytes", r.const_bytes}};
+          {"constant_bytes", r.const_bytes},
+          {"anon_before_model_bytes", r.anon_before_model},
+          {"warmup_steps_marked", 1},
+          {"step_windows", r.windows},
+          {"anon_at_step_start_bytes", r.anon_starts},
+          {"anon_at_step_end_bytes", r.anon_ends}};
 }
 
 }  // namespace

@@ -81,6 +81,12 @@ std::string human_bytes(int64_t b);
 int64_t proc_kb_field(const char* file, const char* key);
 int64_t vm_rss();  // this process's resident set now (VmRSS), bytes; -1 if unknown
 int64_t vm_hwm();  // and at its peak (VmHWM)
+// Anonymous bytes now: resident minus shared (file-backed + shmem) pages, /proc/self/statm; -1 if
+// unknown. The benchmarks compare this across systems (code pages count for none of them).
+int64_t anon_bytes();
+// CLOCK_MONOTONIC in seconds: the clock of Python's time.monotonic(), so that a parent sampling
+// this process's memory (graft._proc.AnonSampler) can place each step's window in its samples.
+double monotonic_seconds();
 // Inputs for every graph input: from TensorProto files (by name, else in order), else random
 // normal floats (zeros for int64/bool) of the given or declared shape.
 std::map<std::string, Tensor> make_inputs(const Graph& g,

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -32,6 +33,19 @@ int64_t proc_kb_field(const char* file, const char* key) {
 
 int64_t vm_rss() { return proc_kb_field("/proc/self/status", "VmRSS"); }
 int64_t vm_hwm() { return proc_kb_field("/proc/self/status", "VmHWM"); }
+
+int64_t anon_bytes() {
+  std::ifstream f("/proc/self/statm");
+  long long size = 0, resident = 0, shared = 0;
+  if (!(f >> size >> resident >> shared)) return -1;
+  return static_cast<int64_t>(resident - shared) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+double monotonic_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 int64_t parse_size(const std::string& flag, const std::string& text) {
   auto bad = [&](const std::string& why) -> int64_t {

@@ -148,6 +148,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   // The whole process's memory in --json (what a user pays: tools/zoo-report --memory --cli):
   // its RSS before the model is read, now, and at its peak (VmHWM).
   const int64_t rss_before_model = vm_rss();
+  const int64_t anon_before_model = anon_bytes();
   ImportOptions io;
   io.alloc = &alloc;
   Graph g = load_onnx(a.model, io);
@@ -286,6 +287,8 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
     s.zero_grad(a.set_to_none);
     alloc.reset_peak();
     auto t0 = std::chrono::steady_clock::now();
+    const double w0 = monotonic_seconds();  // the step's window, for a parent's memory sampler
+    const int64_t anon0 = anon_bytes();
     // The schedule's rate for this step (set before backward: step mode updates inside it).
     if (scheduled)
       opt->set_lr(a.lr * lr_schedule_factor(a.lr_schedule, step - 1, a.steps, a.warmup_steps));
@@ -327,11 +330,13 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
       std::printf(
           "{\"step\": %d, \"loss\": %.9g, \"seconds\": %.6f, \"ma_bytes\": %lld, \"max_ma_bytes\": "
           "%lld, \"rss_bytes\": %lld, \"peak_rss_bytes\": %lld, \"rss_before_model_bytes\": "
-          "%lld%s}\n",
+          "%lld, \"anon_before_model_bytes\": %lld, \"anon_at_start_bytes\": %lld, "
+          "\"anon_at_end_bytes\": %lld, \"window\": [%.6f, %.6f]%s}\n",
           step, loss, secs, static_cast<long long>(alloc.current()),
           static_cast<long long>(alloc.peak()), static_cast<long long>(vm_rss()),
           static_cast<long long>(vm_hwm()), static_cast<long long>(rss_before_model),
-          comm_json.c_str());
+          static_cast<long long>(anon_before_model), static_cast<long long>(anon0),
+          static_cast<long long>(anon_bytes()), w0, monotonic_seconds(), comm_json.c_str());
     else
       std::printf("step %d  loss %.6f  time %.1f ms  MA %s  MAX_MA %s%s\n", step, loss, secs * 1e3,
                   human_bytes(alloc.current()).c_str(), human_bytes(alloc.peak()).c_str(),

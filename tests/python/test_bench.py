@@ -230,6 +230,75 @@ def run_py_bench(*args, check=True, env=None):
     return p
 
 
+def check_anon(r, steps):
+    """The anonymous-memory fields a child's row gets from the parent's sampler."""
+    for k in ("peak_anon_bytes", "peak_anon_delta_bytes", "peak_anon_bytes_first_call", "anon_before_model_bytes"):
+        assert isinstance(r[k], int) and not isinstance(r[k], bool) and r[k] >= 0, (k, r.get(k))
+    assert len(r["peak_anon_delta_bytes_per_step"]) == steps
+    assert r["peak_anon_delta_bytes"] == max(r["peak_anon_delta_bytes_per_step"])
+    assert r["peak_anon_bytes_first_call"] >= r["peak_anon_bytes"]
+    # The exact readings at each window's ends bound the sampled peak from below.
+    warm = r["warmup_steps_marked"]
+    assert len(r["step_windows"]) == warm + steps
+    assert r["peak_anon_bytes"] >= max(r["anon_at_step_end_bytes"][warm:]) - r["anon_before_model_bytes"]
+
+
+def test_summarize_anon_takes_the_peak_of_each_window():
+    """Peaks per window from the samples and the child's exact readings; the warm-up windows count
+    only for the first-call peak."""
+    sys.path.insert(0, str(ROOT / "python"))
+    try:
+        from graft import _proc
+    finally:
+        sys.path.pop(0)
+    row = {"anon_before_model_bytes": 100, "warmup_steps_marked": 1,
+           "step_windows": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]],
+           "anon_at_step_start_bytes": [150, 300, 310], "anon_at_step_end_bytes": [300, 305, 330]}
+    samples = [(0.5, 120), (1.5, 900), (2.5, 5000), (3.2, 450), (3.9, 320), (5.5, 350)]
+    _proc.summarize_anon(row, samples)
+    assert row["peak_anon_delta_bytes_per_step"] == [450 - 300, 350 - 310]
+    assert row["peak_anon_delta_bytes"] == 150
+    assert row["peak_anon_bytes"] == 450 - 100  # the 5000 between windows is no step's
+    assert row["peak_anon_bytes_first_call"] == 900 - 100
+    assert row["anon_samples"] == 3
+    # A row without windows (a failed child) is left as it was.
+    assert _proc.summarize_anon({"status": "error"}, samples) == {"status": "error"}
+
+
+def test_anon_sampler_sees_a_peak_between_the_childs_readings():
+    """A child that fills 192 MiB and frees it within one step: its own readings at the step's ends
+    do not see it, the parent's sampler does; file-backed pages (a mapped file read in full) are not
+    counted."""
+    sys.path.insert(0, str(ROOT / "python"))
+    try:
+        from graft import _proc
+    finally:
+        sys.path.pop(0)
+    code = f"""
+import json, mmap, sys, time
+sys.path.insert(0, {str(ROOT / 'python')!r})
+from graft import _proc
+marks = _proc.StepMarks()
+with open(sys.executable, "rb") as f:  # file-backed pages: resident, not anonymous
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    sum(m[i] for i in range(0, len(m), 4096))
+marks.start()
+block = b"\x01" * (192 << 20)
+time.sleep(0.3)
+del block
+marks.end()
+print(json.dumps(marks.to_json(warmup=0)))
+"""
+    rc, out, err, samples = _proc.run_sampled([sys.executable, "-c", code], timeout=120)
+    assert rc == 0, err
+    row = _proc.summarize_anon(json.loads(out), samples)
+    mib = 1 << 20
+    assert row["anon_samples"] >= 50  # ~1 kHz over 0.3 s, with room for a loaded machine
+    assert row["peak_anon_delta_bytes"] >= 190 * mib, row["peak_anon_delta_bytes"]
+    assert row["anon_at_step_end_bytes"][0] - row["anon_at_step_start_bytes"][0] < 16 * mib
+    assert row["peak_anon_bytes"] < 240 * mib  # the mapped executable is not in it
+
+
 def test_python_bench_json_and_plot(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
@@ -248,9 +317,13 @@ def test_python_bench_json_and_plot(tmp_path):
         assert isinstance(r["peak_rss_delta_bytes"], int) and not isinstance(r["peak_rss_delta_bytes"], bool)
         assert isinstance(r["peak_total_bytes"], int) and r["peak_total_bytes"] >= max(r["peak_rss_delta_bytes"], 0)
         assert isinstance(r["step_seconds"], float)
+        check_anon(r, steps=1)
         if r["system"] == "pytorch":
             assert r["ma_bytes"] is None and r["max_ma_bytes"] is None
         else:
+            # What the allocator holds at a step's end (parameters, .grad, input) is resident
+            # anonymous memory that did not exist before the model: the sampled peak covers it.
+            assert r["peak_anon_bytes"] >= r["ma_bytes"], r
             assert isinstance(r["ma_bytes"], int) and isinstance(r["max_ma_bytes"], int)
             assert "timeline" not in r
     # Each graft mode ran in its own process: the byte relations still hold across them.
@@ -279,7 +352,7 @@ def test_python_bench_table():
     pytest.importorskip("torch")
     p = run_py_bench("--batch", 2, "--hidden", 32, "--layer", 2, "--steps", 1, "--threads", 1,
                      "--modes", "accumulate")
-    assert "pytorch" in p.stdout and "accumulate" in p.stdout and "RSS ratio" in p.stdout
+    assert "pytorch" in p.stdout and "accumulate" in p.stdout and "anon ratio" in p.stdout
 
 
 @pytest.mark.parametrize("args", [["--batch", "0"], ["--layer", "-1"], ["--steps", "0"], ["--threads", "0"],
@@ -413,6 +486,9 @@ def test_python_bench_zoo_json():
     for r in doc["rows"]:
         check_zoo_row(r, steps=1, loss_rtol=1e-4)
         assert r["precision"] == "fp32"
+        for side in ("eager", "graft"):  # the model's parameters at least
+            assert isinstance(r[f"{side}_peak_anon_bytes"], int) and r[f"{side}_peak_anon_bytes"] > 0, r
+        assert r["anon_ratio"] == pytest.approx(r["graft_peak_anon_bytes"] / r["eager_peak_anon_bytes"])
         assert r["eager_fp32_step_seconds"] == r["eager_step_seconds"]
     # The zoo's LSTM classifier: 2 layers x SEQ steps of 4 gates ([B, 2H] x [2H, H] each) and the
     # head [B, H] x [H, CLASSES]; a training step counts 3 forwards.

@@ -137,3 +137,11 @@ def test_train_json_reports_the_whole_process_memory(tmp_path):
     assert 0 < last["rss_before_model_bytes"] < last["rss_bytes"] <= last["peak_rss_bytes"]
     assert last["peak_rss_bytes"] - last["rss_before_model_bytes"] >= 4 * params  # weights, grads, 2 moments
     assert abs(last["peak_rss_bytes"] - peak) <= 4 * MiB, (last["peak_rss_bytes"], peak)
+    # The anonymous-memory marks a parent's sampler uses (graft._proc.summarize_anon): levels before
+    # the model and at each step's ends, and the step's window on the monotonic clock.
+    for s in steps:
+        assert s["anon_at_end_bytes"] - s["anon_before_model_bytes"] >= 4 * params  # all resident
+        assert 0 < s["anon_before_model_bytes"] <= s["anon_at_start_bytes"]
+        t0, t1 = s["window"]
+        assert 0 < t0 < t1 <= time.monotonic()
+    assert steps[0]["window"][1] <= steps[1]["window"][0]
