@@ -69,7 +69,7 @@ class Exported:
 # operator-schema registry (built by the exporter's shape inference and checker), the tracer's and
 # the ONNX passes' code pages of libtorch, the Python onnx package graft reads the graph with, heap
 # the exporter keeps. Eager never pays that, and on small models it put GraftModule's whole-process
-# peak 30-90% above eager's (README, "Memory against eager"). So GraftModule exports in a forked
+# peak 30-90% above eager's (docs/zoo.md, "Memory against eager"). So GraftModule exports in a forked
 # child: the child traces the module (its copy of it, sharing the parent's parameter pages
 # copy-on-write), edits the graph, writes the ONNX file and sends back, pickled through a pipe, what
 # the parent needs (names, the output structure, warnings, or the exception); then it leaves with

@@ -11,7 +11,7 @@ And once per model with the config's default dropout: 2 AdamW steps through Graf
 losses.
 
 Every listed model must run: a refusal (graft.GraftUnsupportedError, graft.GraftExportError) fails
-the suite like wrong numbers do. A model graft cannot run is not listed (README, "The model zoo").
+the suite like wrong numbers do. A model graft cannot run is not listed (docs/zoo.md).
 
 Needs Hugging Face transformers (build/venv-zoo, made by tools/setup) and Debian's torchvision:
     HF_HUB_OFFLINE=1 PYTHONPATH=build/python build/venv-zoo/bin/python -m pytest tests/python/test_zoo.py
