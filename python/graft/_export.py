@@ -65,28 +65,29 @@ class Exported:
 
 
 # Note [export in a child process]
-# torch.onnx.export costs the process that runs it 11-13 MiB that it never gives back: ONNX's
+# torch.onnx.export leaves memory in the process that runs it and never gives it back: ONNX's
 # operator-schema registry (built by the exporter's shape inference and checker), the tracer's and
 # the ONNX passes' code pages of libtorch, the Python onnx package graft reads the graph with, heap
-# the exporter keeps. Eager never pays that, and on small models it put GraftModule's whole-process
-# peak 30-90% above eager's (docs/zoo.md, "Memory against eager"). So GraftModule exports in a forked
-# child: the child traces the module (its copy of it, sharing the parent's parameter pages
-# copy-on-write), edits the graph, writes the ONNX file and sends back, pickled through a pipe, what
-# the parent needs (names, the output structure, warnings, or the exception); then it leaves with
-# os._exit, taking all of that memory with it. The parent only builds the graft session from the
-# file. Side effects of the export on the module (BatchNorm statistics, training flags, the RNG
-# the trace's Dropout draws from) stay in the child, where before they had to be undone.
+# the exporter keeps (docs/memory.md, "The export's memory"). Eager never pays that, and on small
+# models it put GraftModule's whole-process peak well above eager's (docs/zoo.md, "Memory against
+# eager"). So GraftModule exports in a forked child: the child traces the module (its copy of it,
+# sharing the parent's parameter pages copy-on-write), edits the graph, writes the ONNX file and
+# sends back, pickled through a pipe, what the parent needs (names, the output structure, warnings,
+# or the exception); then it leaves with os._exit, taking all of that memory with it. The parent
+# only builds the graft session from the file. Side effects of the export on the module (BatchNorm
+# statistics, training flags, the RNG the trace's Dropout draws from) stay in the child, where
+# before they had to be undone.
 #
 # Honest accounting: while the child runs, the system holds the parent's RSS plus the child's own
 # pages: at the end of the export its private pages (smaps_rollup: its heap, the parent's pages it
 # wrote to, which copy-on-write duplicated, code pages only it maps) plus what its RSS had been
 # above that (VmHWM - VmRSS: pages it allocated and freed again). GraftModule records the sum
 # (GraftModule.export_peak_rss) and the memory benchmarks take the larger of it and the process's
-# own peak. Measured on the zoo's lstm (tools/zoo-report --memory): the child's pages are 25 MiB,
-# 13 of them copies of the parent's (Python's reference counts and allocations into the parent's
-# heap write to shared pages), so on a model this small the moment of the export costs the system
-# more than an export in the process did (which kept 11 MiB for good); the training process itself
-# then runs below eager's peak. The capture (_aten.py), which needs none of the exporter's
+# own peak. On a model as small as the zoo's lstm about half the child's pages are copies of the
+# parent's (Python's reference counts and allocations into the parent's heap write to shared pages),
+# so the moment of the export costs the system more than an export in the process did, which kept
+# its memory for good; the training process itself then runs below eager's peak (measured:
+# docs/memory.md, "The export's memory"). The capture (_aten.py), which needs none of the exporter's
 # machinery, runs in the process; the exporter runs only for what the capture cannot take.
 #
 # The child runs torch with one thread: after fork only the forking thread exists, and an
@@ -191,25 +192,23 @@ def _export_kwargs():
 
 
 # Note [a lean export]
-# Two parts of torch.onnx.export build ONNX's operator-schema registry (thousands of schemas, ~2.5
-# MiB of heap) and touch libonnx's code (~1.6 MiB): the ONNX shape inference it runs after every
-# converted node, and the full ONNX checker it runs on the finished model. graft needs neither:
-# the traced graph already carries every value's type and shape (the tracer records them; a
-# symbolic's outputs take the types of the aten outputs they replace), and graft's importer
-# checks the graph itself, with its own shape inference, naming the node at fault. So the export
-# runs with both off where this torch allows it (_export's onnx_shape_inference, _C's checker),
-# restored afterwards. And the trace's forward (which computes real values on the module's
-# tensors) runs PyTorch's native kernels rather than oneDNN's: in a GraftModule process only the
-# export ever runs a PyTorch convolution, and oneDNN's code pages it maps for that (2.5 MiB) were
-# the child's alone; the graph the tracer records (aten::_convolution) does not depend on which
-# kernel computes it. Measured on the zoo's conv1d (the export child's pages, tools/zoo-report
-# --memory's protocol; tools/export-pages MODEL lists them by mapping): 22.2 MiB -> 18.0 (shape
-# inference and checker off) -> 15.5 (native kernels). The models exported this way are the ones
-# the zoo's parity tests check against eager. A symbolic function that needs ONNX's inferred type
-# of a value it did not get from the tracer fails without shape inference: a module whose lean
-# export fails is exported again by the whole exporter (export() below), so the lean export can
-# cost time, never a module graft could take before. (The switches are process-wide while the
-# export runs; in the forked child the export is all that runs.)
+# Two parts of torch.onnx.export build ONNX's operator-schema registry (thousands of schemas) and
+# touch libonnx's code: the ONNX shape inference it runs after every converted node, and the full
+# ONNX checker it runs on the finished model. graft needs neither: the traced graph already carries
+# every value's type and shape (the tracer records them; a symbolic's outputs take the types of the
+# aten outputs they replace), and graft's importer checks the graph itself, with its own shape
+# inference, naming the node at fault. So the export runs with both off where this torch allows it
+# (_export's onnx_shape_inference, _C's checker), restored afterwards. And the trace's forward
+# (which computes real values on the module's tensors) runs PyTorch's native kernels rather than
+# oneDNN's: in a GraftModule process only the export ever runs a PyTorch convolution, and oneDNN's
+# code pages it maps for that were the child's alone; the graph the tracer records
+# (aten::_convolution) does not depend on which kernel computes it. Measured on the zoo's conv1d:
+# docs/memory.md, "The export's memory". The models exported this way are the ones the zoo's parity
+# tests check against eager. A symbolic function that needs ONNX's inferred type of a value it did
+# not get from the tracer fails without shape inference: a module whose lean export fails is
+# exported again by the whole exporter (export() below), so the lean export can cost time, never a
+# module graft could take before. (The switches are process-wide while the export runs; in the
+# forked child the export is all that runs.)
 class _LeanExport:
     def __enter__(self):
         import torch.onnx.utils as utils

@@ -104,13 +104,13 @@ def _deliver(params, boxes):
 
 
 # Note [batched delivery]
-# A delivery costs a custom Function's forward and a run of the autograd engine, ~10-15 us,
-# whatever it carries. Small gradients (biases, norm weights: at most SMALL_GRAD bytes together)
-# wait for the next gradient graft completes and go with it in one engine run; a larger one goes
-# at once, so what waits is bounded by SMALL_GRAD bytes and delays no large gradient (DDP's
-# buckets fill as before). Only gradients graft no longer holds wait (exclusive): a buffer graft
-# still uses is delivered the moment it is complete. What waits when graft's backward ends (or
-# fails) is delivered then, inside the backward.
+# A delivery costs a custom Function's forward and a run of the autograd engine, whatever it carries
+# (docs/performance.md, "Batched delivery of small gradients"). Small gradients (biases, norm
+# weights: at most SMALL_GRAD bytes together) wait for the next gradient graft completes and go with
+# it in one engine run; a larger one goes at once, so what waits is bounded by SMALL_GRAD bytes and
+# delays no large gradient (DDP's buckets fill as before). Only gradients graft no longer holds wait
+# (exclusive): a buffer graft still uses is delivered the moment it is complete. What waits when
+# graft's backward ends (or fails) is delivered then, inside the backward.
 SMALL_GRAD = 64 << 10
 
 

@@ -1,10 +1,11 @@
 // Graph rewrites that make the backward keep less (see autodiff.h).
 //
-// PyTorch's autograd saves views and parameters by reference: a Linear saves its weight (no
-// copy) and its input; a Dropout with p = 0 returns its input. An exported graph spells these as
-// copies (Transpose of the weight, Dropout, the LSTM's reordered weight matrices), and a gradient
-// rule that reads such a copy keeps it alive from forward to backward: for ViT-B/16 that was
-// 300 MB of transposed weights. These rewrites remove the copies or recompute them in backward.
+// PyTorch's autograd saves views and parameters by reference: a Linear saves its weight (no copy)
+// and its input; a Dropout with p = 0 returns its input. An exported graph spells these as copies
+// (Transpose of the weight, Dropout, the LSTM's reordered weight matrices), and a gradient rule
+// that reads such a copy keeps it alive from forward to backward: for ViT-B/16 that was most of
+// what it kept (docs/zoo.md, "Kept for backward"). These rewrites remove the copies or recompute
+// them in backward.
 #include <algorithm>
 #include <cmath>
 #include <functional>

@@ -224,16 +224,16 @@ void Allocator::release(Storage& s) {
 // A run frees most of what it allocates, and much of it has the size of something allocated
 // later in the same run: a layer's activation gradient, the next layer's; a weight gradient
 // delivered to PyTorch, the next layer's. Returning each block to malloc and asking again costs
-// page faults whenever malloc maps the block afresh or has trimmed the top of its heap in between:
-// ~2 us per 4 KiB page here. So while an executor run is going (a ReuseScope), a freed block of
-// at least reuse_min_bytes() is kept and the next allocation of exactly its size takes it.
+// page faults whenever malloc maps the block afresh or has trimmed the top of its heap in between
+// (docs/performance.md, "Page faults"). So while an executor run is going (a ReuseScope), a freed
+// block of at least reuse_min_bytes() is kept and the next allocation of exactly its size takes it.
 // reuse_min_bytes() is MALLOC_MMAP_THRESHOLD_ where that is set (glibc then maps every block from
 // there up), else 64 KiB, the benchmarks' memory policy, so graft keeps the same blocks under
 // either policy. (The default was 32 MiB, glibc's ceiling for its adaptive mmap threshold, on the
 // reasoning that blocks from malloc's heap are malloc's to reuse. Under glibc's default policy
-// that left ResNet-18's hook step faulting 2k-19k pages a step: its weight gradients, up to
-// 9 MiB, went back to a heap glibc trimmed, or to mappings below the adapted threshold. Keeping
-// them: 58-71 -> 42-44 ms a step, memory unchanged; docs/performance.md.)
+// that left ResNet-18's hook step faulting thousands of pages a step: its weight gradients went
+// back to a heap glibc trimmed, or to mappings below the adapted threshold. Keeping them made the
+// step faster with memory unchanged; the numbers: docs/performance.md, "Page faults".)
 // The memory promise does not move: kept + live never exceeds the highest live byte count since
 // the outermost scope began (a free keeps the sum; an allocation that would push it over first
 // frees kept blocks: the smallest that suffices, else the largest), so the process holds no byte

@@ -1,8 +1,8 @@
 // Note [oneDNN convolutions]
 // Dense float32 convolutions (and, under a Bf16MatmulScope, their bf16 form) run oneDNN's JIT
 // convolution primitives, the library PyTorch's CPU eager uses for the same layers: direct
-// AVX-512 / AMX kernels on blocked layouts (nChw16c and friends), which reach ~80% of the sgemm
-// ceiling where im2col + a skinny sgemm reached ~40% (docs/conv-performance.md).
+// AVX-512 / AMX kernels on blocked layouts (nChw16c and friends), which run far closer to the
+// sgemm ceiling than im2col + a skinny sgemm (docs/conv-performance.md, "Measured", "History").
 //   * Layouts: graft's tensors are plain NC[D]HW; each primitive is created with format `any`, and
 //     when the layout (or, for bf16, the data type) it picks differs from the plain one, the
 //     operand is reordered into the scratch (and the result reordered back). The reorder to bf16

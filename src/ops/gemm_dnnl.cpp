@@ -14,37 +14,34 @@
 // Outside a Bf16MatmulScope, float32 GEMMs of at least 2^18 multiply-adds run oneDNN's float32
 // matmul primitive (brgemm kernels, JIT for AVX-512) on the operands in place (strides express
 // lda/ldb and the transpositions); smaller ones run OpenBLAS's sgemm (a primitive call costs
-// microseconds). Measured here, each library alone in its process (python3 -m graft.bench_gemm,
+// microseconds). Measured each library alone in its process (python3 -m graft.bench_gemm,
 // docs/performance.md "One GEMM library"): on narrow products (the Linear layers of small models,
-// convnext's MLPs, weight gradients: 64x256x256, 256x256x64, 3136x96x384, 8192x256x256) oneDNN
-// runs at 1.2-1.6x OpenBLAS's rate; on 1024^3 and the seed's 1024x4096x4096 products the two are
-// within this machine's ~10% noise. Products above 2^31 multiply-adds used to stay on OpenBLAS for
-// that reason, but in a training step they cost more there: OpenBLAS's pthreads spin on one core
-// after each product while graft's loops (ReLU, bias gradients, SGD) run on the OpenMP team, so
-// those loops ran ~5x slower (the B=1024 H=4096 L=4 stack: 11% per step; docs/performance.md,
-// "Large products on oneDNN too"). The primitive runs on the OpenMP team oneDNN's convolutions and
-// PyTorch's loops use (Note [one thread pool], util.cpp). oneDNN's dnnl_sgemm is faster still on
-// the large products, but mallocs up to 7 MiB of packing buffers per call, outside graft's
-// accounting; the primitive's scratchpad is graft's: one buffer per thread, kept between calls,
-// as large as the largest product needed (0.5 MiB for the medium products, 3.3 MiB for the
-// 4096x4096x1024 weight gradient). GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS (an
-// A/B switch for benchmarks; GRAFT_GEMM=dnnl, which once forced the large products onto oneDNN,
-// is now the default). The exception: products of 2^31 or more with B not transposed and N not a
-// multiple of 16 run on OpenBLAS again (Note [a ragged N]).
+// convnext's MLPs, weight gradients) oneDNN runs clearly faster than OpenBLAS; on 1024^3 and the
+// seed's 1024x4096x4096 products the two are within this machine's noise. Products above 2^31
+// multiply-adds used to stay on OpenBLAS for that reason, but in a training step they cost more
+// there: OpenBLAS's pthreads spin on one core after each product while graft's loops (ReLU, bias
+// gradients, SGD) run on the OpenMP team, which slowed those loops severalfold
+// (docs/performance.md, "Large products on oneDNN too"). The primitive runs on the OpenMP team
+// oneDNN's convolutions and PyTorch's loops use (Note [one thread pool], util.cpp). oneDNN's
+// dnnl_sgemm is faster still on the large products, but mallocs its packing buffers per call,
+// outside graft's accounting; the primitive's scratchpad is graft's: one buffer per thread, kept
+// between calls, as large as the largest product needed (sizes in docs/performance.md).
+// GRAFT_GEMM=openblas runs every float32 GEMM on OpenBLAS (an A/B switch for benchmarks;
+// GRAFT_GEMM=dnnl, which once forced the large products onto oneDNN, is now the default). The
+// exception: products of 2^31 or more with B not transposed and N not a multiple of 16 run on
+// OpenBLAS again (Note [a ragged N]).
 //
 // Note [a ragged N]
 // With B not transposed (row-major K x N: the dX = dY W and dW = dY^T X products of a Linear
 // layer) and N not a multiple of 16, B's rows are not 64-byte aligned and oneDNN 2.6's brgemm
-// matmul runs well below its rate: the seed's 1024x8194x8194 dX took 0.80-0.86 s against 0.64 s
-// for the transposed forward product and 0.67 s on OpenBLAS (2 threads), which made graft's
-// seed-size step 5-15% slower than eager's. Such products of at least 2^31 multiply-adds run on
-// OpenBLAS: the B=1024 H=8194 L=4 stack, accumulate, 8.52 -> 7.27 s a step, the same peak RSS.
-// Smaller ones stay on oneDNN, where it is still as fast or faster (4096x4098x1024: oneDNN
-// 0.21 s, OpenBLAS 0.18; 1024x1042x1024: 10.3 / 10.7 ms; 3136x97x384: 1.23 / 1.26 ms).
-// Tried first: splitting the product into its first N - N % 16 columns and the rest, both on
-// oneDNN (as fast as OpenBLAS), but a sub-matrix B (ldb != N) is not brgemm's: oneDNN picks its
-// gemm:jit implementation, which mallocs 14 MiB of packing buffers per thread per call outside
-// graft's accounting (+13 MiB per step at the seed's size, at the step's peak).
+// matmul runs well below its rate: the seed's 1024x8194x8194 dX ran slower than the transposed
+// forward product and than OpenBLAS, which made graft's seed-size step slower than eager's.
+// Such products of at least 2^31 multiply-adds run on OpenBLAS, with the same peak RSS. Smaller
+// ones stay on oneDNN, where it is about as fast or faster. Tried first: splitting the product
+// into its first N - N % 16 columns and the rest, both on oneDNN (as fast as OpenBLAS), but a
+// sub-matrix B (ldb != N) is not brgemm's: oneDNN picks its gemm:jit implementation, which
+// mallocs packing buffers per thread per call outside graft's accounting (a higher peak RSS at
+// the seed's size). The numbers: docs/performance.md, "A ragged N: the seed's own size".
 #include <cblas.h>
 #include <immintrin.h>
 

@@ -175,11 +175,11 @@ namespace {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // By default run_tasks runs its tasks on libgomp's OpenMP team, the threads oneDNN's convolutions
 // and float32 matmuls and PyTorch's own loops already use: with a pool of graft's own beside it,
-// libgomp's workers kept spinning after each oneDNN call and took a core from graft's (32% of
-// mobilenet_v2's samples). Measured on the zoo (docs/performance.md, "One thread pool"): resnet18
-// 1.12 -> 0.78x eager, mobilenet_v2 1.36 -> 1.28x, the rest within noise. It was tried before the
-// float32 GEMMs moved to oneDNN and lost then on convnext (its GEMMs ran on OpenBLAS's pthreads,
-// a third set of threads). GRAFT_POOL=own runs graft's own pool below (an A/B switch).
+// libgomp's workers kept spinning after each oneDNN call and took a core from graft's. It was
+// tried before the float32 GEMMs moved to oneDNN and lost then on convnext (its GEMMs ran on
+// OpenBLAS's pthreads, a third set of threads). Measured on the zoo: docs/performance.md, "Three
+// thread pools on two cores" and "One thread pool". GRAFT_POOL=own runs graft's own pool below
+// (an A/B switch).
 bool pool_is_omp() {
   static const bool omp = [] {
     const char* v = std::getenv("GRAFT_POOL");

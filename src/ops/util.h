@@ -152,7 +152,7 @@ inline int max_threads() { return std::max(1, num_threads()); }
 void run_tasks(int n, void (*fn)(void*, int, int), void* ctx);
 
 // Below this many element operations a loop runs on the calling thread: waking a worker costs a
-// few microseconds, which ~32k float operations (~10 us) pay for.
+// few microseconds, which this much work pays for (docs/performance.md, "What changed").
 constexpr int64_t kParallelGrain = 32768;
 
 // Splits [0, n) into contiguous ranges, up to 4 per thread and none under kParallelGrain element
