@@ -425,13 +425,13 @@ def _index(r, out, a, indices):
 
 @rule("convolution")
 def _convolution(r, out, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-    if transposed:
-        raise NotCaptured("transposed convolution")
     ins = [r.v(x), r.v(w)] + ([r.v(b)] if b is not None else [])
     k = w.dim() - 2
-    return r.emit("Conv", ins, attrs=[("strides", "I", list(stride)), ("pads", "I", list(padding) * 2),
-                                      ("dilations", "I", list(dilation)), ("group", "i", int(groups)),
-                                      ("kernel_shape", "I", list(w.shape[2:2 + k]))])
+    attrs = [("strides", "I", list(stride)), ("pads", "I", list(padding) * 2), ("dilations", "I", list(dilation)),
+             ("group", "i", int(groups)), ("kernel_shape", "I", list(w.shape[2:2 + k]))]
+    if transposed:  # weight [C_in, C_out / groups, k...], as ONNX's ConvTranspose
+        return r.emit("ConvTranspose", ins, attrs=attrs + [("output_padding", "I", list(output_padding))])
+    return r.emit("Conv", ins, attrs=attrs)
 
 
 @rule("nll_loss_forward")

@@ -1,5 +1,6 @@
 // Convolution and pooling: Conv (1-D, 2-D, 3-D; groups, depthwise, strides, pads, dilations),
-// MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, and graft's ConvGrad, PoolGrad.
+// ConvTranspose (the same, as Conv's backward-data), MaxPool, AveragePool, GlobalAveragePool,
+// GlobalMaxPool, and graft's ConvGrad, PoolGrad.
 //
 // Conv is im2col + GEMM (the one GEMM entry point, opsutil::gemm_ld): per image (or a few images
 // side by side when an image has few outputs) and group,
@@ -574,16 +575,18 @@ void infer_conv_grad(InferCtx& c) {
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), {c.shape(2)[0]});
 }
-void conv_grad_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor &dy = c.in(0), &x = c.in(1), &wt = c.in(2);
+// The backward of the Conv of the node's window from x to dy's shape: dX (null: not wanted), dW,
+// dB. x's data is read only for dW, so ConvTranspose passes a shape-only x to get dX alone.
+void conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt, Tensor* dxt,
+                   Tensor* dwt, Tensor* dbt) {
+  dispatch_float(dy.dtype(), c, [&]<class T>() {
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
     Window w = conv_window(c.node, x.shape(), wt.shape(), err);
     const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
-    T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
-    T* dw = c.has_out(1) ? c.out(1).data<T>() : nullptr;
-    T* db = c.has_out(2) ? c.out(2).data<T>() : nullptr;
+    T* dx = dxt ? dxt->data<T>() : nullptr;
+    T* dw = dwt ? dwt->data<T>() : nullptr;
+    T* db = dbt ? dbt->data<T>() : nullptr;
     if (dw) std::fill(dw, dw + wt.numel(), T(0));
     if (db) std::fill(db, db + M, T(0));
     const T *pdy = dy.data<T>(), *px = x.data<T>(), *pw = wt.data<T>();
@@ -760,6 +763,10 @@ void conv_grad_kernel(KernelCtx& c) {
     }
   });
 }
+void conv_grad_kernel(KernelCtx& c) {
+  conv_backward(c, c.in(0), c.in(1), c.in(2), c.has_out(0) ? &c.out(0) : nullptr,
+                c.has_out(1) ? &c.out(1) : nullptr, c.has_out(2) ? &c.out(2) : nullptr);
+}
 void grad_conv(GradBuilder& g) {
   const Node& n = g.node();
   auto outs = g.emit("ConvGrad", {g.dy(0), g.x(0), g.x(1)}, n.attrs, 3, "graft");
@@ -770,6 +777,99 @@ void grad_conv(GradBuilder& g) {
       g.set_dx(i, outs[i]);
     else
       g.drop_output(outs[i]);  // no dX for an image, no dW for a frozen weight
+  }
+}
+
+// ---- ConvTranspose(X, W, B?)
+// ------------------------------------------------------------------------
+// The transpose of the Conv (same window attributes, weight [C_in, C_out / group, k...]) that maps
+// Y's shape to X's: Y = that Conv's dX with dY := X, plus the bias. ONNX's output size per spatial
+// dim: stride * (in - 1) + output_padding + dilation * (k - 1) + 1 - pad_begin - pad_end.
+Shape conv_transpose_out(const Node& n, const Shape& x, const Shape& wt, int64_t g,
+                         const std::function<void(const std::string&)>& err,
+                         const std::function<void(const std::string&)>& unsupported) {
+  if (wt.size() != x.size()) err("X and W differ in rank");
+  if (x.size() < 3) err("X has rank " + std::to_string(x.size()) + "; needs (N, C, spatial...)");
+  const size_t nd = x.size() - 2;
+  const std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
+  if (auto_pad != "NOTSET" && auto_pad != "VALID")
+    unsupported("auto_pad '" + auto_pad + "' is not supported for ConvTranspose (give pads)");
+  if (n.attrs.has("output_shape"))
+    unsupported("the output_shape attribute is not supported (give pads and output_padding)");
+  auto get = [&](const char* name, int64_t dflt, size_t len) {
+    auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
+    if (v.size() != len) err(std::string(name) + " has the wrong length");
+    return v;
+  };
+  const auto k = get("kernel_shape", 0, nd), stride = get("strides", 1, nd),
+             dil = get("dilations", 1, nd), opad = get("output_padding", 0, nd);
+  auto pads = get("pads", 0, 2 * nd);
+  if (auto_pad == "VALID") pads.assign(2 * nd, 0);
+  if (g < 1 || x[1] != wt[0] || wt[0] % g)
+    err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
+        std::to_string(g) + " do not fit (W is [C_in, C_out / group, k...])");
+  Shape out{x[0], wt[1] * g};
+  for (size_t i = 0; i < nd; ++i) {
+    if (n.attrs.has("kernel_shape") && k[i] != wt[2 + i]) err("kernel_shape differs from W's");
+    if (stride[i] < 1 || dil[i] < 1 || pads[i] < 0 || pads[nd + i] < 0 || opad[i] < 0)
+      err("strides and dilations must be >= 1, pads and output_padding >= 0");
+    if (opad[i] >= stride[i]) err("output_padding must be smaller than the stride");
+    const int64_t o = stride[i] * (x[2 + i] - 1) + opad[i] + dil[i] * (wt[2 + i] - 1) + 1 -
+                      pads[i] - pads[nd + i];
+    if (o < 1) err("the output would be empty (pads too large)");
+    out.push_back(o);
+  }
+  return out;
+}
+void infer_conv_transpose(InferCtx& c) {
+  require_float(c, 0);
+  if (c.dtype(1) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
+  auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
+  auto unsupported = [&](const std::string& m) { c.error(ErrorKind::Unsupported, m); };
+  const Shape &x = c.shape(0), &wt = c.shape(1);
+  const Shape y = conv_transpose_out(c.node(), x, wt, c.attr_int("group", 1), err, unsupported);
+  if (c.has_in(2)) c.check(c.shape(2) == Shape{y[1]}, "B must have shape [C_out]");
+  c.set_out(0, c.dtype(0), y);
+}
+void conv_transpose_kernel(KernelCtx& c) {
+  const Tensor &x = c.in(0), &wt = c.in(1);
+  Tensor& y = c.out(0);
+  const Tensor y_shape = Tensor::external(nullptr, y.shape(), y.dtype(), nullptr);
+  conv_backward(c, x, y_shape, wt, &y, nullptr, nullptr);
+  if (!c.has_in(2)) return;
+  dispatch_float(y.dtype(), c, [&]<class T>() {
+    const int64_t N = y.dim(0), C = y.dim(1), S = y.numel() / std::max<int64_t>(1, N * C);
+    const T* b = c.in(2).data<T>();
+    T* py = y.data<T>();
+    parallel_for(N * C, y.numel(), [&](int, int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T v = b[r % C];
+        for (int64_t i = 0; i < S; ++i) py[r * S + i] += v;
+      }
+    });
+  });
+}
+// Y = C^T(X, W) with C the Conv from Y's shape to X's: <dY, C^T(X)> = <C(dY), X>, so
+// dX = C(dY), a Conv with the same window; dW = C's weight gradient with C's input dY and its
+// output gradient X (ConvGrad(X, dY, W), output 1); dB = dY summed over images and positions.
+void grad_conv_transpose(GradBuilder& g) {
+  const Node& n = g.node();
+  Attrs a;  // the Conv's window: the node's attributes but output_padding (shape only)
+  for (const auto& [k, v] : n.attrs.all())
+    if (k != "output_padding") a.set(k, v);
+  if (g.needs(0)) g.set_dx(0, g.emit1("Conv", {g.dy(0), g.x(1)}, a));
+  if (g.needs(1)) {
+    auto outs = g.emit("ConvGrad", {g.x(0), g.dy(0), g.x(1)}, a, 3, "graft");
+    g.drop_output(outs[0]);
+    g.drop_output(outs[2]);
+    g.set_dx(1, outs[1]);
+  }
+  if (n.inputs.size() > 2 && n.inputs[2] >= 0 && g.needs(2)) {
+    std::vector<int64_t> axes{0};
+    for (size_t i = 2; i < g.shape(g.x(0)).size(); ++i) axes.push_back(static_cast<int64_t>(i));
+    Attrs r;
+    r.set_int("keepdims", 0);
+    g.set_dx(2, g.emit1("ReduceSum", {g.dy(0), g.ints(axes)}, r));
   }
 }
 
@@ -1032,6 +1132,12 @@ const OpDef kOps[] = {
      .infer = infer_conv,
      .kernel = conv_kernel,
      .grad = grad_conv},
+    {.name = "ConvTranspose",
+     .min_in = 2,
+     .max_in = 3,
+     .infer = infer_conv_transpose,
+     .kernel = conv_transpose_kernel,
+     .grad = grad_conv_transpose},
     {.name = "MaxPool",
      .max_out = 3,
      .infer = infer_pool,

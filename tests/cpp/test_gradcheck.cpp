@@ -294,6 +294,25 @@ std::vector<Case> cases() {
       {"conv1d", "Conv", {In::f({2, 2, 7}), In::f({3, 2, 3})}, A([](Attrs& a) {
          a.set_ints("strides", {2});
        })},
+      {"conv_transpose2d_stride_output_padding",
+       "ConvTranspose",
+       {In::f({2, 3, 3, 3}), In::f({3, 2, 3, 3}), In::f({2})},
+       A([](Attrs& a) {
+         a.set_ints("pads", {1, 0, 1, 1});
+         a.set_ints("strides", {2, 2});
+         a.set_ints("output_padding", {1, 0});
+       })},
+      {"conv_transpose2d_group_dilation",
+       "ConvTranspose",
+       {In::f({1, 4, 3, 4}), In::f({4, 3, 2, 2})},
+       A([](Attrs& a) {
+         a.set_int("group", 2);
+         a.set_ints("dilations", {2, 1});
+       })},
+      {"conv_transpose1d",
+       "ConvTranspose",
+       {In::f({2, 2, 4}), In::f({2, 3, 3}), In::f({3})},
+       A([](Attrs& a) { a.set_ints("strides", {3}); })},
       {"maxpool2d", "MaxPool", {In::f({1, 2, 4, 4})}, A([](Attrs& a) {
          a.set_ints("kernel_shape", {2, 2});
          a.set_ints("strides", {2, 2});

@@ -180,6 +180,18 @@ CATALOGUE = {
     "AdaptiveAvgPool1d-not-divisible": (lambda: nn.Sequential(nn.Conv1d(3, 4, 2), nn.AdaptiveAvgPool1d(4)), seq_input),
     "AdaptiveAvgPool3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 1), nn.AdaptiveAvgPool3d((2, 3, 1))),
                           lambda step: image(step, (2, 2, 4, 6, 5))),
+    # transposed convolutions (graft's ConvTranspose: Conv's backward-data)
+    "ConvTranspose2d-stride-output_padding": (
+        lambda: nn.Sequential(conv(), nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1)), image),
+    "ConvTranspose2d-groups-dilation-no-bias": (
+        lambda: nn.Sequential(conv(), nn.ConvTranspose2d(4, 6, (2, 3), groups=2, dilation=(2, 1), bias=False)), image),
+    "ConvTranspose2d-depthwise": (lambda: nn.Sequential(conv(), nn.ConvTranspose2d(4, 4, 3, groups=4, padding=1)),
+                                  image),
+    "ConvTranspose1d": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.ConvTranspose1d(4, 2, 4, stride=3, padding=2,
+                                                                                   output_padding=2)), seq_input),
+    "ConvTranspose3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 1), nn.ConvTranspose3d(3, 2, 2, stride=2)),
+                        lambda step: image(step, (2, 2, 3, 2, 3))),
+    "ConvTranspose2d-first-layer": (lambda: nn.ConvTranspose2d(3, 2, 3, stride=2), image),  # no dX needed
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
@@ -261,3 +273,15 @@ def test_a_masked_select_read_otherwise_is_not_captured():
     except Exception:  # noqa: BLE001  (the exporter's NonZero is no graft op)
         pass
     assert g.export_method.startswith("torch.onnx.export (not captured: aten::mul"), g.export_method
+
+
+@pytest.mark.parametrize("name", ["ConvTranspose2d-stride-output_padding", "ConvTranspose2d-depthwise",
+                                  "ConvTranspose2d-groups-dilation-no-bias", "ConvTranspose3d"])
+def test_float32_transposed_convolutions_take_the_float32_kernels_and_match_eager(name):
+    """In float32 the transposed convolution runs on oneDNN's backward-data primitive or graft's
+    depthwise planes (float64 takes the im2col loops above): same results within float32 rounding."""
+    make_model, make_inputs = CATALOGUE[name]
+    torch.manual_seed(0)
+    g = train_both(make_model(), lambda step: tuple(t.float() for t in make_inputs(step)), dtype=torch.float32,
+                   tol=(2e-4, 1e-5))
+    assert g.export_method == "capture", g.export_method
