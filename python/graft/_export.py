@@ -82,11 +82,11 @@ class Exported:
 # pages: at the end of the export its private pages (smaps_rollup: its heap, the parent's pages it
 # wrote to, which copy-on-write duplicated, code pages only it maps) plus what its RSS had been
 # above that (VmHWM - VmRSS: pages it allocated and freed again). GraftModule records the sum
-# (GraftModule.export_peak_rss) and the memory benchmarks take the larger of it and the process's
-# own peak. On a model as small as the zoo's lstm about half the child's pages are copies of the
-# parent's (Python's reference counts and allocations into the parent's heap write to shared pages),
-# so the moment of the export costs the system more than an export in the process did, which kept
-# its memory for good; the training process itself then runs below eager's peak (measured:
+# (GraftModule.export_peak_rss); the benchmarks' anonymous-memory sampler reads the training
+# process only. On a model as small as the zoo's lstm about half the child's pages are copies of
+# the parent's (Python's reference counts and allocations into the parent's heap write to shared
+# pages), so the moment of the export costs the system more than an export in the process did,
+# which kept its memory for good; the training process itself then runs below eager's peak (measured:
 # docs/memory.md, "The export's memory"). The capture (_aten.py), which needs none of the exporter's
 # machinery, runs in the process; the exporter runs only for what the capture cannot take.
 #
