@@ -373,3 +373,37 @@ def _scatter_add(r, out, a, dim, index, src):
     if any(pad):  # index shorter than a on another axis: nothing added there
         y = r.emit("Pad", [y, r.ints([0] * rank + pad), r.v(0, dt)], attrs=[("mode", "s", "constant")])
     return r.emit("Add", [r.v(a, dt), y])
+
+
+@rule("topk")
+def _topk(r, out, a, k, dim=-1, largest=True, sorted=True):
+    """graft's TopK: values and int64 indices along dim, ties by the lower index, NaN largest."""
+    if a.dim() == 0:
+        raise NotCaptured("topk of a 0-d tensor")
+    return r.emit("TopK", [r.v(a), r.ints([int(k)])], nout=2,
+                  attrs=[("axis", "i", _axis(dim, a.dim())), ("largest", "i", int(bool(largest))),
+                         ("sorted", "i", 1)])
+
+
+@rule("sort")
+def _sort(r, out, a, dim=-1, descending=False, stable=None):
+    """A sort is a TopK of every element. Equal values come in index order (a stable sort; PyTorch's
+    unstable sort may order the indices of ties otherwise, the values are the same)."""
+    if a.dim() == 0:
+        raise NotCaptured("sort of a 0-d tensor")
+    d = _axis(dim, a.dim())
+    return r.emit("TopK", [r.v(a), r.ints([a.shape[d]])], nout=2,
+                  attrs=[("axis", "i", d), ("largest", "i", int(bool(descending))), ("sorted", "i", 1)])
+
+
+@rule("_trilinear")
+def _trilinear(r, out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """Each input unsqueezed at its expand dims, the three multiplied, summed over sumdim (how
+    nn.Bilinear runs): one graft Einsum, whose kernel contracts pairwise by GEMMs."""
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+
+    def term(expand):
+        return "".join(letters[p] for p in range(rank) if p not in set(expand))
+    eq = f"{term(expand1)},{term(expand2)},{term(expand3)}->{term(sumdim)}"
+    return r.emit("Einsum", [r.v(i1), r.v(i2), r.v(i3)], attrs=[("equation", "s", eq)])

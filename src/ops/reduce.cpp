@@ -1,5 +1,6 @@
 // Reductions: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd, ReduceL2, ArgMax, ArgMin,
-// CumSum, and graft's SumToShape (un-broadcasting for gradients) and ReduceGrad.
+// TopK, CumSum, and graft's SumToShape (un-broadcasting for gradients), ReduceGrad and TopKGrad.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -316,6 +317,101 @@ void arg_kernel(KernelCtx& c) {
   dispatch_numeric(c.in(0).dtype(), c, run);
 }
 
+// ---- TopK(X, K; axis, largest, sorted) -> Values, Indices
+// ---------------------------------------------
+// The K largest (smallest) elements along axis, in order; among equal values the lower index
+// first (ONNX's rule); NaN counts as larger than every number (PyTorch's). sorted=0 is served
+// sorted, which ONNX allows. Its gradient (TopKGrad) puts dValues back at the indices.
+int64_t topk_k(const Tensor& k, const std::string& where) {
+  GRAFT_CHECK(k.numel() == 1 && is_int(k.dtype()), ErrorKind::InvalidModel,
+              where + ": K must be a one-element integer tensor");
+  return static_cast<int64_t>(k.at(0));
+}
+void infer_topk(InferCtx& c) {
+  require_numeric(c, 0);
+  Shape s = c.shape(0);
+  if (s.empty()) c.error(ErrorKind::ShapeMismatch, "X must have at least one dim");
+  const int ax = c.axis(c.attr_int("axis", -1), static_cast<int>(s.size()));
+  const std::vector<int64_t> k = c.ints_in(1);
+  c.check(k.size() == 1, "K must hold one value");
+  if (k[0] < 0 || k[0] > s[ax])
+    c.error(ErrorKind::ShapeMismatch, "K = " + std::to_string(k[0]) + " is outside [0, " +
+                                          std::to_string(s[ax]) + "], the size of axis " +
+                                          std::to_string(ax));
+  s[ax] = k[0];
+  c.set_out(0, c.dtype(0), s);
+  if (c.has_out(1)) c.set_out(1, DType::I64, s);
+}
+void topk_kernel(KernelCtx& c) {
+  auto run = [&]<class T>() {
+    const Tensor& x = c.in(0);
+    const int ax = static_cast<int>(c.attr_int("axis", -1) < 0 ? c.attr_int("axis", -1) + x.rank()
+                                                               : c.attr_int("axis", -1));
+    const bool largest = c.attr_int("largest", 1) != 0;
+    const int64_t K = topk_k(c.in(1), c.node.label());
+    int64_t outer, n, inner;
+    split3(x.shape(), ax, ax + 1, outer, n, inner);
+    const T* px = x.data<T>();
+    T* vals = c.has_out(0) ? c.out(0).data<T>() : nullptr;
+    int64_t* idx = c.has_out(1) ? c.out(1).data<int64_t>() : nullptr;
+    parallel_for(outer * inner, n * 8, [&](int, int64_t r0, int64_t r1) {
+      std::vector<int64_t> order(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t o = r / inner, i = r % inner;
+        const T* row = px + o * n * inner + i;     // element k at row[k * inner]
+        auto before = [&](int64_t a, int64_t b) {  // a comes first
+          const T va = row[a * inner], vb = row[b * inner];
+          if constexpr (std::is_floating_point_v<T>) {
+            const bool na = std::isnan(va), nb = std::isnan(vb);
+            if (na || nb) return na != nb ? (largest ? na : nb) : a < b;
+          }
+          if (va != vb) return largest ? va > vb : va < vb;
+          return a < b;
+        };
+        std::iota(order.begin(), order.end(), int64_t{0});
+        std::partial_sort(order.begin(), order.begin() + K, order.end(), before);
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t at = (o * K + k) * inner + i;
+          if (vals) vals[at] = row[order[k] * inner];
+          if (idx) idx[at] = order[k];
+        }
+      }
+    });
+  };
+  dispatch_numeric(c.in(0).dtype(), c, run);
+}
+void grad_topk(GradBuilder& g) {
+  if (g.dy(0) < 0 || !g.needs(0)) return;
+  Attrs a;
+  a.set_int("axis", g.node().attrs.get_int("axis", -1, g.node().label()));
+  g.set_dx(0, g.emit1("TopKGrad", {g.dy(0), g.y(1), g.ints(g.shape(g.x(0)))}, a, "graft"));
+}
+// TopKGrad(dValues, Indices, X's shape; axis) -> dX: zeros, with dValues at the indices along
+// axis (the indices of one slice are distinct, so each place gets at most one value). X itself is
+// not kept for backward.
+void infer_topk_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.ints_in(2)); }
+void topk_grad_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const Tensor &dv = c.in(0), &ix = c.in(1);
+    Tensor& dx = c.out(0);
+    const int ax = static_cast<int>(c.attr_int("axis", -1) < 0 ? c.attr_int("axis", -1) + dx.rank()
+                                                               : c.attr_int("axis", -1));
+    int64_t outer, n, inner, K = dv.dim(ax);
+    split3(dx.shape(), ax, ax + 1, outer, n, inner);
+    T* pdx = dx.data<T>();
+    std::fill(pdx, pdx + dx.numel(), T(0));
+    const T* pdv = dv.data<T>();
+    const int64_t* pix = ix.data<int64_t>();
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < inner; ++i) {
+          const int64_t at = (o * K + k) * inner + i, j = pix[at];
+          if (j < 0 || j >= n) c.error(ErrorKind::InvalidArgument, "an index is out of range");
+          pdx[(o * n + j) * inner + i] = pdv[at];
+        }
+  });
+}
+
 // ---- CumSum(x, axis; exclusive, reverse)
 // ------------------------------------------------------------
 int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
@@ -381,6 +477,20 @@ const OpDef kOps[] = {
      .grad = grad_reduce_any},
     {.name = "ArgMax", .infer = infer_arg, .kernel = arg_kernel<true>},
     {.name = "ArgMin", .infer = infer_arg, .kernel = arg_kernel<false>},
+    {.name = "TopK",
+     .min_in = 2,
+     .max_in = 2,
+     .max_out = 2,
+     .infer = infer_topk,
+     .kernel = topk_kernel,
+     .grad = grad_topk,
+     .nondiff_inputs = {1}},
+    {.name = "TopKGrad",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 3,
+     .infer = infer_topk_grad,
+     .kernel = topk_grad_kernel},
     {.name = "CumSum",
      .min_in = 2,
      .max_in = 2,

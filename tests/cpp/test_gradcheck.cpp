@@ -271,6 +271,11 @@ std::vector<Case> cases() {
          a.set_int("reverse", 1);
        })},
       {"tile", "Tile", {In::f({2, 3}), In::i({2, 2})}},
+      {"topk_largest_last_axis", "TopK", {In::f({3, 5}), In::i({2}, {1})}},
+      {"topk_smallest_axis0", "TopK", {In::f({4, 2, 3}), In::i({3}, {1})}, A([](Attrs& a) {
+         a.set_int("axis", 0);
+         a.set_int("largest", 0);
+       })},
       {"scatter_nd", "ScatterND", {In::f({4, 3}), In::i({1, 3}, {2, 1}), In::f({2, 3})}},
       {"gather_nd_repeated", "GatherND", {In::f({3, 4}), In::i({0, 1, 2, 3, 0, 1}, {3, 2})}},
       {"conv2d_pad_stride",

@@ -192,6 +192,21 @@ CATALOGUE = {
     "ConvTranspose3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 1), nn.ConvTranspose3d(3, 2, 2, stride=2)),
                         lambda step: image(step, (2, 2, 3, 2, 3))),
     "ConvTranspose2d-first-layer": (lambda: nn.ConvTranspose2d(3, 2, 3, stride=2), image),  # no dX needed
+    # selection and bilinear forms
+    "topk": fn_conv(lambda s, y: torch.topk(y.flatten(1), 5, dim=1).values),
+    "topk-smallest-dim0": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.topk(y, 2, dim=0, largest=False)[0]),
+                           vector),
+    "topk-indices-gather": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.gather(y * 3, 1, y.topk(3, 1).indices)),
+                            vector),
+    "sort-descending": fn_conv(lambda s, y: torch.sort(y, dim=2, descending=True).values * torch.arange(6.0).view(6, 1)),
+    "argsort-gather": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.gather(y, 1, torch.argsort(y.tanh(), dim=1))
+                                  * torch.arange(8.0)), vector),
+    "Bilinear": (lambda: Fn(nn.Linear(6, 5), lambda s, y: s.bl(y, torch.tanh(y[:, :3])), bl=nn.Bilinear(5, 3, 4)),
+                 vector),
+    "Bilinear-no-bias-3d": (lambda: Fn(nn.Linear(6, 5), lambda s, y: s.bl(y.view(5, 1, 5).expand(5, 2, 5), y.view(5, 1, 5)
+                                                                          .expand(5, 2, 5) * 2),
+                                       bl=nn.Bilinear(5, 5, 3, bias=False)), vector),
+    "LocalResponseNorm": after_conv(nn.LocalResponseNorm(3, alpha=0.5, beta=0.75, k=2.0)),
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
