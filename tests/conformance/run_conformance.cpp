@@ -253,7 +253,7 @@ const std::map<std::string, std::set<int>> kShapeOperands = {
     {"ConstantOfShape", {0}},
     {"Range", {0, 1, 2}},
     {"CumSum", {1}},
-    {"TopK", {1}},
+    {"TopK", {1}},  // K
     {"Pad", {1}},
     {"Resize", {1, 2, 3}},  // roi (tf_crop_and_resize), scales, sizes
 };
