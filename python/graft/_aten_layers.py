@@ -407,3 +407,53 @@ def _trilinear(r, out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim
         return "".join(letters[p] for p in range(rank) if p not in set(expand))
     eq = f"{term(expand1)},{term(expand2)},{term(expand3)}->{term(sumdim)}"
     return r.emit("Einsum", [r.v(i1), r.v(i2), r.v(i3)], attrs=[("equation", "s", eq)])
+
+
+def _one_hot_taps(c, kh, kw, dtype):
+    """[C*K, 1, kh, kw]: filter c*K + k picks kernel tap k of channel c (k = i * kw + j), so a
+    convolution with group C is nn.Unfold and its transpose nn.Fold."""
+    k = kh * kw
+    w = torch.zeros(c * k, 1, kh, kw, dtype=dtype)
+    for ch in range(c):
+        for t in range(k):
+            w[ch * k + t, 0, t // kw, t % kw] = 1
+    return w
+
+
+def _fold_attrs(kernel_size, dilation, padding, stride, c):
+    return [("kernel_shape", "I", list(kernel_size)), ("dilations", "I", list(dilation)),
+            ("pads", "I", list(padding) * 2), ("strides", "I", list(stride)), ("group", "i", c)]
+
+
+@rule("im2col")
+def _im2col(r, out, a, kernel_size, dilation, padding, stride):
+    """nn.Unfold: a Conv with one-hot filters, group C ([N, C*K, OH, OW]), flattened to
+    [N, C*K, L]; its gradient, the transposed Conv, is nn.Fold's sum of overlapping taps."""
+    x = r.v(a)
+    if a.dim() == 3:  # unbatched
+        x = r.emit("Unsqueeze", [x, r.ints([0])])
+    c = a.shape[-3]
+    w = r.v(_one_hot_taps(c, kernel_size[0], kernel_size[1], out.dtype))
+    y = r.emit("Conv", [x, w], attrs=_fold_attrs(kernel_size, dilation, padding, stride, c))
+    return r.emit("Reshape", [y, r.ints(list(out.shape))])
+
+
+@rule("col2im")
+def _col2im(r, out, a, output_size, kernel_size, dilation, padding, stride):
+    """nn.Fold: the ConvTranspose of nn.Unfold's one-hot Conv (overlapping taps add up), with
+    output_padding to reach output_size."""
+    batched = a.dim() == 3
+    ck, length = a.shape[-2], a.shape[-1]
+    kh, kw = kernel_size
+    c = ck // (kh * kw)
+    o = [(output_size[i] + 2 * padding[i] - dilation[i] * (kernel_size[i] - 1) - 1) // stride[i] + 1 for i in (0, 1)]
+    if o[0] * o[1] != length or c * kh * kw != ck:
+        raise NotCaptured(f"col2im of {list(a.shape)} into {list(output_size)}: the blocks do not fit")
+    x = r.emit("Reshape", [r.v(a), r.ints([a.shape[0] if batched else 1, ck, o[0], o[1]])])
+    # The rows / columns past the last block's reach: (output + 2 pad - dilation (k - 1) - 1) mod
+    # stride, always under the stride, so ConvTranspose's output_padding covers them.
+    opad = [(output_size[i] + 2 * padding[i] - dilation[i] * (kernel_size[i] - 1) - 1) % stride[i] for i in (0, 1)]
+    w = r.v(_one_hot_taps(c, kh, kw, out.dtype))
+    y = r.emit("ConvTranspose", [x, w], attrs=_fold_attrs(kernel_size, dilation, padding, stride, c)
+               + [("output_padding", "I", opad)])
+    return y if batched else r.emit("Squeeze", [y, r.ints([0])])

@@ -207,6 +207,12 @@ CATALOGUE = {
                                                                           .expand(5, 2, 5) * 2),
                                        bl=nn.Bilinear(5, 5, 3, bias=False)), vector),
     "LocalResponseNorm": after_conv(nn.LocalResponseNorm(3, alpha=0.5, beta=0.75, k=2.0)),
+    "Unfold": after_conv(nn.Unfold(kernel_size=(2, 3), dilation=(1, 2), padding=1, stride=(2, 1))),
+    "Fold-overlapping": (lambda: Fn(conv(cout=8), lambda s, y: F.fold(y.flatten(2)[:, :, :30], (5, 4), 2, padding=1,
+                                                                       stride=1)), image),
+    "Fold-stride-uncovered-edge": (lambda: Fn(conv(cout=8), lambda s, y: F.fold(y.flatten(2)[:, :, :6], (8, 7), 2,
+                                                                                 stride=3)), image),
+    "Unfold-Fold-roundtrip": fn_conv(lambda s, y: F.fold(F.unfold(y, 3, padding=1) * 0.5, (6, 6), 3, padding=1)),
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
