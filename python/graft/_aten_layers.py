@@ -457,3 +457,44 @@ def _col2im(r, out, a, output_size, kernel_size, dilation, padding, stride):
     y = r.emit("ConvTranspose", [x, w], attrs=_fold_attrs(kernel_size, dilation, padding, stride, c)
                + [("output_padding", "I", opad)])
     return y if batched else r.emit("Squeeze", [y, r.ints([0])])
+
+
+def _upsample(mode, linear_family, exact=False):
+    """F.interpolate / nn.Upsample as graft's Resize (ONNX's, with its gradient ResizeGrad). The
+    aten op comes as .vec (input, output_size | None, [align_corners,] scale_factors | None) or
+    .default (input, output_size, [align_corners,] scale per axis ...). PyTorch maps coordinates
+    with the given scale when there is one (1 / scale, not in / out), so the scales go to Resize
+    as they are (float64) when given, else the sizes."""
+    def fn(r, out, a, *rest):
+        rank = a.dim()
+        align = bool(rest[1]) if linear_family else False
+        tail = list(rest[2:] if linear_family else rest[1:])
+        if len(tail) == 1 and (tail[0] is None or isinstance(tail[0], (list, tuple))):
+            tail = list(tail[0]) if tail[0] is not None else []
+        scales = [float(s) for s in tail] if tail and all(s is not None for s in tail) else None
+        attrs = [("mode", "s", mode)]
+        if mode == "nearest":
+            attrs += ([("coordinate_transformation_mode", "s", "half_pixel"), ("nearest_mode", "s", "round_prefer_ceil")]
+                      if exact else [("coordinate_transformation_mode", "s", "asymmetric"),
+                                     ("nearest_mode", "s", "floor")])
+        else:
+            attrs.append(("coordinate_transformation_mode", "s", "align_corners" if align else "pytorch_half_pixel"))
+        if mode == "cubic":
+            attrs += [("cubic_coeff_a", "f", -0.75), ("exclude_outside", "i", 0)]
+        if scales is not None and not align:
+            if [int(a.shape[2 + i] * s) for i, s in enumerate(scales)] != list(out.shape[2:]):
+                raise NotCaptured(f"upsampling {list(a.shape)} by {scales} to {list(out.shape)}")
+            given = r.v(torch.tensor([1.0, 1.0] + scales, dtype=torch.float64))
+            return r.emit("Resize", [r.v(a), "", given], attrs=attrs)
+        return r.emit("Resize", [r.v(a), "", "", r.ints(list(out.shape))], attrs=attrs)
+    return fn
+
+
+for _n, _m, _lin, _ex in (("upsample_nearest1d", "nearest", False, False), ("upsample_nearest2d", "nearest", False, False),
+                          ("upsample_nearest3d", "nearest", False, False),
+                          ("_upsample_nearest_exact1d", "nearest", False, True),
+                          ("_upsample_nearest_exact2d", "nearest", False, True),
+                          ("_upsample_nearest_exact3d", "nearest", False, True),
+                          ("upsample_linear1d", "linear", True, False), ("upsample_bilinear2d", "linear", True, False),
+                          ("upsample_trilinear3d", "linear", True, False), ("upsample_bicubic2d", "cubic", True, False)):
+    RULES[_n] = _upsample(_m, _lin, _ex)
