@@ -1,11 +1,15 @@
 """What the tools that run the model zoo share (tools/zoo-report, recompute-report, bf16-report):
-the repository's paths and the re-execution of a tool under build/venv-zoo (made by tools/setup),
-where Hugging Face transformers is installed."""
+the repository's paths, the zoo itself (bench/zoo.py, importable as `zoo` once this is imported)
+and the re-execution of a tool under build/venv-zoo (made by tools/setup), where Hugging Face
+transformers is installed."""
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, "build", "venv-zoo")
+BENCH = os.path.join(ROOT, "bench")  # the model zoo (bench/zoo.py): a benchmark, not in the package
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
 
 
 def reexec_in_venv(script):

@@ -1,8 +1,7 @@
 """graft: a C++ training runtime for ONNX graphs that never needs more memory than PyTorch eager.
 
 graft.GraftModule wraps a torch.nn.Module (see graft.frontend); graft.bench reproduces the
-seed's memory table against PyTorch and times the model zoo (graft.zoo) against it. Errors:
-graft.errors (every one is a graft.GraftError).
+seed's memory table against PyTorch. Errors: graft.errors (every one is a graft.GraftError).
 """
 from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInternalError,  # noqa: F401
                      GraftInvalidModelError, GraftIoError, GraftNonFiniteError, GraftOutOfMemoryError,
@@ -18,7 +17,7 @@ def __getattr__(name):
     if name == "GraftModule":
         from . import frontend
         return frontend.GraftModule
-    if name in ("_graft", "frontend", "bench", "zoo"):
+    if name in ("_graft", "frontend", "bench"):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(name)

@@ -1,5 +1,5 @@
 """The seed's benchmark: `graft bench` byte relations, its JSON and trace output, `python3 -m graft.bench`,
-and `python3 -m graft.bench --zoo` (the model zoo, eager vs GraftModule; under build/venv-zoo).
+and bench/zoo_bench.py (the model zoo, eager vs GraftModule; under build/venv-zoo).
 
 Byte relations are exact (the allocator counts bytes, not pages). With A = B*H*4 (one activation,
 also the input batch), W = H*H*4 (one weight gradient), G = L*(H*H+H)*4 (all gradients = all
@@ -358,13 +358,18 @@ def test_python_bench_table():
 @pytest.mark.parametrize("args", [["--batch", "0"], ["--layer", "-1"], ["--steps", "0"], ["--threads", "0"],
                                   ["--batch", "x"], ["--graft-bin", "/nonexistent/graft", "--batch", "2",
                                                      "--hidden", "8", "--layer", "1", "--steps", "1"],
-                                  ["--zoo", "nosuch"], ["gpt2"], ["--zoo", "--plot", "x.png"],
-                                  ["--zoo", "lstm", "--repeat", "0"], ["--repeat", "2"]])
+                                  ["gpt2"], ["--repeat", "2"]])
 def test_python_bench_bad_input(args):
     p = run_py_bench(*args, check=False)
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("graft.bench"), p.stderr
+
+
+def test_python_bench_zoo_points_to_bench():
+    """The zoo left the package: --zoo says where it went instead of an unknown-flag error."""
+    p = run_py_bench("--zoo", "lstm", check=False)
+    assert p.returncode == 2 and "bench/zoo_bench.py" in p.stderr, p.stderr
 
 
 def test_step_mode_holds_no_gradients_with_adamw():
@@ -382,12 +387,19 @@ def test_step_mode_holds_no_gradients_with_adamw():
     assert s["max_ma_by_category"]["gradients"] <= W
 
 
-# --- the model zoo: python3 -m graft.bench --zoo -------------------------------------------------
+# --- the model zoo: bench/zoo_bench.py ----------------------------------------------------------
+ZOO_BENCH = ROOT / "bench" / "zoo_bench.py"
+
+
 def test_forward_flops_counts_matrix_products_and_convolutions():
-    """graft.bench.forward_flops: 2 per multiply-add of every matrix product and convolution, as
+    """zoo_bench.forward_flops: 2 per multiply-add of every matrix product and convolution, as
     ATen runs them (Linear -> addmm, matmul -> bmm, grouped / transposed / 1-d convolutions)."""
     torch = pytest.importorskip("torch")
-    from graft.bench import forward_flops
+    sys.path.insert(0, str(ZOO_BENCH.parent))
+    try:
+        from zoo_bench import forward_flops
+    finally:
+        sys.path.pop(0)
     nn = torch.nn
     torch.manual_seed(0)
     assert forward_flops(nn.Linear(8, 4), (torch.randn(3, 8),)) == 2 * 3 * 8 * 4
@@ -437,14 +449,26 @@ def built_graft_parent():
     pytest.skip("no graft package with the compiled module _graft (build it, or PYTHONPATH=build/python)")
 
 
-def run_zoo_bench(python, *args, check=True):
-    env = dict(os.environ, PYTHONPATH=built_graft_parent(), HF_HUB_OFFLINE="1")
-    p = subprocess.run([python, "-m", "graft.bench", *map(str, args)], capture_output=True, text=True, env=env,
+def run_zoo_bench(python, *args, check=True, parent=None):
+    env = dict(os.environ, PYTHONPATH=parent or built_graft_parent(), HF_HUB_OFFLINE="1")
+    p = subprocess.run([python, str(ZOO_BENCH), *map(str, args)], capture_output=True, text=True, env=env,
                        timeout=600)
     if check and p.returncode != 0:
-        raise AssertionError(f"python -m graft.bench {' '.join(map(str, args))} failed ({p.returncode}):\n"
+        raise AssertionError(f"bench/zoo_bench.py {' '.join(map(str, args))} failed ({p.returncode}):\n"
                              f"{p.stdout}\n{p.stderr}")
     return p
+
+
+@pytest.mark.parametrize("args", [["nosuch"], ["lstm", "--repeat", "0"], ["lstm", "--steps", "0"],
+                                  ["lstm", "--modes", "fast"], ["lstm", "--plot", "x.png"]])
+def test_zoo_bench_bad_input(args):
+    """One line on stderr naming the script, exit 2, before any process runs (the pure-Python
+    package is enough: nothing reaches graft's compiled module)."""
+    pytest.importorskip("torch")
+    p = run_zoo_bench(sys.executable, *args, check=False, parent=str(ROOT / "python"))
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zoo_bench"), p.stderr
 
 
 ZOO_ROW_KEYS = {"model", "mode", "precision", "status", "error", "eager_step_seconds", "graft_step_seconds",
@@ -472,10 +496,10 @@ def check_zoo_row(r, steps, loss_rtol):
 
 
 def test_python_bench_zoo_json():
-    """--zoo gpt2,lstm: one row per model (hook mode), each system its own process, losses of the
+    """gpt2,lstm: one row per model (hook mode), each system its own process, losses of the
     first step equal to eager's within the parity tolerance, FLOPs counted (the LSTM's exactly)."""
     py = zoo_python()
-    p = run_zoo_bench(py, "--zoo", "gpt2,lstm", "--steps", 1, "--json")
+    p = run_zoo_bench(py, "gpt2,lstm", "--steps", 1, "--json")
     doc = json.loads(p.stdout)
     assert set(doc) == {"config", "rows"}
     c = doc["config"]
@@ -501,7 +525,7 @@ def test_python_bench_zoo_bf16_table():
     """--precision bf16: eager under autocast against GraftModule(precision="bf16"), plus eager
     float32; the human table names both and the losses agree to bfloat16 rounding."""
     py = zoo_python()
-    p = run_zoo_bench(py, "--zoo", "gpt2", "--steps", 1, "--precision", "bf16", "--json")
+    p = run_zoo_bench(py, "gpt2", "--steps", 1, "--precision", "bf16", "--json")
     doc = json.loads(p.stdout)
     assert doc["config"]["precision"] == "bf16"
     (r,) = doc["rows"]
@@ -509,7 +533,7 @@ def test_python_bench_zoo_bf16_table():
     assert r["precision"] == "bf16"
     assert isinstance(r["eager_fp32_step_seconds"], float) and r["eager_fp32_step_seconds"] > 0
     assert r["time_ratio_vs_eager_fp32"] == pytest.approx(r["graft_step_seconds"] / r["eager_fp32_step_seconds"])
-    p = run_zoo_bench(py, "lstm", "--zoo", "--steps", 1, "--modes", "accumulate")
+    p = run_zoo_bench(py, "lstm", "--steps", 1, "--modes", "accumulate")
     assert "graft/eager" in p.stdout and "GFLOP/s" in p.stdout
     assert any(l.split()[:2] == ["lstm", "accumulate"] and l.rstrip().endswith("ok") for l in p.stdout.splitlines()), \
         p.stdout
@@ -523,7 +547,7 @@ def test_python_bench_zoo_failure_is_a_row():
             [py, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('torch') or "
                        "importlib.util.find_spec('transformers') is not None)"]).returncode != 0:
         pytest.skip(f"needs {py} with torch and without transformers")
-    p = run_zoo_bench(py, "--zoo", "gpt2,conv1d", "--steps", 1, "--json")
+    p = run_zoo_bench(py, "gpt2,conv1d", "--steps", 1, "--json")
     rows = {r["model"]: r for r in json.loads(p.stdout)["rows"]}
     assert rows["gpt2"]["status"] == "error" and "transformers" in rows["gpt2"]["error"]
     assert rows["gpt2"]["time_ratio"] is None and rows["gpt2"]["graft_step_seconds"] is None

@@ -1,7 +1,7 @@
 """Every Conv / ConvGrad kernel path, BatchNormalization and pooling (threaded) against PyTorch in
 float64. Conv paths: im2col + GEMM (one image or several side by side per GEMM), the pointwise
 path that skips im2col, and the direct depthwise kernels (forward; dW; dX as a flipped forward
-for unit strides, as a scatter for other strides or channel multipliers), 1-D, 2-D and 3-D. Plus a smoke run of `python3 -m graft.bench_conv` (no timing
+for unit strides, as a scatter for other strides or channel multipliers), 1-D, 2-D and 3-D. Plus a smoke run of `bench/conv.py` (no timing
 assertions). Needs graft._graft on PYTHONPATH (build/python).
 """
 import json
@@ -242,7 +242,7 @@ def test_conv_bf16_is_float32_on_rounded_operands(name):
 
 def test_bench_conv_runs():
     env = dict(os.environ)
-    p = subprocess.run([sys.executable, "-m", "graft.bench_conv", "--cases", "mobilenet_dw3s2,vit_patch",
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "conv.py"), "--cases", "mobilenet_dw3s2,vit_patch",
                         "--reps", "1", "--threads", "1", "--json"], capture_output=True, text=True, env=env,
                        timeout=300)
     assert p.returncode == 0, p.stderr

@@ -1,4 +1,4 @@
-"""The model zoo (graft.zoo, python/graft/zoo.py) through graft.GraftModule, against eager PyTorch.
+"""The model zoo (bench/zoo.py) through graft.GraftModule, against eager PyTorch.
 
 For each model and each gradient mode (hook, accumulate, hold): a deep copy wrapped in
 GraftModule and an identical eager copy each train 3 AdamW steps on the same batches.
@@ -19,14 +19,17 @@ Needs Hugging Face transformers (build/venv-zoo, made by tools/setup) and Debian
 import copy
 import math
 import os
+import pathlib
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))  # the zoo: bench/zoo.py
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import graft  # noqa: E402
-from graft import zoo  # noqa: E402
+import zoo  # noqa: E402
 
 MODES = ("hook", "accumulate", "hold")
 STEPS, DROPOUT_STEPS = 3, 2

@@ -1,7 +1,7 @@
 """Convolution layers: graft's Conv / ConvGrad kernels against PyTorch eager, in one process.
 
-    PYTHONPATH=build/python /usr/bin/python3 -m graft.bench_conv [--threads T] [--reps R]
-                                                               [--cases a,b,...] [--json]
+    PYTHONPATH=build/python /usr/bin/python3 bench/conv.py [--threads T] [--reps R] [--cases a,b,...]
+                                                         [--json]
 
 Each case is one Conv layer of a zoo model (fp32, NCHW). graft runs it as a one-node ONNX graph
 through graft._graft.Session (hold mode: X, W and B are bound to PyTorch memory; the forward keeps
@@ -333,7 +333,7 @@ def print_table(doc):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python3 -m graft.bench_conv",
+    p = argparse.ArgumentParser(prog="bench/conv.py",
                                 description="graft's Conv / ConvGrad vs PyTorch eager on zoo conv layers")
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: os.cpu_count())")
     p.add_argument("--reps", type=int, default=5, help="timed runs per measurement (the best is reported)")
@@ -350,7 +350,7 @@ def main(argv=None):
             raise BenchError("--reps must be positive")
         threads = a.threads or os.cpu_count() or 1
         import torch
-        from . import _graft
+        from graft import _graft
         torch.set_num_threads(threads)
         _graft.set_num_threads(threads)
         with tempfile.TemporaryDirectory(prefix="graft_bench_conv_") as tmp:
@@ -375,7 +375,7 @@ def main(argv=None):
             print_table(doc)
         return 0
     except BenchError as e:
-        print(f"graft.bench_conv: {e}", file=sys.stderr)
+        print(f"bench/conv.py: {e}", file=sys.stderr)
         return 2
 
 

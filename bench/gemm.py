@@ -1,6 +1,6 @@
 """Float32 GEMMs: graft's two backends (OpenBLAS sgemm, oneDNN's matmul primitive) and torch.mm.
 
-    PYTHONPATH=build/python /usr/bin/python3 -m graft.bench_gemm [--threads T] [--reps R] [--json]
+    PYTHONPATH=build/python /usr/bin/python3 bench/gemm.py [--threads T] [--reps R] [--rounds K] [--json]
 
 Each shape (M, N, K, B transposed or not: the shapes of the zoo's Linear layers, of the seed
 stacks and of weight gradients) runs as a one-node ONNX graph (Gemm, transB as given) through
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from graft.bench_conv import _best_time, _save, _spec
+from conv import _best_time, _save, _spec  # bench/conv.py, beside this file
 
 # (M, N, K, transB, where it comes from)
 SHAPES = [
@@ -93,10 +93,10 @@ def main(argv=None):
         env.pop("GRAFT_GEMM", None)
         if backend in ("openblas", "dnnl"):
             env["GRAFT_GEMM"] = backend
-        r = subprocess.run([sys.executable, "-m", "graft.bench_gemm", "--child", backend, "--threads",
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", backend, "--threads",
                             str(a.threads), "--reps", str(a.reps)], env=env, capture_output=True, text=True)
         if r.returncode != 0:
-            sys.exit(f"bench_gemm: the {backend} process failed:\n{r.stderr}")
+            sys.exit(f"bench/gemm.py: the {backend} process failed:\n{r.stderr}")
         got = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
         secs[backend] = {i: min(t, secs.get(backend, got)[i]) for i, t in got.items()}
     rows = []

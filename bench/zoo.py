@@ -15,9 +15,10 @@ Nothing is downloaded: the torchvision models are built with weights=None, the H
 from tiny configs (2 layers, hidden 32, 2-4 heads, vocab 100, sequence 8, batch 2), and
 HF_HUB_OFFLINE=1 is set on import so that no code path can reach the hub. torchvision and
 transformers are imported by the builders that need them (transformers: build/venv-zoo, made by
-tools/setup). Used by tests/python/test_zoo.py, tools/zoo-report and `python3 -m graft.bench --zoo`.
+tools/setup). Used by tests/python/test_zoo.py, tools/zoo-report (and the other tools that load
+tools/zoo_venv.py) and bench/zoo_bench.py, which put this folder (bench/) on sys.path.
 
-    from graft.zoo import MODELS, build
+    from zoo import MODELS, build
     z = build("gpt2", dropout=False)
     batch = z.make_batch(0); loss = z.loss_fn(z.model(*batch), batch)
 """

@@ -1,8 +1,8 @@
 """float32 transcendental kernels (Tanh, Gelu, GeluGrad, Sigmoid, Softmax, ...): graft's vectorized
 exp / tanh / erf (src/ops/vmath.h) against its scalar libm loops, in one-node graphs.
 
-    PYTHONPATH=build/python /usr/bin/python3 -m graft.bench_vmath [--threads T] [--reps R]
-                                                                [--rounds K] [--cases a,b,...]
+    PYTHONPATH=build/python /usr/bin/python3 bench/vmath.py [--threads T] [--reps R] [--rounds K]
+                                                          [--cases a,b,...]
 
 Each case runs as a one-node ONNX graph through graft._graft.Session (hold mode, inputs bound to
 PyTorch memory); a "grad" case times backward only (GeluGrad: the gradient of one Gelu node with
@@ -121,7 +121,7 @@ def main():
             ap.error(f"unknown case {c}; cases: {', '.join(CASES)}")
     if args.child:
         return child(args)
-    cmd = [sys.executable, "-m", "graft.bench_vmath", "--child", "--threads", str(args.threads),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--threads", str(args.threads),
            "--reps", str(args.reps), "--cases", ",".join(args.cases)]
     best = {"scalar": {}, "vector": {}}
     for _ in range(args.rounds):
