@@ -8,8 +8,10 @@
 #include "graft/models.h"
 #include "graft/ops.h"
 #include "graft/train.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::session_options;
 
 namespace {
 
@@ -24,9 +26,7 @@ float round_bf16(float x) {
 // One Linear(H, H) + ReLU, loss = mean: gradients of every parameter after one step.
 std::vector<std::vector<float>> grads(bool bf16, bool bf16_exact_operands, int64_t H = 256) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &alloc;
+  SessionOptions o = session_options(alloc);
   o.bf16 = bf16;
   const int64_t B = 64;  // d loss / d y = 1 / (B H), a power of two: a bf16 number
   TrainSession s(linear_stack(B, H, 1, DType::F32, alloc, 3), o);

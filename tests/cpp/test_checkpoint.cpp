@@ -3,7 +3,6 @@
 // truncated, bit-flipped and wrong-model files are refused with typed errors and leave the session
 // untouched; resume_from_dir falls back to the previous good checkpoint.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -14,8 +13,10 @@
 #include "graft/checkpoint.h"
 #include "graft/models.h"
 #include "graft/ops.h"
+#include "test_util.h"
 
 using namespace graft;
+using namespace graft_test;
 namespace fs = std::filesystem;
 
 namespace {
@@ -27,14 +28,9 @@ struct Trainer {
   std::unique_ptr<TrainSession> s;
   std::unique_ptr<Optimizer> opt;
   explicit Trainer(const std::string& optimizer, int64_t hidden = H, int64_t layers = L) {
-    SessionOptions o;
-    o.loss = "loss";
-    o.alloc = &alloc;
-    s = std::make_unique<TrainSession>(linear_stack(B, hidden, layers, DType::F32, alloc, 3), o);
-    Tensor x = Tensor::empty({B, hidden}, DType::F32, alloc, Category::Workspace);
-    for (int64_t i = 0; i < x.numel(); ++i)
-      x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
-    s->set_input("x", x);
+    s = std::make_unique<TrainSession>(linear_stack(B, hidden, layers, DType::F32, alloc, 3),
+                                       session_options(alloc));
+    s->set_input("x", ramp_input(alloc, B, hidden));
     if (optimizer == "sgd")
       opt = std::make_unique<SGD>(
           s->trainable(), SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}, &alloc);
@@ -62,19 +58,6 @@ struct Trainer {
     }
     return r;
   }
-};
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("graft_ckpt_test_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& f) const { return (path / f).string(); }
 };
 
 std::vector<char> read_all(const std::string& p) {
@@ -113,7 +96,7 @@ class RoundTrip : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(RoundTrip, ResumedRunIsBitIdentical) {
   set_num_threads(1);
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer full(GetParam());
   full.train(7);
 
@@ -138,7 +121,7 @@ TEST_P(RoundTrip, ResumedRunIsBitIdentical) {
 // A checkpoint taken between micro-batches keeps the accumulated gradients.
 TEST_P(RoundTrip, MidAccumulationKeepsGradients) {
   set_num_threads(1);
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer full(GetParam());
   full.train(2, /*micro=*/3);
 
@@ -157,7 +140,7 @@ TEST_P(RoundTrip, MidAccumulationKeepsGradients) {
 }
 
 TEST_P(RoundTrip, ParametersOnlyWithoutOptimizer) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer first(GetParam());
   first.train(2);
   first.s->zero_grad(true);
@@ -174,7 +157,7 @@ TEST_P(RoundTrip, ParametersOnlyWithoutOptimizer) {
 INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip, ::testing::Values("sgd", "adamw"));
 
 TEST(Checkpoint, RngStateIsSavedAndRestored) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer r("sgd");
   set_dropout_rng_state(12345);
   save_checkpoint(d / "a.graft", *r.s, r.opt.get(), 0);
@@ -186,7 +169,7 @@ TEST(Checkpoint, RngStateIsSavedAndRestored) {
 // Every truncation and a bit flip in every region (preamble, header, data, trailer) is refused as
 // InvalidModel, naming the file; the session and optimizer are untouched.
 TEST(Checkpoint, CorruptFilesAreRefusedAndChangeNothing) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer src("adamw");
   src.train(2);
   save_checkpoint(d / "good.graft", *src.s, src.opt.get(), 2);
@@ -232,7 +215,7 @@ TEST(Checkpoint, CorruptFilesAreRefusedAndChangeNothing) {
 }
 
 TEST(Checkpoint, WrongModelOrOptimizerIsRefusedAndChangesNothing) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer src("sgd");
   src.train(2);
   save_checkpoint(d / "a.graft", *src.s, src.opt.get(), 2);
@@ -262,7 +245,7 @@ TEST(Checkpoint, WrongModelOrOptimizerIsRefusedAndChangesNothing) {
 }
 
 TEST(CheckpointDir, KeepsNewestAndPointsLatest) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer r("adamw");
   for (int step = 1; step <= 5; ++step) {
     r.train(1);
@@ -282,7 +265,7 @@ TEST(CheckpointDir, KeepsNewestAndPointsLatest) {
 
 TEST(CheckpointDir, ResumeFallsBackToThePreviousGoodCheckpoint) {
   set_num_threads(1);
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   const std::string dir = d.path.string();
   Trainer full("adamw");
   full.train(5);
@@ -312,7 +295,7 @@ TEST(CheckpointDir, ResumeFallsBackToThePreviousGoodCheckpoint) {
 }
 
 TEST(CheckpointDir, NoValidCheckpointIsAnErrorAndEmptyIsAFreshStart) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   const std::string dir = d.path.string();
   Trainer r("sgd");
   ResumeResult none = resume_from_dir(dir, *r.s, r.opt.get());
@@ -339,7 +322,7 @@ TEST(CheckpointDir, NoValidCheckpointIsAnErrorAndEmptyIsAFreshStart) {
 }
 
 TEST(CheckpointDir, CheckpointOfAnotherModelStopsTheResume) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   const std::string dir = d.path.string();
   Trainer r("sgd");
   r.train(1);
@@ -351,7 +334,7 @@ TEST(CheckpointDir, CheckpointOfAnotherModelStopsTheResume) {
 }
 
 TEST(Checkpoint, SaveFailureIsIoAndKeepsTheOldFile) {
-  TempDir d;
+  TempDir d("graft_ckpt_test_");
   Trainer r("sgd");
   r.train(1);
   save_checkpoint(d / "a.graft", *r.s, r.opt.get(), 1);

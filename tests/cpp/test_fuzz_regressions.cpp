@@ -5,7 +5,6 @@
 //                                        (first byte picks which, see fuzz/files_target.h)
 // Inputs that still crash wait in tests/fuzz_regressions/pending/, which is not replayed.
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,8 +13,10 @@
 #include "../../fuzz/files_target.h"
 #include "graft/ops.h"
 #include "graft/plan.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
@@ -27,21 +28,6 @@ std::string read_all(const fs::path& p) {
   ss << in.rdbuf();
   return ss.str();
 }
-
-// A fresh folder laid out as fuzz_files lays out its own (with the external-data file).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "graft-fuzz-regress-XXXXXX").string();
-    EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
-    path = tmpl;
-    graft_fuzz::write_external_data(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 void replay_files_input(const std::string& bytes, const std::string& dir) {
   try {
@@ -83,7 +69,10 @@ TEST(FuzzRegressions, EveryFindingIsHandled) {
 }
 
 TEST(FuzzRegressions, EveryFileReaderFindingIsHandled) {
-  TempDir dir;
+  // A fresh folder laid out as fuzz_files lays out its own (with the external-data file).
+  TempDir tmp("graft-fuzz-regress-");
+  const std::string dir = tmp.path.string();
+  graft_fuzz::write_external_data(dir);
   // Edge inputs of the harness itself: empty, a lone mode byte for each reader, a mode-2 frame
   // too short to repair, and a repaired frame whose header size points past the file.
   for (std::string b :
@@ -91,12 +80,12 @@ TEST(FuzzRegressions, EveryFileReaderFindingIsHandled) {
         std::string("\2GRAFTCKP", 9),
         std::string("\2GRAFTCKP\1\0\0\0\0\0\0\0\377\377\377\377\377\377\377\377", 25) +
             std::string(40, 'x')})
-    replay_files_input(b, dir.path);
+    replay_files_input(b, dir);
   const fs::path files = kDir / "files";
   if (!fs::is_directory(files)) return;
   for (const auto& f : fs::directory_iterator(files)) {
     if (!f.is_regular_file() || f.path().extension() != ".bin") continue;
     SCOPED_TRACE(f.path().string());
-    replay_files_input(read_all(f.path()), dir.path);
+    replay_files_input(read_all(f.path()), dir);
   }
 }

@@ -7,8 +7,10 @@
 #include <thread>
 
 #include "graft/train.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::session_options;
 
 namespace {
 // x[4] -> y = x * w -> r = Reciprocal(y) (an output) -> loss = ReduceSum(r).
@@ -37,11 +39,7 @@ class Modes : public ::testing::TestWithParam<GradMode> {};
 
 TEST_P(Modes, BackwardNeverWritesIntoAnOutput) {
   Allocator a;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = GetParam();
-  o.alloc = &a;
-  TrainSession s(reciprocal_model(a), o);
+  TrainSession s(reciprocal_model(a), session_options(a, GetParam()));
   s.set_hook([](Parameter&, const Tensor&) {});
   s.set_input("x", vec(a, {1, 2, 3, 4}));
   s.forward();
@@ -55,11 +53,7 @@ TEST_P(Modes, BackwardNeverWritesIntoAnOutput) {
 
 TEST_P(Modes, StepsInFlightKeepTheirOwnValues) {
   Allocator a;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = GetParam();
-  o.alloc = &a;
-  TrainSession s(reciprocal_model(a), o);
+  TrainSession s(reciprocal_model(a), session_options(a, GetParam()));
   s.set_hook(accumulate_grad);
   // Two forwards, then their backwards in reverse order: the gradient is the sum of both.
   auto s1 = s.forward({{"x", vec(a, {1, 2, 3, 4})}});
@@ -81,10 +75,7 @@ INSTANTIATE_TEST_SUITE_P(All, Modes,
 
 TEST(Steps, ForwardsOnSeveralThreadsGiveEachTheirOwnResult) {
   Allocator a;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &a;
-  TrainSession s(reciprocal_model(a), o);
+  TrainSession s(reciprocal_model(a), session_options(a));
   std::vector<double> sums(8, 0.0);
   std::vector<std::thread> ts;
   for (int k = 0; k < 8; ++k)
@@ -106,10 +97,7 @@ TEST(Steps, ForwardsOnSeveralThreadsGiveEachTheirOwnResult) {
 
 TEST(Steps, RefusesTensorsWithoutMemory) {
   Allocator a;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &a;
-  TrainSession s(reciprocal_model(a), o);
+  TrainSession s(reciprocal_model(a), session_options(a));
   try {
     s.set_input("x", Tensor::external(nullptr, {4}, DType::F64, nullptr));
     FAIL() << "accepted a null tensor";

@@ -9,8 +9,11 @@
 
 #include "graft/models.h"
 #include "graft/train.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::ramp_input;
+using graft_test::session_options;
 
 namespace {
 constexpr int64_t B = 2, H = 64, L = 3;
@@ -23,11 +26,7 @@ struct StepRun {
 
 StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = mode;
-  o.alloc = &alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), session_options(alloc, mode));
   std::vector<std::vector<float>> kept(s.parameters().size());
   if (mode == GradMode::Hook)
     s.set_hook([&](Parameter& p, const Tensor& g) {
@@ -35,10 +34,7 @@ StepRun one_step(GradMode mode, bool set_to_none, int steps = 2) {
         if (s.parameters()[i].name == p.name)
           kept[i].assign(g.data<float>(), g.data<float>() + g.numel());
     });
-  Tensor x = Tensor::empty({B, H}, DType::F32, alloc, Category::Workspace);
-  for (int64_t i = 0; i < x.numel(); ++i)
-    x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
-  s.set_input("x", x);
+  s.set_input("x", ramp_input(alloc, B, H));
   StepRun r{};
   for (int k = 0; k < steps; ++k) {  // the last step is measured, after a warm-up
     s.zero_grad(set_to_none);
@@ -114,10 +110,7 @@ TEST(GradDelivery, ThreeModesGiveBitIdenticalGradients) {
 // every byte of the failed step is returned.
 TEST(GradDelivery, FailedAllocationLeavesSessionUsable) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), session_options(alloc));
   Tensor x = Tensor::zeros({B, H}, DType::F32, alloc, Category::Workspace);
   s.set_input("x", x);
   s.step();
@@ -141,9 +134,7 @@ TEST(GradDelivery, FailedAllocationLeavesSessionUsable) {
 
 TEST(GradDelivery, MemoryBudgetIsCheckedBeforeAnyRun) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &alloc;
+  SessionOptions o = session_options(alloc);
   o.max_memory = 1000;  // far below parameters alone
   try {
     TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
@@ -164,14 +155,8 @@ namespace {
 std::vector<std::vector<double>> train(GradMode mode, const std::string& optimizer, int steps,
                                        int micro = 1, double clip = 0) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = mode;
-  o.alloc = &alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F64, alloc, 7), o);
-  Tensor x = Tensor::empty({B, H}, DType::F64, alloc, Category::Workspace);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = ((i * 37 % 19) - 9) / 7.0;
-  s.set_input("x", x);
+  TrainSession s(linear_stack(B, H, L, DType::F64, alloc, 7), session_options(alloc, mode));
+  s.set_input("x", ramp_input(alloc, B, H, DType::F64));
   std::unique_ptr<Optimizer> opt;
   if (optimizer == "sgd") {
     SGDOptions so;
@@ -232,11 +217,8 @@ TEST(StepInBackward, MicroBatchesAccumulateThenStepOnTheLast) {
 
 TEST(StepInBackward, HoldsNoGradientSet) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = GradMode::Step;
-  o.alloc = &alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7), o);
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7),
+                 session_options(alloc, GradMode::Step));
   Tensor x = Tensor::zeros({B, H}, DType::F32, alloc, Category::Workspace);
   s.set_input("x", x);
   SGDOptions so;
@@ -308,9 +290,7 @@ struct BudgetRun {
 };
 BudgetRun budget_run(int64_t budget) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &alloc;
+  SessionOptions o = session_options(alloc);
   o.activation_budget = budget;
   TrainSession s(mlp_blocks(alloc, 3), o);
   Tensor x = Tensor::empty({BM, HM}, DType::F64, alloc, Category::Workspace);

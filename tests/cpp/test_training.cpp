@@ -6,8 +6,10 @@
 
 #include "graft/models.h"
 #include "graft/train.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::session_options;
 
 namespace {
 constexpr int64_t B = 8, H = 16, L = 3;
@@ -32,10 +34,7 @@ class MicroBatch : public ::testing::TestWithParam<GradMode> {};
 TEST_P(MicroBatch, TwoHalvesAccumulateToTheWholeBatch) {
   const GradMode mode = GetParam();
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.mode = mode;
-  o.alloc = &alloc;
+  const SessionOptions o = session_options(alloc, mode);
   // Whole batch.
   TrainSession whole(linear_stack(B, H, L, DType::F64, alloc, 3), o);
   whole.set_hook(accumulate_grad);
@@ -65,10 +64,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, MicroBatch,
 
 TEST(ZeroGrad, SetToNoneReleasesAndFalseKeepsZeroedBuffers) {
   Allocator alloc;
-  SessionOptions o;
-  o.loss = "loss";
-  o.alloc = &alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 3), o);
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 3), session_options(alloc));
   s.set_input("x", Tensor::zeros({B, H}, DType::F32, alloc, Category::Workspace));
   s.step();
   const int64_t G = L * (H * H + H) * 4;
