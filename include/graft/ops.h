@@ -199,5 +199,6 @@ void register_nn_ops(std::vector<const OpDef*>& t);
 void register_conv_ops(std::vector<const OpDef*>& t);
 void register_resize_ops(std::vector<const OpDef*>& t);
 void register_rnn_ops(std::vector<const OpDef*>& t);
+void register_math_ops(std::vector<const OpDef*>& t);
 
 }  // namespace graft

@@ -498,3 +498,135 @@ for _n, _m, _lin, _ex in (("upsample_nearest1d", "nearest", False, False), ("ups
                           ("upsample_linear1d", "linear", True, False), ("upsample_bilinear2d", "linear", True, False),
                           ("upsample_trilinear3d", "linear", True, False), ("upsample_bicubic2d", "cubic", True, False)):
     RULES[_n] = _upsample(_m, _lin, _ex)
+
+
+# --- unary math (src/ops/math.cpp) and what composes from it ---------------------------------------
+for _n, _o in (("tan", "Tan"), ("asin", "Asin"), ("acos", "Acos"), ("atan", "Atan"), ("sinh", "Sinh"),
+               ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"), ("floor", "Floor"),
+               ("ceil", "Ceil")):
+    RULES[_n] = (lambda op: lambda r, out, a: r.emit(op, [r.v(a)]))(_o)
+for _n, _o in (("trunc", "Trunc"), ("fix", "Trunc"), ("expm1", "Expm1"), ("log1p", "Log1p")):
+    RULES[_n] = (lambda op: lambda r, out, a: r.emit(op, [r.v(a)], domain="graft"))(_o)
+
+
+@rule("round")
+def _round(r, out, a, decimals=0):
+    """Half to even, as PyTorch; with decimals, of a * 10^d (then / 10^d), as PyTorch computes it."""
+    if not decimals:
+        return r.emit("Round", [r.v(a)])
+    scale = r.v(10.0 ** decimals, out.dtype)
+    return r.emit("Div", [r.emit("Round", [r.emit("Mul", [r.v(a), scale])]), scale])
+
+
+def _log_in(base):
+    import math
+
+    def fn(r, out, a):
+        return r.emit("Mul", [r.emit("Log", [r.v(a)]), r.v(1.0 / math.log(base), out.dtype)])
+    return fn
+
+
+RULES["log2"], RULES["log10"] = _log_in(2.0), _log_in(10.0)
+
+
+@rule("frac")
+def _frac(r, out, a):
+    x = r.v(a)
+    return r.emit("Sub", [x, r.emit("Trunc", [x], domain="graft")])
+
+
+@rule("isnan")
+def _isnan(r, out, a):
+    x = r.v(a)
+    return r.emit("Not", [r.emit("Equal", [x, x])])
+
+
+@rule("isinf")
+def _isinf(r, out, a):
+    return r.emit("Equal", [r.emit("Abs", [r.v(a)]), r.v(float("inf"), a.dtype)])
+
+
+def _mod(rounding):
+    """fmod (trunc) and remainder (floor): a - round(a / b) * b; d/da = 1, d/db = -round(a / b),
+    PyTorch's gradients."""
+    def fn(r, out, a, b):
+        if not out.dtype.is_floating_point:
+            raise NotCaptured(f"integer {'fmod' if rounding == 'Trunc' else 'remainder'}")
+        x, y = r.v(a, out.dtype), r.v(b, out.dtype)
+        q = r.emit(rounding, [r.emit("Div", [x, y])], domain="graft" if rounding == "Trunc" else "")
+        return r.emit("Sub", [x, r.emit("Mul", [q, y])])
+    return fn
+
+
+RULES["fmod"], RULES["remainder"] = _mod("Trunc"), _mod("Floor")
+
+
+@rule("amin")
+def _amin(r, out, a, dims=(), keepdim=False):
+    return r.emit("ReduceMin", [r.v(a)], attrs=[("axes", "I", _reduce_axes(a, dims)), ("keepdims", "i", int(keepdim))])
+
+
+@rule("flip")
+def _flip(r, out, a, dims):
+    """A Slice with step -1 on each flipped axis."""
+    axes = sorted({_axis(d, a.dim()) for d in dims})
+    if not axes:
+        return r.emit("Identity", [r.v(a)])
+    big = 2 ** 62
+    return r.emit("Slice", [r.v(a), r.ints([-1] * len(axes)), r.ints([-big] * len(axes)), r.ints(axes),
+                            r.ints([-1] * len(axes))])
+
+
+def _var_args(a, args, kw):
+    """(axes, correction, keepdim) of var / std in any of their overloads: (self, unbiased),
+    (self, dim, unbiased, keepdim), (self, dim, *, correction, keepdim)."""
+    args = list(args)
+    dim, unbiased = None, True
+    if args and isinstance(args[0], bool):
+        unbiased = args.pop(0)
+    elif args:
+        dim = args.pop(0)
+    if args:
+        unbiased = args.pop(0)
+    keepdim = args.pop(0) if args else kw.get("keepdim", False)
+    correction = kw.get("correction")
+    if correction is None:
+        correction = 1 if unbiased else 0
+    return _reduce_axes(a, dim), float(correction), bool(keepdim)
+
+
+def _variance(r, out, a, args, kw):
+    axes, correction, keepdim = _var_args(a, args, kw)
+    n = 1
+    for d in axes:
+        n *= a.shape[d]
+    x = r.v(a)
+    mean = r.emit("ReduceMean", [x], attrs=[("axes", "I", axes), ("keepdims", "i", 1)])
+    d = r.emit("Sub", [x, mean])
+    s = r.emit("ReduceSum", [r.emit("Mul", [d, d]), r.ints(axes)], attrs=[("keepdims", "i", int(keepdim))])
+    dt = a.dtype
+    var = r.emit("Div", [s, r.v(max(n - correction, 0.0), dt)])  # n <= correction: inf / nan, as PyTorch
+    mean_out = mean if keepdim else r.emit("ReduceMean", [x], attrs=[("axes", "I", axes), ("keepdims", "i", 0)])
+    return var, mean_out
+
+
+@rule("var")
+def _var(r, out, a, *args, **kw):
+    return _variance(r, out, a, args, kw)[0]
+
+
+@rule("std")
+def _std(r, out, a, *args, **kw):
+    return r.emit("Sqrt", [_variance(r, out, a, args, kw)[0]])
+
+
+@rule("var_mean")
+def _var_mean(r, out, a, *args, **kw):
+    v, m = _variance(r, out[0], a, args, kw)
+    return [v, m]
+
+
+@rule("std_mean")
+def _std_mean(r, out, a, *args, **kw):
+    v, m = _variance(r, out[0], a, args, kw)
+    return [r.emit("Sqrt", [v]), m]

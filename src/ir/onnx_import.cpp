@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 
 #include "graft/ir.h"
@@ -335,11 +336,14 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     const auto& np = gp.node(i);
     std::string label = "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) +
                         "' (" + np.op_type() + ")";
-    // graft's own domain: only StopGradient, which graft's PyTorch capture writes (a constant for
-    // autodiff where eager's autograd stops a gradient; python/graft/_aten.py, Note [capture]).
+    // graft's own domain: only the ops graft's PyTorch capture writes (python/graft/_aten.py, Note
+    // [capture]): StopGradient (a constant for autodiff where eager's autograd stops a gradient)
+    // and the math ONNX lacks (src/ops/math.cpp).
+    static const std::set<std::string> kGraftOpsInFiles = {"StopGradient", "Trunc", "Expm1",
+                                                           "Log1p"};
     GRAFT_CHECK(
         np.domain().empty() || np.domain() == "ai.onnx" ||
-            (np.domain() == "graft" && np.op_type() == "StopGradient"),
+            (np.domain() == "graft" && kGraftOpsInFiles.count(np.op_type())),
         ErrorKind::Unsupported,
         label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
     for (const auto& o : np.output()) {

@@ -231,6 +231,27 @@ CATALOGUE = {
     "Fold-stride-uncovered-edge": (lambda: Fn(conv(cout=8), lambda s, y: F.fold(y.flatten(2)[:, :, :6], (8, 7), 2,
                                                                                  stride=3)), image),
     "Unfold-Fold-roundtrip": fn_conv(lambda s, y: F.fold(F.unfold(y, 3, padding=1) * 0.5, (6, 6), 3, padding=1)),
+    # unary math (graft's math.cpp) and what composes from it
+    "tan-asin-acos-atan": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.tan(torch.tanh(y)) + torch.asin(torch.tanh(y) * 0.9)
+                                      + torch.acos(torch.tanh(y * 0.5) * 0.8) * 2 + torch.atan(y) * 3), vector),
+    "hyperbolic": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.sinh(y) + torch.cosh(y * 0.5) * 2 + torch.asinh(y) * 3
+                              + torch.acosh(1.5 + y * y) * 4 + torch.atanh(torch.tanh(y) * 0.9) * 5), vector),
+    "expm1-log1p-log2-log10": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.expm1(y * 1e-3) * 1e3
+                                          + torch.log1p(y * y) + torch.log2(1 + y * y) * 2 + torch.log10(3 + y * y) * 3),
+                               vector),
+    "rounding": (lambda: Fn(nn.Linear(6, 8), lambda s, y: y * torch.floor(y * 3) + y * torch.ceil(y * 2)
+                            + y * torch.round(y * 4) + y * torch.trunc(y * 3) + torch.frac(y * 3)
+                            + torch.round(y, decimals=2) * y), vector),
+    "isnan-isinf": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.where(torch.isnan(torch.sqrt(y)), y * 2, y * 3)
+                               + torch.where(torch.isinf(1.0 / (y > 0).to(y.dtype)), y, -y)), vector),
+    "fmod-remainder": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.fmod(y * 3, 0.7) + torch.remainder(
+                           y * 3, torch.sigmoid(y) + 0.5) * 2), vector),
+    "amin-flip": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.amin(y, dim=1) + torch.flip(y, [0, 1])[:, 0]
+                             * torch.arange(5.0) + torch.flip(y, [-1]).sum(0)[:5]), vector),
+    "var-std": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.var(y, 1) + torch.var(y, 1, unbiased=False, keepdim=True)
+                           .squeeze(1) * 2 + torch.std(y) + torch.std(y, dim=0)[:5]), vector),
+    "var_mean-std_mean": (lambda: Fn(nn.Linear(6, 8), lambda s, y: sum(t.sum() for t in torch.var_mean(y, 0, correction=2))
+                                     + torch.std_mean(y, 1, keepdim=True)[0].sum() * 3), vector),
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
