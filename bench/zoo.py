@@ -337,13 +337,21 @@ def transformer(dropout):
     return Zoo(Seq2Seq(dropout).train(), batch, lambda out, b: F.cross_entropy(out.flatten(0, 1), b[-1].flatten()))
 
 
+def bloom(dropout):
+    """BLOOM: its GeLU is a custom autograd.Function (Note [PythonOp], python/graft/_pyfunc.py)."""
+    from transformers import BloomConfig, BloomForCausalLM
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=2,
+                      **_zero(dropout, "hidden_dropout", "attention_dropout"))
+    return _hf(_Keywords(BloomForCausalLM(cfg)), _lm_batch)
+
+
 BUILDERS = {
     "resnet18": resnet18, "mobilenet_v2": mobilenet_v2, "efficientnet_b0": efficientnet_b0,
     "convnext_tiny": convnext_tiny, "vit_b_16": vit_b_16,
     "lstm": lstm, "gru": gru, "conv1d": conv1d,
     "gpt2": gpt2, "bert": bert, "roberta": roberta, "distilbert": distilbert, "t5": t5, "bart": bart,
     "llama": llama, "mistral": mistral, "opt": opt, "gpt_neox": gpt_neox, "hf_vit": hf_vit,
-    "transformer": transformer,
+    "transformer": transformer, "bloom": bloom,
 }
 MODELS = list(BUILDERS)
 

@@ -7,6 +7,7 @@
 // gradients) lives once, in the driver.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -190,6 +191,14 @@ uint64_t dropout_rng_state();
 void set_dropout_rng_state(uint64_t state);
 uint64_t next_dropout_seed();  // returns the counter and advances it (thread-safe)
 
+// graft.PythonOp (src/ops/python_op.cpp): what runs a PythonOp node (backward = false: c.ins are
+// its inputs, c.outs its outputs) or its PythonOpGrad (true: c.ins the output gradients, absent
+// where none flows; c.outs the input gradients, absent where none is needed) outside graft. The
+// PyTorch front end installs one that runs a custom torch.autograd.Function; without one, such a
+// node is an Unsupported error.
+using PythonOpRunner = std::function<void(KernelCtx& c, int64_t fn, bool backward)>;
+void set_python_op_runner(PythonOpRunner r);
+
 // Family registration (each src/ops/*.cpp file).
 void register_elementwise_ops(std::vector<const OpDef*>& t);
 void register_linalg_ops(std::vector<const OpDef*>& t);
@@ -200,5 +209,6 @@ void register_conv_ops(std::vector<const OpDef*>& t);
 void register_resize_ops(std::vector<const OpDef*>& t);
 void register_rnn_ops(std::vector<const OpDef*>& t);
 void register_math_ops(std::vector<const OpDef*>& t);
+void register_python_ops(std::vector<const OpDef*>& t);
 
 }  // namespace graft

@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from . import _export, _flatten
+from . import _export, _flatten, _pyfunc
 from .errors import GraftUnsupportedError
 
 # Note [capture]
@@ -377,7 +377,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
         # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
         # on, and as the cells' ops (which graft has) without; the values are the same.
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
-                torch.backends.mkldnn.flags(enabled=False), watch:
+                torch.backends.mkldnn.flags(enabled=False), watch, _pyfunc.watched(watch, module, dict(state)):
             out = _functional_call(module, st, a, kw)
         box["warnings"] = watch.warnings
         leaves = _flatten.flatten_outputs(out)
@@ -430,11 +430,14 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     flat = [t.detach().clone() if copy and not isinstance(t, torch.nn.Parameter) else t.detach() for _, t in state]
     flat += [t.detach().clone() if copy else t.detach() for t in tensors]
     try:
-        with warnings.catch_warnings():  # torch 2.x says this on entering mkldnn.flags (above)
-            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        # Custom autograd.Functions become graft::py_function calls (Note [PythonOp], _pyfunc.py).
+        with warnings.catch_warnings(), _pyfunc.intercept():
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # torch 2.x
             gm = trace(flat)
     except (GraftUnsupportedError, NotCaptured):
         raise
+    except _pyfunc.FunctionRaised as ex:  # a custom autograd.Function's forward raised: as in eager
+        raise ex.original from None
     except Exception as ex:  # noqa: BLE001
         first = str(ex).strip().splitlines()[0] if str(ex).strip() else ""
         if "value out of a tracing tensor" in first or "data-dependent" in first:

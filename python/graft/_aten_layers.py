@@ -630,3 +630,15 @@ def _var_mean(r, out, a, *args, **kw):
 def _std_mean(r, out, a, *args, **kw):
     v, m = _variance(r, out[0], a, args, kw)
     return [r.emit("Sqrt", [v]), m]
+
+
+@rule("py_function")
+def _py_function(r, out, xs, key):
+    """A custom autograd.Function (Note [PythonOp], _pyfunc.py): graft.PythonOp, run by PyTorch."""
+    from . import _pyfunc
+    rec = _pyfunc.record(key)
+    dims = [int(d) for _, shape in rec.outputs for d in shape]
+    return r.emit("PythonOp", [r.v(x) for x in xs], nout=len(rec.outputs), domain="graft",
+                  attrs=[("fn", "i", int(key)), ("name", "s", rec.name),
+                         ("out_dtypes", "I", [elem(dt, f"an output of {rec.name}") for dt, _ in rec.outputs]),
+                         ("out_ranks", "I", [len(shape) for _, shape in rec.outputs]), ("out_dims", "I", dims)])

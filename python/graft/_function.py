@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from . import _graft
+from . import _graft, _pyfunc
 from .errors import GraftError, GraftUnsupportedError, with_context
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
@@ -285,10 +285,13 @@ class GraftFunction(torch.autograd.Function):
         tensors = [t.detach().contiguous() for t in tensors_and_params[:n_in]]
         params = tensors_and_params[n_in:]
         seed = entry.draw_seed()
+        pyops = {_pyfunc.TRAIN: training_run}  # custom autograd.Functions' graphs (Note [PythonOp])
         try:
-            step, arrays = run_forward(entry, tensors, seed, training_run, call.bf16)
+            with _pyfunc.calls(pyops):
+                step, arrays = run_forward(entry, tensors, seed, training_run, call.bf16)
         except GraftError as ex:
             raise with_context(ex, entry.module_name) from None
+        ctx.pyops = pyops
         n_user = len(entry.output_names)
         outs = wrap_outputs(arrays[:n_user], tensors + [p for p in entry.current])
         apply_state_updates(entry, arrays[n_user:], call.targets)
@@ -306,6 +309,12 @@ class GraftFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        ctx.pyops[_pyfunc.TRAIN] = True  # a retained graph's recompute keeps the Functions' graphs too
+        with _pyfunc.calls(ctx.pyops):
+            return GraftFunction._backward(ctx, *grad_outputs)
+
+    @staticmethod
+    def _backward(ctx, *grad_outputs):
         grad_outputs = list(grad_outputs)
         box = ctx.call.box
         if box is not None:  # Note [output gradients handed over]: the real ones came through _Relay

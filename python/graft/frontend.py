@@ -487,7 +487,8 @@ class GraftModule(torch.nn.Module):
         e.float_outputs = prep.float_outputs
         e.state_updates = prep.state_updates
         e.counters = [module.get_buffer(n) for n in prep.counters]
-        from . import _graft
+        from . import _graft, _pyfunc
+        _pyfunc.install()  # what runs a custom autograd.Function's node (Note [PythonOp])
         try:
             e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
                                        self.gradients, self.check_finite, self.max_memory,

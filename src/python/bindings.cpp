@@ -251,6 +251,53 @@ PYBIND11_MODULE(_graft, m) {
           write_onnx_graph(path, opset, value_infos(inputs), value_infos(outputs), ns);
         });
   m.def("num_threads", &num_threads);
+  // Installs fn(key, backward, node, inputs) -> outputs as the runner of graft.PythonOp nodes
+  // (python/graft/_pyfunc.py; None uninstalls). inputs: a numpy array over graft memory per input,
+  // None where absent; outputs: per output, an array of its dtype and shape (copied into graft's
+  // buffer) or None (zeros). An exception fn raises propagates to the caller unchanged.
+  m.def("set_python_op_runner", [](py::object fn) {
+    if (fn.is_none()) {
+      set_python_op_runner(nullptr);
+      return;
+    }
+    // Kept for the process: the runner may be called until the last session is gone.
+    auto* f = new py::object(std::move(fn));
+    set_python_op_runner([f](KernelCtx& c, int64_t key, bool backward) {
+      py::gil_scoped_acquire gil;
+      py::list ins;
+      for (const Tensor* t : c.ins)
+        ins.append(t ? py::object(to_numpy(*t, nullptr)) : py::object(py::none()));
+      py::object got = (*f)(key, backward, c.node.name, ins);
+      py::sequence outs = py::reinterpret_borrow<py::sequence>(got);
+      if (static_cast<size_t>(py::len(outs)) != c.outs.size())
+        c.error(ErrorKind::InvalidArgument, "the runner returned " + std::to_string(py::len(outs)) +
+                                                " values for " + std::to_string(c.outs.size()) +
+                                                " outputs");
+      for (size_t i = 0; i < c.outs.size(); ++i) {
+        Tensor* o = c.outs[i];
+        if (!o) continue;
+        py::object v = outs[i];
+        if (v.is_none()) {
+          std::memset(o->raw(), 0, o->nbytes());
+          continue;
+        }
+        // Through the buffer protocol, not numpy's structs (whose layout numpy 2 changed).
+        py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request();
+        std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
+        bool packed = true;
+        for (int64_t d = info.ndim - 1, step = info.itemsize; d >= 0; step *= info.shape[d], --d)
+          packed = packed && (info.shape[d] <= 1 || info.strides[d] == step);
+        if (shape != o->shape() || static_cast<size_t>(info.itemsize) != dtype_size(o->dtype()) ||
+            !packed)
+          c.error(ErrorKind::ShapeMismatch,
+                  "value " + std::to_string(i) + " has shape " + shape_str(shape) + " (" +
+                      std::to_string(info.itemsize) + "-byte elements" +
+                      (packed ? "" : ", not contiguous") + ") where the capture recorded " +
+                      shape_str(o->shape()) + " (" + dtype_name(o->dtype()) + ")");
+        std::memcpy(o->raw(), info.ptr, o->nbytes());
+      }
+    });
+  });
 
   py::class_<PyStep>(m, "Step")
       .def("input_grads",

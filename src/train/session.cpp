@@ -166,15 +166,10 @@ double node_cost(const Graph& g, const Node& n) {
 
 std::vector<std::vector<int>> TrainSession::recompute_candidates(const Plan& p) const {
   static const std::set<std::string> random = {
-      "Dropout",
-      "RandomNormal",
-      "RandomNormalLike",
-      "RandomUniform",
-      "RandomUniformLike",
-      "Bernoulli",
-      "Multinomial",
-      "LSTM",
-      "GRU"};  // (recurrences: deterministic, but not worth re-running)
+      "Dropout",   "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+      "Bernoulli", "Multinomial",
+      "PythonOp",           // a custom autograd.Function: may draw random numbers, or keep state
+      "LSTM",      "GRU"};  // (recurrences: deterministic, but not worth re-running)
   const int nf = bg_.n_forward_nodes;
   const size_t nv = g_.values.size();
   std::vector<bool> saved(nv, false);

@@ -1,7 +1,7 @@
 """GraftModule's capture on PyTorch's own machinery (python/graft/_aten.py, Note [capture]), against
 an eager copy of each module: what it captures trains exactly as eager (outputs, losses, .grad,
 buffers, the caller's tensors, finite differences in float64), in-place writes and stop-gradients
-included; what graft must not run (module hooks, a custom autograd.Function) is refused loudly;
+included; what graft must not run (module hooks, a Function class made during the forward) is refused loudly;
 what it has no rule for goes through torch.onnx.export, named in GraftModule.export_method.
 
 Run with the compiled package on the path:  PYTHONPATH=build/python python3 -m pytest tests/python/test_capture.py
@@ -159,14 +159,14 @@ class Branches(nn.Module):
 
 
 class NoRule(nn.Module):
-    """An op graft has no rule for (aten::cosh): the exporter's Cosh is no graft op either."""
+    """An op graft has no rule for (aten::_linalg_det): the exporter's Det is no graft op either."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(5, 3)
 
     def forward(self, x):
-        return torch.cosh(self.fc(x))
+        return torch.linalg.det(self.fc(x)[:, :2].reshape(-1, 2, 2)[:1])  # no rule: aten::_linalg_det
 
 
 def test_a_branch_on_a_tensor_value_is_refused_naming_the_line():
@@ -180,9 +180,9 @@ def test_a_branch_on_a_tensor_value_is_refused_naming_the_line():
 def test_an_op_without_a_rule_is_named():
     g = GraftModule(NoRule())
     with pytest.raises(GraftError, match=re.escape("(graft's capture did not take it first: graft has no rule "
-                                                   "for the PyTorch op aten::cosh")):
+                                                   "for the PyTorch op aten::_linalg_det")):
         g(torch.randn(4, 5))  # the exporter's own error, then why the capture did not take it
-    assert "graft has no rule for the PyTorch op aten::cosh" in g.export_method, g.export_method
+    assert "graft has no rule for the PyTorch op aten::_linalg_det" in g.export_method, g.export_method
 
 
 class RandomMask(nn.Module):
@@ -502,12 +502,38 @@ def test_stop_gradient_is_not_a_no_op():
     assert (with_stop - m.a.weight.grad).abs().max() > 1e-3
 
 
-def test_a_custom_autograd_function_is_refused():
+def test_a_custom_autograd_function_runs_its_own_backward():
+    """PyTorch runs the Function's forward and backward as one graft node (tests/python/test_pyfunc.py)."""
+    g = train_both(StopsGradients("function"), lambda s: (seeded((4, 5), s).double(),), "hook", steps=3,
+                   dtype=torch.float64, rtol=1e-9, atol=1e-10)
+    assert g.export_method == "capture", g.export_method
+
+
+class _Local(nn.Module):
+    """Defines its Function class inside the forward: a class the capture could not see beforehand."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+
+    def forward(self, x):
+        class Late(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+        return Late.apply(self.a(x))
+
+
+def test_a_custom_autograd_function_defined_in_the_forward_is_refused():
     torch.manual_seed(0)
-    m = StopsGradients("function")
+    m = _Local()
     before = copy.deepcopy(m.state_dict())
     g = GraftModule(m)
-    with pytest.raises(GraftUnsupportedError, match=re.escape("custom torch.autograd.Function (_StraightBackward)")):
+    with pytest.raises(GraftUnsupportedError, match=re.escape("custom torch.autograd.Function (LateBackward)")):
         g(torch.randn(4, 5))
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -49,7 +49,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::graft.GraftWarning", "ignore::t
 # The models GraftModule's capture takes (python/graft/_aten.py, Note [capture]): all of them; one
 # falling out of this list (to torch.onnx.export) is a change to say, not to find later in a table.
 CAPTURED = {"resnet18", "mobilenet_v2", "efficientnet_b0", "convnext_tiny", "vit_b_16", "lstm", "gru", "conv1d", "gpt2", "bert",
-            "roberta", "distilbert", "t5", "bart", "llama", "mistral", "opt", "gpt_neox", "hf_vit", "transformer"}
+            "roberta", "distilbert", "t5", "bart", "llama", "mistral", "opt", "gpt_neox", "hf_vit", "transformer",
+            "bloom"}
 
 
 def first_line(ex: BaseException) -> str:

@@ -1,0 +1,314 @@
+"""Custom torch.autograd.Function inside GraftModule: one opaque graft node (Note [PythonOp]).
+
+Note [PythonOp]
+~~~~~~~~~~~~~~~
+A custom autograd.Function has a backward of its own (a straight-through estimator, a
+memory-saving recompute, BLOOM's GeLU, reentrant torch.utils.checkpoint), so differentiating the
+ops of its forward would not give eager's gradients. As ORTModule does with its PythonOp, graft
+keeps the Function whole: PyTorch runs its forward and its own backward, graft plans around it.
+
+* Capture: while the forward is traced (_aten.capture), Function.apply of every Function class is
+  redirected on the capturing thread (intercept()): the call becomes graft::py_function(tensors,
+  key), an op of graft's own whose record (the class, the non-tensor arguments, which tensors
+  require grad, the outputs' dtypes and shapes) is kept under `key`. The Function's forward runs
+  once outside the trace for those shapes (its value reads and branches are fine: it runs in Python
+  every call). The class attribute is restored when the capture ends.
+* Graph: the rule for py_function emits graft.PythonOp (src/ops/python_op.cpp); its gradient is
+  graft.PythonOpGrad. Neither is folded nor recomputed.
+* Run: graft calls runner() for both. In a training call, the forward gets copies of its inputs
+  (the Function may save them; graft reuses its buffers) and runs under autograd; its inputs and
+  outputs are kept with the call (calls()) until the backward node hands the output gradients to
+  torch.autograd.grad, which runs the Function's own backward. PyTorch holds what the Function
+  saves: memory graft's planner does not count.
+"""
+import contextlib
+import itertools
+import threading
+
+import numpy as np
+import torch
+
+
+_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what Function.apply is, unpatched
+_tls = threading.local()
+_keys = itertools.count()
+_records = {}  # key -> _Record; a capture's records live as long as the process (a few per model)
+_lock = threading.Lock()
+TRAIN = "__train__"  # in a call's state: does this call keep the Function's graph for backward
+
+
+def _apply(cls, args):
+    return _APPLY.__get__(None, cls)(*args)
+
+
+class _Record:
+    def __init__(self, cls, args, needs):
+        self.cls, self.name = cls, f"{cls.__module__}.{cls.__qualname__}"
+        self.template = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self.is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        self.needs = needs
+        self.outputs = []  # (dtype, shape) per output
+        self.single = True
+
+    def rebuild(self, tensors):
+        it = iter(tensors)
+        return [next(it) if t else a for a, t in zip(self.template, self.is_tensor)]
+
+
+def _outputs(rec, out):
+    """The Function's output as a list of tensors (a tensor, or a tuple / list of them)."""
+    rec.single = isinstance(out, torch.Tensor)
+    flat = [out] if rec.single else list(out) if isinstance(out, (tuple, list)) else None
+    if flat is None or not flat or not all(isinstance(o, torch.Tensor) for o in flat):
+        from .errors import GraftUnsupportedError
+        raise GraftUnsupportedError(
+            f"the custom autograd.Function {rec.name} returns {type(out).__name__}; graft runs a Function "
+            "that returns tensors (one, or a tuple of them). Keep the submodule that calls it in eager mode.",
+            "unsupported")
+    return flat
+
+
+def _no_function_modes():
+    """No TorchFunctionMode (the capture's watch) in effect: torch 2.x's DisableTorchFunction turns
+    modes off too; torch 1.13's only subclasses, its modes have a switch of their own."""
+    off = getattr(torch.overrides, "_no_torch_function_mode", None)
+    return off() if torch.__version__.startswith("1.") and off is not None else torch._C.DisableTorchFunction()
+
+
+@contextlib.contextmanager
+def _untraced():
+    """Outside the trace: no proxy recording, no TorchFunctionMode, and nn.Module calls as they are
+    (torch 1.13's tracer replaces Module.__call__ while it traces, keeping the original in
+    torch.fx._symbolic_trace._orig_module_call)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    orig = getattr(torch.fx._symbolic_trace, "_orig_module_call", None)
+    patched = torch.nn.Module.__call__
+    swap = torch.__version__.startswith("1.") and orig is not None and patched is not orig
+    if swap:
+        torch.nn.Module.__call__ = orig
+    try:
+        with disable_proxy_modes_tracing(), _no_function_modes():
+            yield
+    finally:
+        if swap:
+            torch.nn.Module.__call__ = patched
+
+
+def _op():
+    """graft::py_function(Tensor[] xs, int key) -> Tensor[]: a Function call in the traced graph."""
+    if getattr(_op, "done", False):
+        return torch.ops.graft.py_function.default
+    from ._aten import _stop_gradient_op
+    _stop_gradient_op()  # defines the graft library (one DEF per namespace)
+    from . import _aten
+    lib = _aten._lib
+    lib.define("py_function(Tensor[] xs, int key) -> Tensor[]")
+
+    def real(xs, key):
+        """Inside torch 1.13's trace (which computes on real tensors): zeros of the outputs' shapes
+        (the graph only needs the shapes; a value read of them is refused as of any graph value).
+        Outside a trace (the capture folding a call on constants only): the Function's forward."""
+        rec = _records[key]
+        if getattr(_tls, "capturing", 0) > 0:
+            return [torch.zeros(shape, dtype=dt) for dt, shape in rec.outputs]
+        with torch.no_grad():
+            return [o.clone() for o in _outputs(rec, _apply(rec.cls, rec.rebuild(list(xs))))]
+
+    def meta(xs, key):
+        return [torch.empty(shape, dtype=dt, device="meta") for dt, shape in _records[key].outputs]
+
+    lib.impl("py_function", real, "CompositeExplicitAutograd")
+    lib.impl("py_function", meta, "Meta")
+    _op.done = True
+    return torch.ops.graft.py_function.default
+
+
+def _redirected(cls, *args, **kwargs):
+    """Function.apply while a capture runs on this thread: the call becomes graft::py_function."""
+    if getattr(_tls, "capturing", 0) <= 0 or kwargs:
+        return _APPLY.__get__(None, cls)(*args, **kwargs)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    rec = _Record(cls, args, [t.requires_grad and t.is_floating_point() for t in tensors])
+    rec.outputs = _probe(rec, args)
+    with _lock:
+        key = next(_keys)
+        _records[key] = rec
+    # Traced, but not seen by the capture's TorchFunctionMode, which would take outputs that do not
+    # require grad (py_function has no autograd kernel) for a stop-gradient; told instead that the
+    # outputs come from the graph's values (a value read of one is then refused, as of any other).
+    with _no_function_modes():
+        outs = _op()(tensors, key)
+        if any(rec.needs):  # as eager's Function outputs
+            for o in outs:
+                if o.is_floating_point():
+                    o.requires_grad_(True)
+    watch = getattr(_tls, "watch", None)
+    if watch is not None:
+        watch._follow(list(outs), tensors, None)
+    return outs[0] if rec.single else tuple(outs)
+
+
+class FunctionRaised(Exception):
+    """The Function's own forward raised during the capture; the capture re-raises `original`."""
+
+    def __init__(self, original):
+        super().__init__(str(original))
+        self.original = original
+
+
+@contextlib.contextmanager
+def _real_tensors():
+    """Plain tensors: outside torch 2.x's fake mode, and torch 1.13's functionalization off."""
+    if torch.__version__.startswith("1."):
+        torch._disable_functionalization()
+        try:
+            yield
+        finally:
+            torch._enable_functionalization(reapply_views=True)
+    else:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            yield
+
+
+def _probe(rec, args):
+    """The outputs' (dtype, shape): the Function's forward on real stand-ins of the trace's tensors
+    (ones; zeros for integers, valid indices), with the module's real state, outside the trace. A
+    Function may read values (fine: it runs in Python every call), which torch 2.x's fake tensors
+    turn into unbacked symbols the trace refuses; torch 1.13's trace has no plain tensors."""
+    with _real_tensors(), _untraced(), _real_state(), torch.no_grad():
+        real = [(torch.ones if a.is_floating_point() else torch.zeros)(tuple(a.shape), dtype=a.dtype)
+                if isinstance(a, torch.Tensor) else a for a in args]
+        try:
+            flat = _outputs(rec, _apply(rec.cls, real))
+        except Exception as ex:  # noqa: BLE001: the Function's own error
+            raise FunctionRaised(ex) from ex
+    return [(o.dtype, tuple(o.shape)) for o in flat]
+
+
+def _function_classes():
+    seen, todo = [], [torch.autograd.Function]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            if s not in seen:
+                seen.append(s)
+                todo.append(s)
+    return seen
+
+
+_patch_lock = threading.Lock()
+_patched = {}  # class -> how many captures redirect it now
+
+
+@contextlib.contextmanager
+def intercept():
+    """Redirects Function.apply (every subclass of torch.autograd.Function) to graft::py_function
+    on this thread while a capture traces; other threads see the original."""
+    from ._function import GraftFunction
+    mine = []
+    with _patch_lock:
+        for c in _function_classes():
+            if c.__module__.startswith("graft.") or issubclass(c, GraftFunction):
+                continue
+            if c in _patched:
+                _patched[c] += 1
+            elif "apply" not in c.__dict__:
+                c.apply = classmethod(_redirected)
+                _patched[c] = 1
+            else:
+                continue
+            mine.append(c)
+    _tls.capturing = getattr(_tls, "capturing", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.capturing -= 1
+        with _patch_lock:
+            for c in mine:
+                _patched[c] -= 1
+                if not _patched[c]:
+                    del _patched[c]
+                    del c.apply
+
+
+@contextlib.contextmanager
+def watched(watch, module, state):
+    """The capture's TorchFunctionMode (_aten._Watch), and the module with its real parameters and
+    buffers (`state`: name -> tensor), for the calls redirected while the capture runs."""
+    prev = getattr(_tls, "watch", None), getattr(_tls, "module", None)
+    _tls.watch, _tls.module = watch, (module, state)
+    try:
+        yield
+    finally:
+        _tls.watch, _tls.module = prev
+
+
+@contextlib.contextmanager
+def _real_state():
+    """The module's own parameters and buffers in place of the trace's: a Function that uses the
+    module (a reentrant torch.utils.checkpoint's block) runs outside the trace on real tensors."""
+    got = getattr(_tls, "module", None)
+    if got is None:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+    with _reparametrize_module(got[0], got[1]):
+        yield
+
+
+def record(key):
+    return _records[key]
+
+
+@contextlib.contextmanager
+def calls(state):
+    """The Function graphs of one GraftModule call live in `state` while graft runs its forward or
+    backward on this thread (the runner reads it)."""
+    prev = getattr(_tls, "state", None)
+    _tls.state = state
+    try:
+        yield state
+    finally:
+        _tls.state = prev
+
+
+def _array(t, dtype=None):
+    a = t.detach().numpy()
+    return np.ascontiguousarray(a if dtype is None else a.astype(dtype, copy=False))
+
+
+def runner(key, backward, node, arrays):
+    """graft's PythonOp kernel (src/python/bindings.cpp): the forward, or the backward through the
+    graph the forward of this call kept."""
+    rec = _records[key]
+    state = getattr(_tls, "state", None)
+    if not backward:
+        train = bool(state is not None and state.get(TRAIN))
+        ins = [torch.from_numpy(a) for a in arrays]
+        if train:  # the Function may save its inputs; graft reuses their buffers after this node
+            ins = [t.clone().requires_grad_(need) for t, need in zip(ins, rec.needs)]
+        with torch.enable_grad() if train else torch.no_grad():
+            flat = _outputs(rec, _apply(rec.cls, rec.rebuild(ins)))
+        if len(flat) != len(rec.outputs):
+            raise RuntimeError(f"{rec.name} returned {len(flat)} tensors; at capture it returned {len(rec.outputs)}")
+        if train:
+            state[key] = (ins, flat)
+        return [_array(o, np.dtype(str(dt).replace("torch.", ""))) for o, (dt, _) in zip(flat, rec.outputs)]
+    kept = state.pop(key, None) if state is not None else None
+    if kept is None:
+        raise RuntimeError(f"graft: the backward of {rec.name} ran without its forward's graph (node {node})")
+    ins, flat = kept
+    pairs = [(o, torch.from_numpy(g)) for o, g in zip(flat, arrays) if g is not None and o.requires_grad]
+    if not pairs or not any(t.requires_grad for t in ins):
+        return [None] * len(ins)
+    # backward, not autograd.grad: a reentrant torch.utils.checkpoint refuses .grad(), and it adds
+    # the gradients of the parameters its block uses into their .grad, as in eager. The inputs are
+    # this call's own leaves: their .grad is the Function's input gradient.
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [None if t.grad is None else _array(t.grad, t.detach().numpy().dtype) for t in ins]
+
+
+def install():
+    from . import _graft
+    _graft.set_python_op_runner(runner)
