@@ -642,3 +642,35 @@ def _py_function(r, out, xs, key):
                   attrs=[("fn", "i", int(key)), ("name", "s", rec.name),
                          ("out_dtypes", "I", [elem(dt, f"an output of {rec.name}") for dt, _ in rec.outputs]),
                          ("out_ranks", "I", [len(shape) for _, shape in rec.outputs]), ("out_dims", "I", dims)])
+
+
+@rule("diagonal")
+def _diagonal(r, out, a, offset=0, dim1=0, dim2=1):
+    """The two dims moved last and flattened, the diagonal's flat positions gathered (Gather's
+    gradient scatters back into them): shape [other dims..., diagonal]."""
+    rank = a.dim()
+    d1, d2 = _axis(dim1, rank), _axis(dim2, rank)
+    n1, n2 = a.shape[d1], a.shape[d2]
+    rows = torch.arange(max(0, min(n1 - max(-offset, 0), n2 - max(offset, 0)))) + max(-offset, 0)
+    flat = rows * n2 + (rows - max(-offset, 0) + max(offset, 0))
+    others = [d for d in range(rank) if d not in (d1, d2)]
+    x = r.emit("Transpose", [r.v(a)], attrs=[("perm", "I", others + [d1, d2])])
+    x = r.emit("Reshape", [x, r.ints([a.shape[d] for d in others] + [n1 * n2])])
+    return r.emit("Gather", [x, r.v(flat)], attrs=[("axis", "i", len(others))])
+
+
+@rule("scatter", "scatter_")
+def _scatter(r, out, a, dim, index, src=None, value=None, reduce=None):
+    """a with src's elements (or a number) written at their index along dim: the scatter_add of
+    them into zeros where some index hits, a elsewhere. Indices must not repeat within a slice
+    (where they do, PyTorch keeps one of the writes, unspecified which: graft their sum)."""
+    if reduce is not None:
+        raise NotCaptured(f"scatter with reduce={reduce!r}")
+    if src is None or not isinstance(src, torch.Tensor):
+        val = src if src is not None else value
+        src = torch.full(tuple(index.shape), float(val), dtype=out.dtype)
+    zeros = torch.zeros(tuple(a.shape), dtype=out.dtype)
+    added = _scatter_add(r, out, zeros, dim, index, src)
+    hits = _scatter_add(r, out, zeros, dim, index, torch.ones(tuple(index.shape), dtype=out.dtype))
+    hit = r.emit("Greater", [hits, r.v(0.0, out.dtype)])
+    return r.emit("Where", [hit, added, r.v(a, out.dtype)])

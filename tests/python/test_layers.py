@@ -252,6 +252,12 @@ CATALOGUE = {
                            .squeeze(1) * 2 + torch.std(y) + torch.std(y, dim=0)[:5]), vector),
     "var_mean-std_mean": (lambda: Fn(nn.Linear(6, 8), lambda s, y: sum(t.sum() for t in torch.var_mean(y, 0, correction=2))
                                      + torch.std_mean(y, 1, keepdim=True)[0].sum() * 3), vector),
+    "diagonal": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.diagonal(y.view(5, 2, 4), 1, 0, 2)
+                            + torch.diagonal(y.view(5, 2, 4), -1, 2, 0) * 2), vector),
+    "scatter-src-and-value": (lambda: Fn(nn.Linear(6, 8), lambda s, y, i: y.scatter(1, i[:, :1], y[:, 4:5] * 3)
+                                         .scatter(1, i[:, 1:2], 0.5) * torch.arange(8.0)),
+                              lambda step: (vector(step)[0], torch.stack([torch.randperm(8, generator=gen(step))[:2]
+                                                                          for _ in range(5)]))),
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
