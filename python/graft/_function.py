@@ -190,15 +190,19 @@ def _targets(entry, params, dummy, in_graph):
     return out
 
 
-def run_forward(entry, tensors, seed, keep, bf16=False):
-    """Binds the parameters and runs graft's forward. Returns (step, outputs)."""
+def run_forward(entry, tensors, seed, keep, bf16=False, copies=None):
+    """Binds the parameters and runs graft's forward. Returns (step, outputs). A parameter stored
+    otherwise than contiguously (channels_last) is bound as a contiguous copy made for this call,
+    appended to `copies`, which the caller keeps until the step's backward has run."""
     sess = entry.session
     with entry.lock:  # binding is per session; the forward itself runs without the GIL
         for gname, p in zip(entry.param_inputs, entry.current):
             d = p.detach()
             if not d.is_contiguous():
-                raise GraftError(f"parameter '{gname[2:]}' is not contiguous; graft shares parameter memory in place",
-                                 "invalid argument")
+                d = d.contiguous()
+                if copies is None:
+                    raise GraftError(f"parameter '{gname[2:]}' is not contiguous", "internal")
+                copies.append(d)
             sess.bind_param(gname, d.data_ptr(), list(d.shape), DTYPES[d.dtype])
     inputs = {name: spec(t) for name, t in zip(entry.input_names, tensors)}
     return sess.forward(inputs, seed, keep, bf16)
@@ -286,12 +290,13 @@ class GraftFunction(torch.autograd.Function):
         params = tensors_and_params[n_in:]
         seed = entry.draw_seed()
         pyops = {_pyfunc.TRAIN: training_run}  # custom autograd.Functions' graphs (Note [PythonOp])
+        copies = []  # contiguous copies of channels_last parameters, read until the backward ends
         try:
             with _pyfunc.calls(pyops):
-                step, arrays = run_forward(entry, tensors, seed, training_run, call.bf16)
+                step, arrays = run_forward(entry, tensors, seed, training_run, call.bf16, copies)
         except GraftError as ex:
             raise with_context(ex, entry.module_name) from None
-        ctx.pyops = pyops
+        ctx.pyops, ctx.copies = pyops, copies
         n_user = len(entry.output_names)
         outs = wrap_outputs(arrays[:n_user], tensors + [p for p in entry.current])
         apply_state_updates(entry, arrays[n_user:], call.targets)
@@ -340,8 +345,9 @@ class GraftFunction(torch.autograd.Function):
                         f"{entry.module_name}: one of the variables needed for gradient computation has been "
                         "modified by an inplace operation (a parameter changed since this forward); backward "
                         "through the retained graph would not match it.", "invalid argument")
+            ctx.copies = []
             try:
-                step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16)
+                step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16, ctx.copies)
             except GraftError as ex:
                 raise with_context(ex, entry.module_name) from None
         summed = {}  # an output returned twice gets the sum of both gradients
@@ -386,8 +392,8 @@ class GraftFunction(torch.autograd.Function):
                         if t == "return":
                             returned[name] = g
                         elif t == "deliver":
-                            if p.grad is None:
-                                p.grad = g
+                            if p.grad is None:  # in the parameter's own layout (channels_last), as eager's
+                                p.grad = g if p.is_contiguous() else torch.empty_like(p).copy_(g)
                             else:  # p.grad was not usable in place (dtype / layout): add into it
                                 p.grad.add_(g)
             elif entry.mode == "hook":
@@ -449,7 +455,8 @@ class GraftFunction(torch.autograd.Function):
                     total = math.sqrt(sumsq[0])
                     entry.step_flags["last_norm"] = total
                     coef = min(1.0, clip / (total + 1e-6))
-                    step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16)  # the same function again
+                    ctx.copies = []
+                    step, _ = run_forward(entry, ctx.tensors, ctx.seed, True, ctx.bf16, ctx.copies)  # again
 
                 def update(name, array, exclusive):
                     t = target.get(name, "skip")
