@@ -6,6 +6,7 @@ What it cannot take raises NotCaptured (GraftModule then tries torch.onnx.export
 fallback); what graft must not run at all (module hooks, a custom autograd.Function) raises
 GraftUnsupportedError.
 """
+import contextlib
 import operator
 import traceback
 import warnings
@@ -270,9 +271,61 @@ def _drop(_):
     return None
 
 
+FORWARD_HOOKS = (("_forward_pre_hooks", "pre"), ("_forward_hooks", "forward"))
+
+
+def forward_hooks(module):
+    """(path, kind, hook key) of every forward (pre-)hook on module and its submodules, in order:
+    part of GraftModule's cache key (a hook added or removed is a new graph)."""
+    return tuple((path, kind, key) for path, m in module.named_modules() for attr, kind in FORWARD_HOOKS
+                 for key in getattr(m, attr, {}) or {})
+
+
+def refuse_forward_hooks(module, name, why):
+    """For the exporter's path, which would run a forward hook once, at the export."""
+    found = forward_hooks(module)
+    if found:
+        path, kind, _ = found[0]
+        where = f"'{path}'" if path else "the module itself"
+        raise GraftUnsupportedError(f"{name}: a forward {'pre-' if kind == 'pre' else ''}hook is registered on {where}, "
+                                    f"and {why}; torch.onnx.export would run it once, at the export, and never again. "
+                                    "Remove the hook, or keep that submodule in eager mode.", "unsupported")
+
+
+@contextlib.contextmanager
+def _recording_hooks(module, name, calls, data):
+    """Note [forward hooks]: while the capture traces, each forward (pre-)hook of the module tree
+    is replaced by a recorder of its arguments (their tensors become graph outputs); GraftModule
+    calls the real hook after each call with the real tensors. The hooks are restored after."""
+    swapped = []
+    for path, m in module.named_modules():
+        for attr, kind in FORWARD_HOOKS:
+            hooks = getattr(m, attr, None)
+            if not hooks:
+                continue
+            with_kwargs = getattr(m, attr + "_with_kwargs", None) or {}
+            for key in list(hooks):
+                if key in with_kwargs:
+                    raise GraftUnsupportedError(
+                        f"{name}: a forward hook registered with with_kwargs=True on '{path}' is not supported by "
+                        "graft; register it without, or keep that submodule in eager mode.", "unsupported")
+
+                def rec(mod, args, *output, _k=(path, kind, key)):
+                    calls.append(_k)
+                    data.append((args,) + output)
+                swapped.append((hooks, key, hooks[key]))
+                hooks[key] = rec
+    try:
+        yield
+    finally:
+        for hooks, key, fn in swapped:
+            hooks[key] = fn
+
+
 def _refuse_early(module, name):
-    """What is refused before anything runs: module hooks (captured, they would run once and never
-    again: Note [capture]) and a cumulative-average BatchNorm."""
+    """What is refused before anything runs: backward and global module hooks (captured, they
+    would run once and never again: Note [capture]) and a cumulative-average BatchNorm. Forward
+    hooks run after each call (Note [forward hooks])."""
     import torch.nn.modules.module as mm
     glob = [n for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                         "_global_backward_pre_hooks") if getattr(mm, n, None)]
@@ -281,8 +334,7 @@ def _refuse_early(module, name):
             f"{name}: a global module hook is registered (torch.nn.modules.module.register_module_{glob[0][8:-1]}); "
             "graft would run it once, at the capture, and never again. Remove it while GraftModule runs.",
             "unsupported")
-    kinds = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
-             ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
+    kinds = (("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
     for path, m in module.named_modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
                 and m.momentum is None:
@@ -338,6 +390,9 @@ class Captured:
         self.updates: List[Tuple[str, Tuple[str, Any]]] = []
         self.warnings: List[tuple] = []      # (message, None, None, None): for GraftModule to warn
         self.stops = False                   # the graph stops a gradient (no torch.onnx.export then)
+        # Note [forward hooks]: (submodule path, "pre" | "forward", hook key) per hook call, in order;
+        # the output template is then (the user's output, [(args[, output]) per call]).
+        self.hook_calls: List[tuple] = []
 
 
 PREFIX = _export.PREFIX  # graph inputs bound to module state: PREFIX + its state_dict name
@@ -376,10 +431,15 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
         watch = _Watch(stop, flat, fake=_TRACING_MODE == "fake")
         # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
         # on, and as the cells' ops (which graft has) without; the values are the same.
+        calls, data = [], []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
-                torch.backends.mkldnn.flags(enabled=False), watch, _pyfunc.watched(watch, module, dict(state)):
+                torch.backends.mkldnn.flags(enabled=False), watch, _pyfunc.watched(watch, module, dict(state)), \
+                _recording_hooks(module, name, calls, data):
             out = _functional_call(module, st, a, kw)
         box["warnings"] = watch.warnings
+        box["hook_calls"] = calls
+        if calls:  # the hooks' arguments are outputs too: (the user's output, [(args[, output]) per call])
+            out = (out, data)
         leaves = _flatten.flatten_outputs(out)
         for t in leaves:
             custom = _custom_function(t)
@@ -728,6 +788,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
             c.input_names.append(gname)
             c.input_index.append(k - n_state)
     c.output_template = box["template"]
+    c.hook_calls = list(box.get("hook_calls", ()))
     c.has_dropout = b.has_dropout
     return c
 

@@ -85,6 +85,7 @@ class _Entry:
     float_outputs: List[str] = dataclasses.field(default_factory=list)
     outputs_info: list = dataclasses.field(default_factory=list)
     output_template: Any = None
+    hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
     has_dropout: bool = False
     optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
     step_flags: Any = None  # gradients="step": the GraftModule's {"defer": bool} (defer_step)
@@ -184,6 +185,7 @@ class _Prepared:
     state_updates: List[Tuple[str, Tuple[str, Any]]] = dataclasses.field(default_factory=list)  # as _Entry's
     counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
     stops: bool = False  # the captured graph stops a gradient: torch.onnx.export is no way in
+    hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
 
 
 def _bind_params(module, params, e):
@@ -249,6 +251,7 @@ def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
                                                                                            _export.DOUBLE)))
     p.state_updates = list(c.updates)
     p.stops = c.stops
+    p.hook_calls = c.hook_calls
     return p
 
 
@@ -461,6 +464,9 @@ class GraftModule(torch.nn.Module):
             except GraftUnsupportedError as err:  # refused: neither graph would give eager's results
                 raise GraftUnsupportedError(f"{name}: {err.message}", err.kind) from None
         if prep is None:
+            _aten.refuse_forward_hooks(self.module, name, "graft's capture did not take the module"
+                                       + (f" ({self.export_method[len('torch.onnx.export (not captured: '):-1]})"
+                                          if self.export_method.startswith("torch.onnx.export (") else ""))
             prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name,
                                           in_process=mode == "inprocess")
             if not self.export_method.startswith("torch.onnx.export"):
@@ -477,6 +483,7 @@ class GraftModule(torch.nn.Module):
         e.step_flags = self._step_flags
         e.input_names, e.input_index = ex.input_names, ex.input_index
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
+        e.hook_calls = prep.hook_calls
         module = self.module
         _bind_params(module, ex.params, e)
         e.refresh_trainable()
@@ -612,7 +619,7 @@ class GraftModule(torch.nn.Module):
             sig.append((tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point()))
         state = _flatten.module_state(self.module)
         frozen = tuple(p.requires_grad for p in self.module.parameters())
-        key = (static_key, tuple(sig), state, frozen)
+        key = (static_key, tuple(sig), state, frozen, _aten.forward_hooks(self.module))
         entry = self._entry(args, kwargs, tensors, key)
         entry.calls += 1
         in_tensors = [tensors[i] for i in entry.input_index]
@@ -621,4 +628,25 @@ class GraftModule(torch.nn.Module):
         targets = [self._target(kind, key, entry, tensors) for _, (kind, key) in entry.state_updates]
         call = _Call(len(in_tensors), training_run, bf16, targets)
         outs = relay_outputs(GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params), call)
-        return _flatten.rebuild(entry.output_template, iter(outs))
+        out = _flatten.rebuild(entry.output_template, iter(outs))
+        if entry.hook_calls:
+            out, data = out
+            self._fire_hooks(entry, data, name)
+        return out
+
+    def _fire_hooks(self, entry, data, name):
+        """Note [forward hooks]: each forward (pre-)hook the capture recorded, called with this call's
+        tensors (outputs of the graph, so a loss on them trains the module), in the recorded order.
+        A hook that returns a value (a new input or output) is refused: the graph ran without it."""
+        for (path, kind, key), args in zip(entry.hook_calls, data):
+            m = self.module.get_submodule(path) if path else self.module
+            fn = (m._forward_pre_hooks if kind == "pre" else m._forward_hooks).get(key)
+            if fn is None:
+                continue
+            if fn(m, *args) is not None:
+                where = f"'{path}'" if path else "the module itself"
+                raise GraftUnsupportedError(
+                    f"{name}: the forward {'pre-' if kind == 'pre' else ''}hook "
+                    f"{getattr(fn, '__qualname__', type(fn).__name__)} on {where} returned a value (a new "
+                    f"{'input' if kind == 'pre' else 'output'}); graft runs hooks after the graph, so it cannot use "
+                    "it. Return None (record what you need), or keep that submodule in eager mode.", "unsupported")

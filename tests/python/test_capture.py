@@ -540,21 +540,97 @@ def test_a_custom_autograd_function_defined_in_the_forward_is_refused():
 
 
 # --- module hooks: refused loudly, never skipped ---------------------------------------------------
-def _hooked(kind):
+class _FeatureNet(nn.Module):
+    """A classifier whose hooks collect what a feature loss and a monitor need, as users write them."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _with_hooks(m, log):
+    m.body[1].register_forward_hook(lambda mod, i, o: log["feats"].append(o))
+    m.head.register_forward_pre_hook(lambda mod, i: log["head_in"].append(i[0]))
+    m.body.register_forward_hook(lambda mod, i, o: log.__setitem__("calls", log["calls"] + 1))
+
+
+def test_forward_hooks_fire_every_call_with_eager_s_tensors_and_a_feature_loss_trains():
+    """Note [forward hooks]: each hook runs after every call with that call's tensors; a loss on
+    what a hook collected backpropagates into the module, as in eager (float64, 3 SGD steps)."""
+    torch.manual_seed(0)
+    m = _FeatureNet().double()
+    e = copy.deepcopy(m)
+    lg, le = {"feats": [], "head_in": [], "calls": 0}, {"feats": [], "head_in": [], "calls": 0}
+    _with_hooks(m, lg)
+    _with_hooks(e, le)
+    g = GraftModule(m)
+    og, oe = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(e.parameters(), lr=0.1)
+    for step in range(3):
+        x = seeded((4, 5), step).double()
+        for log, model, opt in ((lg, g, og), (le, e, oe)):
+            opt.zero_grad()
+            del log["feats"][:], log["head_in"][:]
+            y = model(x)
+            loss = y.square().mean() + 0.5 * log["feats"][0].square().mean()  # a feature loss on a hook's tensor
+            loss.backward()
+            opt.step()
+        assert lg["calls"] == le["calls"] == step + 1
+        torch.testing.assert_close(lg["feats"][0], le["feats"][0], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(lg["head_in"][0], le["head_in"][0], rtol=1e-9, atol=1e-10)
+        for (n, p), q in zip(m.named_parameters(), e.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10, msg=n)
+    assert g.export_method == "capture"
+
+
+def test_a_feature_loss_through_a_hook_changes_the_gradients():
+    """The companion: without the hook's term the first layer's gradient differs, so the test above
+    sees whether the hook's tensor is connected to the graph."""
+    torch.manual_seed(0)
+    m = _FeatureNet().double()
+    log = {"feats": [], "head_in": [], "calls": 0}
+    _with_hooks(m, log)
+    g = GraftModule(m)
+    x = seeded((4, 5), 0).double()
+    g(x).square().mean().backward()
+    plain = m.body[0].weight.grad.clone()
+    m.zero_grad()
+    del log["feats"][:]
+    (g(x).square().mean() + 0.5 * log["feats"][0].square().mean()).backward()
+    assert (m.body[0].weight.grad - plain).abs().max() > 1e-4
+
+
+def test_a_hook_added_or_removed_after_the_first_call_is_seen():
+    m = _FeatureNet()
+    g = GraftModule(m)
+    g(torch.randn(3, 5))
+    seen = []
+    h = m.body[1].register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    g(torch.randn(3, 5))
+    assert seen == [torch.Size([3, 6])]
+    h.remove()
+    g(torch.randn(3, 5))
+    assert seen == [torch.Size([3, 6])]
+
+
+def test_a_forward_hook_that_returns_a_value_is_refused_naming_it():
     m = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
-    feats = []
-    if kind == "forward":
-        m[1].register_forward_hook(lambda mod, i, o: feats.append(o))
-    elif kind == "pre":
-        m[2].register_forward_pre_hook(lambda mod, i: None)
-    return m
+
+    def doubles(mod, i, o):
+        return o * 2
+    m[1].register_forward_hook(doubles)
+    with pytest.raises(GraftUnsupportedError, match=re.escape("doubles on '1' returned a value")):
+        GraftModule(m)(torch.randn(3, 5))
 
 
-@pytest.mark.parametrize("kind,where", [("forward", "'1' (ReLU)"), ("pre", "'2' (Linear)")])
-def test_module_hooks_are_refused_naming_the_submodule(kind, where):
-    g = GraftModule(_hooked(kind))
-    with pytest.raises(GraftUnsupportedError, match=re.escape(where)):
-        g(torch.randn(3, 5))
+def test_a_backward_hook_is_refused_naming_the_submodule():
+    m = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    m[1].register_full_backward_hook(lambda mod, gi, go: None)
+    with pytest.raises(GraftUnsupportedError, match=re.escape("'1' (ReLU)")):
+        GraftModule(m)(torch.randn(3, 5))
 
 
 def test_a_global_module_hook_is_refused():
