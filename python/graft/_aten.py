@@ -204,6 +204,13 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
+        if func is torch.nn.functional.ctc_loss and self.fake:
+            # torch 2.x's fake tensors cannot run aten::_ctc_loss (its log_alpha's shape depends on
+            # the lengths' values): graft::ctc_loss, the per-sequence loss only, and PyTorch's
+            # reduction around it, as aten::ctc_loss writes it.
+            out = _ctc_loss_fake(*args, **kwargs)
+            self._follow(out, ins, func)
+            return self._mark(out, ins) if any(a.requires_grad for a in ins) else out
         out = func(*args, **kwargs)
         if self.fake and not any(id(a) in self.graph or id(a) in self.random for a in ins) \
                 and getattr(func, "__name__", "") not in RANDOM_OPS:
@@ -223,6 +230,33 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
             return type(out)(self._mark(o, ins) for o in out)
         return out
+
+
+def _ctc_op():
+    if not hasattr(torch.ops.graft, "ctc_loss"):
+        _stop_gradient_op()  # defines the graft library
+        _lib.define("ctc_loss(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, "
+                    "int blank, bool zero_infinity) -> Tensor")
+        _lib.impl("ctc_loss", lambda lp, tg, il, tl, blank, zi: torch.ops.aten._ctc_loss(
+            lp, tg, il, tl, blank, zi)[0], "CompositeExplicitAutograd")
+        _lib.impl("ctc_loss", lambda lp, tg, il, tl, blank, zi: lp.new_empty((lp.shape[1],)), "Meta")
+    return torch.ops.graft.ctc_loss.default
+
+
+def _ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                   zero_infinity=False):
+    if log_probs.dim() != 3:
+        raise NotCaptured("ctc_loss of unbatched log_probs")
+
+    def lengths(v):
+        return v if isinstance(v, torch.Tensor) else torch.tensor(list(v), dtype=torch.int64)
+    il, tl = lengths(input_lengths), lengths(target_lengths)
+    res = _ctc_op()(log_probs, targets, il, tl, blank, zero_infinity)
+    if zero_infinity:
+        res = torch.where(res == float("inf"), torch.zeros((), dtype=res.dtype), res)
+    if reduction == "mean":
+        return (res / tl.clamp_min(1).to(res.dtype)).mean()
+    return res.sum() if reduction == "sum" else res
 
 
 def _is_fake(t):

@@ -674,3 +674,16 @@ def _scatter(r, out, a, dim, index, src=None, value=None, reduce=None):
     hits = _scatter_add(r, out, zeros, dim, index, torch.ones(tuple(index.shape), dtype=out.dtype))
     hit = r.emit("Greater", [hits, r.v(0.0, out.dtype)])
     return r.emit("Where", [hit, added, r.v(a, out.dtype)])
+
+
+@rule("_ctc_loss", "ctc_loss")
+def _ctc_loss(r, out, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """graft's CTCLoss (src/ops/ctc.cpp): the per-sequence negative log likelihood; PyTorch's
+    ctc_loss applies the reduction around it with ops the table has. Output 1 (log_alpha, for
+    PyTorch's own backward) is not made."""
+    def lengths(v):
+        return r.ints([int(x) for x in v]) if isinstance(v, (list, tuple)) else r.v(v, torch.int64)
+    nll = r.emit("CTCLoss", [r.v(log_probs), r.v(targets, torch.int64), lengths(input_lengths),
+                             lengths(target_lengths)], domain="graft",
+                 attrs=[("blank", "i", int(blank)), ("zero_infinity", "i", int(bool(zero_infinity)))])
+    return [nll, ""] if isinstance(out, (list, tuple)) else nll

@@ -123,6 +123,33 @@ def index_input(step, shape=(5, 4), hi=8):
         torch.randint(0, hi, shape, generator=gen(step))
 
 
+class Ctc(nn.Module):
+    """A per-frame classifier trained with CTC, as speech and OCR models are."""
+
+    def __init__(self, reduction, lists=False, zero_infinity=False):
+        super().__init__()
+        self.l = nn.Linear(5, 6)
+        self.reduction, self.lists, self.zero_infinity = reduction, lists, zero_infinity
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        lp = self.l(x).log_softmax(2)
+        if self.lists:
+            input_lengths, target_lengths = [12, 10, 7], [4, 2, 3]
+        return F.ctc_loss(lp, targets, input_lengths, target_lengths, blank=0, reduction=self.reduction,
+                          zero_infinity=self.zero_infinity)
+
+
+def ctc_inputs(step, impossible=False):
+    """[T=12, N=3, 5] frames, padded targets [3, 4] (labels 1..5), their lengths; impossible: the
+    third sequence gets fewer frames than its labels need (an infinite loss)."""
+    g = gen(step)
+    x = torch.randn(12, 3, 5, generator=g, dtype=torch.float64)
+    targets = torch.randint(1, 6, (3, 4), generator=g)
+    il = torch.tensor([12, 10, 2 if impossible else 7])  # 2 frames cannot emit 3 labels
+    tl = torch.tensor([4, 2, 3])
+    return x, targets, il, tl
+
+
 CATALOGUE = {
     # activations
     "LeakyReLU": after_conv(nn.LeakyReLU(0.2)),
@@ -258,6 +285,11 @@ CATALOGUE = {
                                          .scatter(1, i[:, 1:2], 0.5) * torch.arange(8.0)),
                               lambda step: (vector(step)[0], torch.stack([torch.randperm(8, generator=gen(step))[:2]
                                                                           for _ in range(5)]))),
+    # CTC (graft's CTCLoss): tensor or list lengths, padded or concatenated targets, reductions
+    "ctc_loss-mean": (lambda: Ctc("mean"), ctc_inputs),
+    "ctc_loss-sum-list-lengths": (lambda: Ctc("sum", lists=True), ctc_inputs),
+    "ctc_loss-none": (lambda: Ctc("none"), ctc_inputs),
+    "ctc_loss-zero_infinity": (lambda: Ctc("mean", zero_infinity=True), lambda step: ctc_inputs(step, impossible=True)),
     # bags, gather, scatter
     "EmbeddingBag-mean": (lambda: Bag(mode="mean"), bags_2d),
     "EmbeddingBag-sum-offsets": (lambda: Bag(mode="sum"), bags_offsets),
@@ -351,3 +383,16 @@ def test_float32_transposed_convolutions_take_the_float32_kernels_and_match_eage
     g = train_both(make_model(), lambda step: tuple(t.float() for t in make_inputs(step)), dtype=torch.float32,
                    tol=(2e-4, 1e-5))
     assert g.export_method == "capture", g.export_method
+
+
+def test_ctc_loss_with_concatenated_targets_and_its_gradient_by_finite_differences():
+    """Concatenated 1-D targets give the padded ones' losses; the gradient with respect to the
+    frames (through log_softmax) matches finite differences in float64."""
+    torch.manual_seed(0)
+    m = Ctc("sum").double()
+    x, targets, il, tl = ctc_inputs(0)
+    flat = torch.cat([targets[i, :n] for i, n in enumerate(tl.tolist())])
+    g = GraftModule(m)
+    torch.testing.assert_close(g(x, flat, il, tl), m(x, targets, il, tl), rtol=1e-10, atol=1e-10)
+    x = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v: g(v, targets, il, tl), (x,), eps=1e-6, atol=1e-6)
