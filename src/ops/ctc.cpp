@@ -131,6 +131,7 @@ void ctc_grad_kernel(KernelCtx& c) {
     const int64_t Tmax = lpt.dim(0), N = lpt.dim(1), C = lpt.dim(2);
     const int64_t blank = c.attr_int("blank", 0);
     const bool zero_inf = c.attr_int("zero_infinity", 0) != 0;
+    if (blank < 0 || blank >= C) c.error(ErrorKind::InvalidArgument, "blank is outside [0, C)");
     std::vector<CtcSeq> seqs(N);
     int64_t off = 0;
     {
