@@ -548,10 +548,19 @@ def _isinf(r, out, a):
 
 def _mod(rounding):
     """fmod (trunc) and remainder (floor): a - round(a / b) * b; d/da = 1, d/db = -round(a / b),
-    PyTorch's gradients."""
+    PyTorch's gradients. Integers: graft's integer Div truncates (C's), so a - (a / b) * b is
+    fmod exactly; remainder adds b where that is nonzero and its sign differs from b's (Python's
+    %, PyTorch's remainder)."""
     def fn(r, out, a, b):
         if not out.dtype.is_floating_point:
-            raise NotCaptured(f"integer {'fmod' if rounding == 'Trunc' else 'remainder'}")
+            x, y = r.v(a, out.dtype), r.v(b, out.dtype)
+            rem = r.emit("Sub", [x, r.emit("Mul", [r.emit("Div", [x, y]), y])])
+            if rounding == "Trunc":
+                return rem
+            zero = r.v(0, out.dtype)
+            flip = r.emit("And", [r.emit("Not", [r.emit("Equal", [rem, zero])]),
+                                  r.emit("Xor", [r.emit("Less", [rem, zero]), r.emit("Less", [y, zero])])])
+            return r.emit("Where", [flip, r.emit("Add", [rem, y]), rem])
         x, y = r.v(a, out.dtype), r.v(b, out.dtype)
         q = r.emit(rounding, [r.emit("Div", [x, y])], domain="graft" if rounding == "Trunc" else "")
         return r.emit("Sub", [x, r.emit("Mul", [q, y])])

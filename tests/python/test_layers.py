@@ -273,6 +273,9 @@ CATALOGUE = {
                                + torch.where(torch.isinf(1.0 / (y > 0).to(y.dtype)), y, -y)), vector),
     "fmod-remainder": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.fmod(y * 3, 0.7) + torch.remainder(
                            y * 3, torch.sigmoid(y) + 0.5) * 2), vector),
+    "integer-remainder-fmod": (lambda: Fn(nn.Linear(6, 8), lambda s, y, i: y * (torch.remainder(i - 5, 3)
+                                             + 2 * torch.fmod(i - 5, 3) + 4 * (i % -3) + 8 * (i - 6) % 4).to(y.dtype)),
+                               lambda step: (vector(step)[0], torch.randint(0, 12, (5, 8), generator=gen(step)))),
     "amin-flip": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.amin(y, dim=1) + torch.flip(y, [0, 1])[:, 0]
                              * torch.arange(5.0) + torch.flip(y, [-1]).sum(0)[:5]), vector),
     "var-std": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.var(y, 1) + torch.var(y, 1, unbiased=False, keepdim=True)
