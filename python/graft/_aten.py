@@ -309,8 +309,8 @@ FORWARD_HOOKS = (("_forward_pre_hooks", "pre"), ("_forward_hooks", "forward"))
 
 
 def forward_hooks(module):
-    """(path, kind, hook key) of every forward (pre-)hook on module and its submodules, in order:
-    part of GraftModule's cache key (a hook added or removed is a new graph)."""
+    """(path, kind, hook key) of every forward (pre-)hook on module and its submodules, in order
+    (GraftModule's cache key has their keys from _flatten.module_state's walk)."""
     return tuple((path, kind, key) for path, m in module.named_modules() for attr, kind in FORWARD_HOOKS
                  for key in getattr(m, attr, {}) or {})
 

@@ -119,7 +119,8 @@ def _plain(v) -> bool:
 def module_state(module):
     """What of a module's Python state an export bakes in: every submodule's `training` flag and
     its other plain attributes (numbers, strings, tuples of them: a Dropout's p, a scale set by the
-    user). A change makes a new export. Runs on every call: the submodules in module.modules()'s
+    user), and the keys of its forward (pre-)hooks, which the capture records (Note [forward hooks],
+    _aten.py). A change makes a new export. Runs on every call: the submodules in module.modules()'s
     order (pre-order, each once) by an explicit walk, without the qualified names modules() builds."""
     state = []
     seen = set()
@@ -129,7 +130,8 @@ def module_state(module):
         if id(m) in seen:
             continue
         seen.add(id(m))
-        state.append(tuple([(k, v) for k, v in m.__dict__.items() if k[:1] != "_" and _plain(v)]))
+        state.append((tuple([(k, v) for k, v in m.__dict__.items() if k[:1] != "_" and _plain(v)]),
+                      tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
         children = [c for c in m._modules.values() if c is not None]
         children.reverse()
         stack.extend(children)

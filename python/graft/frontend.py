@@ -619,7 +619,7 @@ class GraftModule(torch.nn.Module):
             sig.append((tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point()))
         state = _flatten.module_state(self.module)
         frozen = tuple(p.requires_grad for p in self.module.parameters())
-        key = (static_key, tuple(sig), state, frozen, _aten.forward_hooks(self.module))
+        key = (static_key, tuple(sig), state, frozen)
         entry = self._entry(args, kwargs, tensors, key)
         entry.calls += 1
         in_tensors = [tensors[i] for i in entry.input_index]
