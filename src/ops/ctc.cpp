@@ -36,45 +36,56 @@ double lse(double a, double b) {
 }
 
 struct CtcSeq {
-  int64_t T = 0;                // input length
+  int64_t T = 0;  // input length
+  int64_t blank = 0;
   std::vector<int64_t> labels;  // the target (without blanks)
+  int64_t L() const { return 2 * static_cast<int64_t>(labels.size()) + 1; }
+  int64_t ext(int64_t i) const { return i % 2 == 0 ? blank : labels[i / 2]; }  // l'(i)
 };
 
-// Sequence n's input length and target, checked (an error names the node and the value).
-CtcSeq ctc_seq(KernelCtx& c, int64_t n, int64_t& offset) {
-  const Tensor &lp = c.in(0), &tg = c.in(1), &il = c.in(2), &tl = c.in(3);
-  const int64_t Tmax = lp.dim(0), C = lp.dim(2);
+// Each sequence's input length and target, checked (an error names the node and the value), from
+// the node's inputs first .. first + 3: log_probs, targets, input_lengths, target_lengths.
+std::vector<CtcSeq> ctc_seqs(const KernelCtx& c, int first) {
+  const Tensor &lp = c.in(first), &tg = c.in(first + 1), &il = c.in(first + 2),
+               &tl = c.in(first + 3);
+  const int64_t Tmax = lp.dim(0), N = lp.dim(1), C = lp.dim(2);
   const int64_t blank = c.attr_int("blank", 0);
-  CtcSeq s;
-  s.T = il.data<int64_t>()[n];
-  const int64_t len = tl.data<int64_t>()[n];
-  if (s.T < 0 || s.T > Tmax)
-    c.error(ErrorKind::InvalidArgument, "input_lengths[" + std::to_string(n) +
-                                            "] = " + std::to_string(s.T) + " is outside [0, " +
-                                            std::to_string(Tmax) + "]");
+  if (blank < 0 || blank >= C) c.error(ErrorKind::InvalidArgument, "blank is outside [0, C)");
   const bool padded = tg.rank() == 2;
-  if (len < 0 || (padded && len > tg.dim(1)) || (!padded && offset + len > tg.dim(0)))
-    c.error(ErrorKind::InvalidArgument,
-            "target_lengths[" + std::to_string(n) + "] = " + std::to_string(len) +
-                " does not fit the targets of shape " + shape_str(tg.shape()));
-  const int64_t* t = tg.data<int64_t>() + (padded ? n * tg.dim(1) : offset);
-  offset += padded ? 0 : len;
-  for (int64_t i = 0; i < len; ++i) {
-    if (t[i] < 0 || t[i] >= C || t[i] == blank)
-      c.error(ErrorKind::InvalidArgument, "target label " + std::to_string(t[i]) + " of sequence " +
-                                              std::to_string(n) + " is the blank or outside [0, " +
-                                              std::to_string(C) + ")");
-    s.labels.push_back(t[i]);
+  std::vector<CtcSeq> seqs(N);
+  int64_t offset = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    CtcSeq& s = seqs[n];
+    s.T = il.data<int64_t>()[n];
+    s.blank = blank;
+    const int64_t len = tl.data<int64_t>()[n];
+    if (s.T < 0 || s.T > Tmax)
+      c.error(ErrorKind::InvalidArgument, "input_lengths[" + std::to_string(n) +
+                                              "] = " + std::to_string(s.T) + " is outside [0, " +
+                                              std::to_string(Tmax) + "]");
+    if (len < 0 || (padded && len > tg.dim(1)) || (!padded && offset + len > tg.dim(0)))
+      c.error(ErrorKind::InvalidArgument,
+              "target_lengths[" + std::to_string(n) + "] = " + std::to_string(len) +
+                  " does not fit the targets of shape " + shape_str(tg.shape()));
+    const int64_t* t = tg.data<int64_t>() + (padded ? n * tg.dim(1) : offset);
+    offset += padded ? 0 : len;
+    for (int64_t i = 0; i < len; ++i) {
+      if (t[i] < 0 || t[i] >= C || t[i] == blank)
+        c.error(ErrorKind::InvalidArgument,
+                "target label " + std::to_string(t[i]) + " of sequence " + std::to_string(n) +
+                    " is the blank or outside [0, " + std::to_string(C) + ")");
+      s.labels.push_back(t[i]);
+    }
   }
-  return s;
+  return seqs;
 }
 
 // log alpha [T][L] (T = s.T) of one sequence; returns the nll.
 template <class T>
-double ctc_alpha(const T* lp, int64_t N, int64_t C, int64_t n, int64_t blank, const CtcSeq& s,
+double ctc_alpha(const T* lp, int64_t N, int64_t C, int64_t n, const CtcSeq& s,
                  std::vector<double>& alpha) {
-  const int64_t L = 2 * static_cast<int64_t>(s.labels.size()) + 1;
-  auto lab = [&](int64_t i) { return i % 2 == 0 ? blank : s.labels[i / 2]; };
+  const int64_t L = s.L(), blank = s.blank;
+  auto lab = [&](int64_t i) { return s.ext(i); };
   auto at = [&](int64_t t, int64_t cl) { return static_cast<double>(lp[(t * N + n) * C + cl]); };
   alpha.assign(static_cast<size_t>(std::max<int64_t>(s.T, 1) * L), kNegInf);
   if (s.T == 0) return L <= 1 ? 0.0 : std::numeric_limits<double>::infinity();
@@ -107,17 +118,14 @@ void infer_ctc(InferCtx& c) {
 void ctc_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& lp = c.in(0);
-    const int64_t N = lp.dim(1), C = lp.dim(2), blank = c.attr_int("blank", 0);
+    const int64_t N = lp.dim(1), C = lp.dim(2);
     const bool zero_inf = c.attr_int("zero_infinity", 0) != 0;
-    if (blank < 0 || blank >= C) c.error(ErrorKind::InvalidArgument, "blank is outside [0, C)");
-    std::vector<CtcSeq> seqs(N);
-    int64_t off = 0;
-    for (int64_t n = 0; n < N; ++n) seqs[n] = ctc_seq(c, n, off);
+    const std::vector<CtcSeq> seqs = ctc_seqs(c, 0);
     T* out = c.out(0).data<T>();
     parallel_for(N, lp.dim(0) * 8, [&](int, int64_t n0, int64_t n1) {
       std::vector<double> alpha;
       for (int64_t n = n0; n < n1; ++n) {
-        const double nll = ctc_alpha(lp.data<T>(), N, C, n, blank, seqs[n], alpha);
+        const double nll = ctc_alpha(lp.data<T>(), N, C, n, seqs[n], alpha);
         out[n] = static_cast<T>(zero_inf && std::isinf(nll) ? 0.0 : nll);
       }
     });
@@ -129,27 +137,18 @@ void ctc_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor &dl = c.in(0), &lpt = c.in(1);
     const int64_t Tmax = lpt.dim(0), N = lpt.dim(1), C = lpt.dim(2);
-    const int64_t blank = c.attr_int("blank", 0);
     const bool zero_inf = c.attr_int("zero_infinity", 0) != 0;
-    if (blank < 0 || blank >= C) c.error(ErrorKind::InvalidArgument, "blank is outside [0, C)");
-    std::vector<CtcSeq> seqs(N);
-    int64_t off = 0;
-    {
-      // ctc_seq reads inputs 1..3 as CTCLoss's: shift them by one (dnll comes first here).
-      KernelCtx sub{c.node, {c.ins[1], c.ins[2], c.ins[3], c.ins[4]}, c.outs, c.alloc, c.seed,
-                    false};
-      for (int64_t n = 0; n < N; ++n) seqs[n] = ctc_seq(sub, n, off);
-    }
+    const std::vector<CtcSeq> seqs = ctc_seqs(c, 1);  // dnll comes first
     const T* lp = lpt.data<T>();
     T* dx = c.out(0).data<T>();
     parallel_for(N, Tmax * C * 8, [&](int, int64_t n0, int64_t n1) {
       std::vector<double> alpha, beta, lcab;
       for (int64_t n = n0; n < n1; ++n) {
         const CtcSeq& s = seqs[n];
-        const double nll = ctc_alpha(lp, N, C, n, blank, s, alpha);
+        const double nll = ctc_alpha(lp, N, C, n, s, alpha);
         const double g = static_cast<double>(dl.data<T>()[n]);
-        const int64_t L = 2 * static_cast<int64_t>(s.labels.size()) + 1;
-        auto lab = [&](int64_t i) { return i % 2 == 0 ? blank : s.labels[i / 2]; };
+        const int64_t L = s.L(), blank = s.blank;
+        auto lab = [&](int64_t i) { return s.ext(i); };
         auto at = [&](int64_t t, int64_t cl) {
           return static_cast<double>(lp[(t * N + n) * C + cl]);
         };
