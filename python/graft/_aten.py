@@ -64,19 +64,30 @@ class NotCaptured(Exception):
         self.exportable = exportable
 
 
-_lib = None
+_lib = None  # graft's torch.library namespace (one DEF per namespace and process)
+_defined = set()
+
+
+def graft_op(name, schema, impls):
+    """torch.ops.graft.<name>.default, defined in graft's library on first use: the ops of graft's
+    own the capture traces (stop_gradient here, ctc_loss, _pyfunc's py_function). impls: dispatch
+    key -> kernel."""
+    global _lib
+    if name not in _defined:
+        if _lib is None:
+            _lib = torch.library.Library("graft", "DEF")
+        _lib.define(schema)
+        for key, fn in impls.items():
+            _lib.impl(name, fn, key)
+        _defined.add(name)
+    return getattr(torch.ops.graft, name).default
 
 
 def _stop_gradient_op():
     """graft::stop_gradient(Tensor) -> Tensor, an op of graft's own that marks in the traced graph
     where eager's autograd stops a gradient (it computes a copy)."""
-    global _lib
-    if _lib is None:
-        lib = torch.library.Library("graft", "DEF")
-        lib.define("stop_gradient(Tensor x) -> Tensor")
-        lib.impl("stop_gradient", lambda x: x.clone(), "CompositeExplicitAutograd")
-        _lib = lib
-    return torch.ops.graft.stop_gradient.default
+    return graft_op("stop_gradient", "stop_gradient(Tensor x) -> Tensor",
+                    {"CompositeExplicitAutograd": lambda x: x.clone()})
 
 
 def _leaves(x):
@@ -233,14 +244,11 @@ class _Watch(TorchFunctionMode):
 
 
 def _ctc_op():
-    if not hasattr(torch.ops.graft, "ctc_loss"):
-        _stop_gradient_op()  # defines the graft library
-        _lib.define("ctc_loss(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, "
-                    "int blank, bool zero_infinity) -> Tensor")
-        _lib.impl("ctc_loss", lambda lp, tg, il, tl, blank, zi: torch.ops.aten._ctc_loss(
-            lp, tg, il, tl, blank, zi)[0], "CompositeExplicitAutograd")
-        _lib.impl("ctc_loss", lambda lp, tg, il, tl, blank, zi: lp.new_empty((lp.shape[1],)), "Meta")
-    return torch.ops.graft.ctc_loss.default
+    return graft_op("ctc_loss", "ctc_loss(Tensor log_probs, Tensor targets, Tensor input_lengths, "
+                                "Tensor target_lengths, int blank, bool zero_infinity) -> Tensor",
+                    {"CompositeExplicitAutograd": lambda lp, tg, il, tl, blank, zi: torch.ops.aten._ctc_loss(
+                        lp, tg, il, tl, blank, zi)[0],
+                     "Meta": lambda lp, tg, il, tl, blank, zi: lp.new_empty((lp.shape[1],))})
 
 
 def _ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",

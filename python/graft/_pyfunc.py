@@ -94,33 +94,26 @@ def _untraced():
             torch.nn.Module.__call__ = patched
 
 
+def _real(xs, key):
+    """Inside torch 1.13's trace (which computes on real tensors): zeros of the outputs' shapes
+    (the graph only needs the shapes; a value read of them is refused as of any graph value).
+    Outside a trace (the capture folding a call on constants only): the Function's forward."""
+    rec = _records[key]
+    if getattr(_tls, "capturing", 0) > 0:
+        return [torch.zeros(shape, dtype=dt) for dt, shape in rec.outputs]
+    with torch.no_grad():
+        return [o.clone() for o in _outputs(rec, _apply(rec.cls, rec.rebuild(list(xs))))]
+
+
+def _meta(xs, key):
+    return [torch.empty(shape, dtype=dt, device="meta") for dt, shape in _records[key].outputs]
+
+
 def _op():
     """graft::py_function(Tensor[] xs, int key) -> Tensor[]: a Function call in the traced graph."""
-    if getattr(_op, "done", False):
-        return torch.ops.graft.py_function.default
-    from ._aten import _stop_gradient_op
-    _stop_gradient_op()  # defines the graft library (one DEF per namespace)
-    from . import _aten
-    lib = _aten._lib
-    lib.define("py_function(Tensor[] xs, int key) -> Tensor[]")
-
-    def real(xs, key):
-        """Inside torch 1.13's trace (which computes on real tensors): zeros of the outputs' shapes
-        (the graph only needs the shapes; a value read of them is refused as of any graph value).
-        Outside a trace (the capture folding a call on constants only): the Function's forward."""
-        rec = _records[key]
-        if getattr(_tls, "capturing", 0) > 0:
-            return [torch.zeros(shape, dtype=dt) for dt, shape in rec.outputs]
-        with torch.no_grad():
-            return [o.clone() for o in _outputs(rec, _apply(rec.cls, rec.rebuild(list(xs))))]
-
-    def meta(xs, key):
-        return [torch.empty(shape, dtype=dt, device="meta") for dt, shape in _records[key].outputs]
-
-    lib.impl("py_function", real, "CompositeExplicitAutograd")
-    lib.impl("py_function", meta, "Meta")
-    _op.done = True
-    return torch.ops.graft.py_function.default
+    from ._aten import graft_op
+    return graft_op("py_function", "py_function(Tensor[] xs, int key) -> Tensor[]",
+                    {"CompositeExplicitAutograd": _real, "Meta": _meta})
 
 
 def _redirected(cls, *args, **kwargs):
