@@ -327,6 +327,11 @@ int64_t topk_k(const Tensor& k, const std::string& where) {
               where + ": K must be a one-element integer tensor");
   return static_cast<int64_t>(k.at(0));
 }
+// TopK's and TopKGrad's axis, non-negative (infer_topk checked its range).
+int topk_axis(const KernelCtx& c, int rank) {
+  const int64_t ax = c.attr_int("axis", -1);
+  return static_cast<int>(ax < 0 ? ax + rank : ax);
+}
 void infer_topk(InferCtx& c) {
   require_numeric(c, 0);
   Shape s = c.shape(0);
@@ -345,8 +350,7 @@ void infer_topk(InferCtx& c) {
 void topk_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
-    const int ax = static_cast<int>(c.attr_int("axis", -1) < 0 ? c.attr_int("axis", -1) + x.rank()
-                                                               : c.attr_int("axis", -1));
+    const int ax = topk_axis(c, x.rank());
     const bool largest = c.attr_int("largest", 1) != 0;
     const int64_t K = topk_k(c.in(1), c.node.label());
     int64_t outer, n, inner;
@@ -394,8 +398,7 @@ void topk_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &dv = c.in(0), &ix = c.in(1);
     Tensor& dx = c.out(0);
-    const int ax = static_cast<int>(c.attr_int("axis", -1) < 0 ? c.attr_int("axis", -1) + dx.rank()
-                                                               : c.attr_int("axis", -1));
+    const int ax = topk_axis(c, dx.rank());
     int64_t outer, n, inner, K = dv.dim(ax);
     split3(dx.shape(), ax, ax + 1, outer, n, inner);
     T* pdx = dx.data<T>();
