@@ -266,9 +266,8 @@ def calls(state):
         _tls.state = prev
 
 
-def _array(t, dtype=None):
-    a = t.detach().numpy()
-    return np.ascontiguousarray(a if dtype is None else a.astype(dtype, copy=False))
+def _array(t):
+    return np.ascontiguousarray(t.detach().numpy())
 
 
 def runner(key, backward, node, arrays):
@@ -287,7 +286,7 @@ def runner(key, backward, node, arrays):
             raise RuntimeError(f"{rec.name} returned {len(flat)} tensors; at capture it returned {len(rec.outputs)}")
         if train:
             state[key] = (ins, flat)
-        return [_array(o, np.dtype(str(dt).replace("torch.", ""))) for o, (dt, _) in zip(flat, rec.outputs)]
+        return [_array(o.to(dt)) for o, (dt, _) in zip(flat, rec.outputs)]  # the dtype the graph planned
     kept = state.pop(key, None) if state is not None else None
     if kept is None:
         raise RuntimeError(f"graft: the backward of {rec.name} ran without its forward's graph (node {node})")
@@ -299,7 +298,7 @@ def runner(key, backward, node, arrays):
     # the gradients of the parameters its block uses into their .grad, as in eager. The inputs are
     # this call's own leaves: their .grad is the Function's input gradient.
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [None if t.grad is None else _array(t.grad, t.detach().numpy().dtype) for t in ins]
+    return [None if t.grad is None else _array(t.grad) for t in ins]
 
 
 def install():
