@@ -116,12 +116,27 @@ def _op():
                     {"CompositeExplicitAutograd": _real, "Meta": _meta})
 
 
+def _holds_tensor(v):
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x) for x in v)
+    return isinstance(v, dict) and any(_holds_tensor(x) for x in v.values())
+
+
 def _redirected(cls, *args, **kwargs):
     """Function.apply while a capture runs on this thread: the call becomes graft::py_function."""
     if getattr(_tls, "capturing", 0) <= 0 or kwargs:
         return _APPLY.__get__(None, cls)(*args, **kwargs)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     rec = _Record(cls, args, [t.requires_grad and t.is_floating_point() for t in tensors])
+    if any(_holds_tensor(a) for a in args if not isinstance(a, torch.Tensor)):
+        # kept as a constant of the record, such a tensor would be this trace's at every call
+        from .errors import GraftUnsupportedError
+        raise GraftUnsupportedError(
+            f"the custom autograd.Function {rec.name} is given a tensor inside a list, tuple or dict; graft "
+            "passes it tensors as arguments of their own. Pass each tensor as an argument, or keep the submodule "
+            "that calls it in eager mode.", "unsupported")
     rec.outputs = _probe(rec, args)
     with _lock:
         key = next(_keys)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import parity
+from graft.errors import GraftUnsupportedError
 from graft.frontend import GraftModule
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -149,3 +150,27 @@ def test_reentrant_checkpoint_trains_as_in_eager():
             return self.out(h)
     torch.manual_seed(0)
     train_both(M(), vector)
+
+
+class ScaleByList(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scales):
+        return x * scales[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_a_tensor_inside_a_function_s_list_argument_is_refused():
+    """graft hands a Function its top-level tensors per call; one inside a list would be the
+    capture's at every call, so it is refused, naming the Function."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return ScaleByList.apply(self.l(x), [x.sum()])
+    with pytest.raises(GraftUnsupportedError, match="ScaleByList is given a tensor inside a list"):
+        GraftModule(M().double())(torch.randn(2, 4, dtype=torch.float64))
