@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from graft.frontend import GraftError, GraftModule, GraftUnsupportedError, GraftWarning
 from parity import close, train_both
+from test_pyfunc import StraightThrough
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
                                         "ignore::UserWarning")
@@ -465,19 +466,8 @@ class StopsGradients(nn.Module):
             target = h.detach().max(-1, keepdim=True)[0]
             h = (h - target) ** 2
         elif self.how == "function":
-            h = _Straight.apply(h)
+            h = StraightThrough.apply(h)
         return self.b(h)
-
-
-class _Straight(torch.autograd.Function):
-    """A straight-through rounding: its backward is not its forward's derivative."""
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 @pytest.mark.parametrize("how", ["no_grad", "detach", "data", "margin"])
