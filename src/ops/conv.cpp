@@ -33,6 +33,13 @@ struct Window {
   }
 };
 
+// An ints attribute of a window (strides, pads, ...) of `len` entries, each `dflt` when absent.
+std::vector<int64_t> window_ints(const Node& n, const char* name, int64_t dflt, size_t len,
+                                 const std::function<void(const std::string&)>& err) {
+  auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
+  if (v.size() != len) err(std::string(name) + " has the wrong length");
+  return v;
+}
 // Reads kernel_shape (or the weight's spatial dims), strides, dilations, pads and auto_pad.
 Window window(const Node& n, const Shape& x, const std::vector<int64_t>& kernel, bool ceil_mode,
               const std::function<void(const std::string&)>& err) {
@@ -42,14 +49,9 @@ Window window(const Node& n, const Shape& x, const std::vector<int64_t>& kernel,
   w.in.assign(x.begin() + 2, x.end());
   w.k = n.attrs.get_ints("kernel_shape", kernel, n.label());
   if (static_cast<int>(w.k.size()) != w.nd) err("kernel_shape has the wrong rank");
-  auto get = [&](const char* name, int64_t dflt, size_t len) {
-    auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
-    if (v.size() != len) err(std::string(name) + " has the wrong length");
-    return v;
-  };
-  w.stride = get("strides", 1, w.nd);
-  w.dil = get("dilations", 1, w.nd);
-  auto pads = get("pads", 0, 2 * w.nd);
+  w.stride = window_ints(n, "strides", 1, w.nd, err);
+  w.dil = window_ints(n, "dilations", 1, w.nd, err);
+  auto pads = window_ints(n, "pads", 0, 2 * w.nd, err);
   w.pad_begin.assign(pads.begin(), pads.begin() + w.nd);
   w.pad_end.assign(pads.begin() + w.nd, pads.end());
   std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
@@ -796,14 +798,11 @@ Shape conv_transpose_out(const Node& n, const Shape& x, const Shape& wt, int64_t
     unsupported("auto_pad '" + auto_pad + "' is not supported for ConvTranspose (give pads)");
   if (n.attrs.has("output_shape"))
     unsupported("the output_shape attribute is not supported (give pads and output_padding)");
-  auto get = [&](const char* name, int64_t dflt, size_t len) {
-    auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
-    if (v.size() != len) err(std::string(name) + " has the wrong length");
-    return v;
-  };
-  const auto k = get("kernel_shape", 0, nd), stride = get("strides", 1, nd),
-             dil = get("dilations", 1, nd), opad = get("output_padding", 0, nd);
-  auto pads = get("pads", 0, 2 * nd);
+  const auto k = window_ints(n, "kernel_shape", 0, nd, err),
+             stride = window_ints(n, "strides", 1, nd, err),
+             dil = window_ints(n, "dilations", 1, nd, err),
+             opad = window_ints(n, "output_padding", 0, nd, err);
+  auto pads = window_ints(n, "pads", 0, 2 * nd, err);
   if (auto_pad == "VALID") pads.assign(2 * nd, 0);
   if (g < 1 || x[1] != wt[0] || wt[0] % g)
     err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
