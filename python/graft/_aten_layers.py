@@ -351,28 +351,37 @@ def _gather(r, out, a, dim, index, sparse_grad=False):
     return r.emit("GatherND", [r.v(a), coords])
 
 
-@rule("scatter_add", "scatter_add_")
-def _scatter_add(r, out, a, dim, index, src):
-    """a + the sum of src's elements into their index along dim, as a one-hot product: for each
-    element of index, a row of a.shape[dim] (1 where the index is), times its src element, summed
-    over dim (its cost: index's size times a.shape[dim])."""
-    dt, rank = out.dtype, a.dim()
+def _scatter_sums(r, dt, a, dim, index, srcs):
+    """For each of srcs, the sum of its elements into their index along dim, in a's shape, as a
+    one-hot product: for each element of index, a row of a.shape[dim] (1 where the index is), times
+    its src element, summed over dim (its cost: index's size times a.shape[dim]). The one-hot is
+    made once for all srcs."""
+    rank = a.dim()
     dim = _axis(dim, rank)
     shape, n = list(index.shape), a.shape[dim]
-    s = r.v(src, dt)
-    if list(src.shape) != shape:  # only src's leading block of index's shape is read
-        s = r.emit("Slice", [s, r.ints([0] * rank), r.ints(shape), r.ints(range(rank)), r.ints([1] * rank)])
     hot = r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
                            r.v(torch.arange(n).view([1] * rank + [n]))])
     hot = r.emit("Cast", [hot], attrs=[("to", "i", elem(dt))])
-    y = r.emit("Mul", [hot, r.emit("Unsqueeze", [s, r.ints([rank])])])
-    y = r.emit("ReduceSum", [y, r.ints([dim])], attrs=[("keepdims", "i", 0)])  # [..., n] without dim
     perm = list(range(dim)) + [rank - 1] + list(range(dim, rank - 1))
-    y = r.emit("Transpose", [y], attrs=[("perm", "I", perm)])
     pad = [0 if d == dim else a.shape[d] - shape[d] for d in range(rank)]
-    if any(pad):  # index shorter than a on another axis: nothing added there
-        y = r.emit("Pad", [y, r.ints([0] * rank + pad), r.v(0, dt)], attrs=[("mode", "s", "constant")])
-    return r.emit("Add", [r.v(a, dt), y])
+    ys = []
+    for src in srcs:
+        s = r.v(src, dt)
+        if list(src.shape) != shape:  # only src's leading block of index's shape is read
+            s = r.emit("Slice", [s, r.ints([0] * rank), r.ints(shape), r.ints(range(rank)), r.ints([1] * rank)])
+        y = r.emit("Mul", [hot, r.emit("Unsqueeze", [s, r.ints([rank])])])
+        y = r.emit("ReduceSum", [y, r.ints([dim])], attrs=[("keepdims", "i", 0)])  # [..., n] without dim
+        y = r.emit("Transpose", [y], attrs=[("perm", "I", perm)])
+        if any(pad):  # index shorter than a on another axis: nothing added there
+            y = r.emit("Pad", [y, r.ints([0] * rank + pad), r.v(0, dt)], attrs=[("mode", "s", "constant")])
+        ys.append(y)
+    return ys
+
+
+@rule("scatter_add", "scatter_add_")
+def _scatter_add(r, out, a, dim, index, src):
+    """a + the sum of src's elements into their index along dim."""
+    return r.emit("Add", [r.v(a, out.dtype), _scatter_sums(r, out.dtype, a, dim, index, [src])[0]])
 
 
 @rule("topk")
@@ -670,17 +679,16 @@ def _diagonal(r, out, a, offset=0, dim1=0, dim2=1):
 
 @rule("scatter", "scatter_")
 def _scatter(r, out, a, dim, index, src=None, value=None, reduce=None):
-    """a with src's elements (or a number) written at their index along dim: the scatter_add of
-    them into zeros where some index hits, a elsewhere. Indices must not repeat within a slice
-    (where they do, PyTorch keeps one of the writes, unspecified which: graft their sum)."""
+    """a with src's elements (or a number) written at their index along dim: their sum into a's
+    shape where some index hits, a elsewhere. Indices must not repeat within a slice (where they
+    do, PyTorch keeps one of the writes, unspecified which: graft their sum)."""
     if reduce is not None:
         raise NotCaptured(f"scatter with reduce={reduce!r}")
     if src is None or not isinstance(src, torch.Tensor):
         val = src if src is not None else value
         src = torch.full(tuple(index.shape), float(val), dtype=out.dtype)
-    zeros = torch.zeros(tuple(a.shape), dtype=out.dtype)
-    added = _scatter_add(r, out, zeros, dim, index, src)
-    hits = _scatter_add(r, out, zeros, dim, index, torch.ones(tuple(index.shape), dtype=out.dtype))
+    ones = torch.ones(tuple(index.shape), dtype=out.dtype)
+    added, hits = _scatter_sums(r, out.dtype, a, dim, index, [src, ones])
     hit = r.emit("Greater", [hits, r.v(0.0, out.dtype)])
     return r.emit("Where", [hit, added, r.v(a, out.dtype)])
 
