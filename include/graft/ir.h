@@ -6,6 +6,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -201,5 +202,13 @@ void write_onnx_graph(const std::string& path, int64_t opset,
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
 Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);
 void save_tensor_pb(const std::string& path, const Tensor& t, const std::string& name);
+
+// graft's one topological sort (Kahn's algorithm): nodes 0..n-1 of a graph with edges i -> succ[i]
+// (the nodes that read what i writes), each after every node with an edge to it; among the nodes
+// ready at a time, the first by `before` goes next (default: the smallest index, so an order that
+// is already topological is kept as it is). Nodes on a cycle are left out: the result is then
+// shorter than n.
+std::vector<int> topological_order(const std::vector<std::vector<int>>& succ,
+                                   const std::function<bool(int, int)>& before = nullptr);
 
 }  // namespace graft

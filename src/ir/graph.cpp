@@ -1,4 +1,6 @@
 // Graph bookkeeping and typed attribute access (see include/graft/ir.h).
+#include <queue>
+
 #include "graft/ir.h"
 
 namespace graft {
@@ -235,6 +237,29 @@ std::vector<int> Graph::params() const {
   for (size_t i = 0; i < values.size(); ++i)
     if (values[i].kind == ValueKind::Param) p.push_back(static_cast<int>(i));
   return p;
+}
+
+std::vector<int> topological_order(const std::vector<std::vector<int>>& succ,
+                                   const std::function<bool(int, int)>& before) {
+  const int n = static_cast<int>(succ.size());
+  std::vector<int> indeg(n, 0);
+  for (const auto& s : succ)
+    for (int j : s) ++indeg[j];
+  // A heap whose top is the first by `before` (std::priority_queue keeps the largest on top).
+  auto later = [&](int a, int b) { return before ? before(b, a) : b < a; };
+  std::priority_queue<int, std::vector<int>, decltype(later)> ready(later);
+  for (int i = 0; i < n; ++i)
+    if (indeg[i] == 0) ready.push(i);
+  std::vector<int> order;
+  order.reserve(n);
+  while (!ready.empty()) {
+    const int i = ready.top();
+    ready.pop();
+    order.push_back(i);
+    for (int j : succ[i])
+      if (--indeg[j] == 0) ready.push(j);
+  }
+  return order;
 }
 
 }  // namespace graft

@@ -353,7 +353,6 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
       producer_of[o] = i;
     }
   }
-  std::vector<int> indeg(nn, 0);
   std::vector<std::vector<int>> succ(nn);
   for (int i = 0; i < nn; ++i) {
     const auto& np = gp.node(i);
@@ -362,7 +361,6 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
       auto it = producer_of.find(in);
       if (it != producer_of.end()) {
         succ[it->second].push_back(i);
-        ++indeg[i];
       } else {
         GRAFT_CHECK(g.find(in) >= 0, ErrorKind::InvalidModel,
                     "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) + "' (" +
@@ -371,19 +369,12 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
       }
     }
   }
-  std::vector<int> order, ready;
-  for (int i = nn - 1; i >= 0; --i)
-    if (indeg[i] == 0) ready.push_back(i);
-  while (!ready.empty()) {
-    int i = ready.back();
-    ready.pop_back();
-    order.push_back(i);
-    for (int s : succ[i])
-      if (--indeg[s] == 0) ready.push_back(s);  // keep near file order
-  }
+  const std::vector<int> order = topological_order(succ);  // file order where it is valid
   if (static_cast<int>(order.size()) != nn) {
+    std::vector<bool> placed(nn, false);
+    for (int i : order) placed[i] = true;
     for (int i = 0; i < nn; ++i)
-      if (indeg[i] > 0)
+      if (!placed[i])
         fail(ErrorKind::InvalidModel, "node '" + gp.node(i).name() + "' (" + gp.node(i).op_type() +
                                           ") is part of a cycle; ONNX graphs must be acyclic");
   }

@@ -8,7 +8,6 @@
 // (forward in file order, backward in reverse). A weight gradient therefore lives from its GEMM to
 // its sink and no longer, which is what bounds the backward peak to one gradient temporary.
 #include <algorithm>
-#include <queue>
 #include <sstream>
 #include <tuple>
 
@@ -49,19 +48,14 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
   }
   std::vector<bool> feeds(nn, false);
   for (int i = 0; i < nn; ++i) feeds[i] = opt.sink_first && target[i] >= 0;
-  std::vector<int> indeg(nn, 0);
   std::vector<int> producer(g.values.size(), -1);
   for (int i = 0; i < nn; ++i)
     for (int o : g.nodes[i].outputs)
       if (o >= 0) producer[o] = i;
   std::vector<std::vector<int>> succ(nn);
-  for (int i = 0; i < nn; ++i) {
-    for (int v : g.nodes[i].inputs) {
-      if (v < 0 || producer[v] < 0) continue;
-      succ[producer[v]].push_back(i);
-      ++indeg[i];
-    }
-  }
+  for (int i = 0; i < nn; ++i)
+    for (int v : g.nodes[i].inputs)
+      if (v >= 0 && producer[v] >= 0) succ[producer[v]].push_back(i);
   // Key: (phase, class, when, index); class 0 = a sink, 1 = a dedicated feeder, 2 = the rest, 3 =
   // a late node: a recomputation, or (late_gradient_free) a backward node that reads no gradient
   // (only forward values and constants: 3x^2 for Pow's gradient). Late nodes run only when nothing
@@ -85,18 +79,8 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
   std::vector<int> when(nn);
   for (int i = 0; i < nn; ++i) when[i] = i;
   {
-    // Reverse topological order (Kahn's, then reversed): readers before what they read.
-    std::vector<int> deg = indeg, topo;
-    std::vector<int> st;
-    for (int i = 0; i < nn; ++i)
-      if (deg[i] == 0) st.push_back(i);
-    while (!st.empty()) {
-      int i = st.back();
-      st.pop_back();
-      topo.push_back(i);
-      for (int c : succ[i])
-        if (--deg[c] == 0) st.push_back(c);
-    }
+    // Readers before what they read (a topological order, reversed).
+    const std::vector<int> topo = topological_order(succ);
     for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
       const int i = *it;
       if (!late[i]) continue;
@@ -111,19 +95,13 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
     int cls = late[i] ? 3 : !opt.sink_first ? 2 : is_sink(g.nodes[i]) ? 0 : feeds[i] ? 1 : 2;
     return Key{phase, cls, when[i], i};
   };
-  std::priority_queue<Key, std::vector<Key>, std::greater<Key>> ready;
-  for (int i = 0; i < nn; ++i)
-    if (indeg[i] == 0) ready.push(key(i));
-  std::vector<int> order;
-  while (!ready.empty()) {
-    int i = std::get<3>(ready.top());
-    ready.pop();
-    order.push_back(i);
-    for (int s : succ[i])
-      if (--indeg[s] == 0) ready.push(key(s));
+  std::vector<int> order = topological_order(succ, [&](int a, int b) { return key(a) < key(b); });
+  if (static_cast<int>(order.size()) < nn) {
+    std::vector<bool> placed(nn, false);
+    for (int i : order) placed[i] = true;
+    for (int i = 0; i < nn; ++i)
+      if (!placed[i]) fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
   }
-  for (int i = 0; i < nn; ++i)
-    if (indeg[i] > 0) fail(ErrorKind::InvalidModel, g.nodes[i].label() + " is part of a cycle");
   return order;
 }
 
