@@ -8,6 +8,7 @@
 //   s->zero_grad(); }
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "graft/autodiff.h"
+#include "graft/compile.h"
 #include "graft/exec.h"
 
 namespace graft {
@@ -40,23 +42,21 @@ void accumulate_grad(Parameter& p, const Tensor& grad);
 
 // What to differentiate and how gradients leave (AutodiffOptions: loss, output_grads, freeze,
 // input_grads, mode, alloc) and how steps run (RunOptions: check_finite, profile, timeline), plus:
-struct SessionOptions : AutodiffOptions, RunOptions {
+struct SessionOptions : AutodiffOptions, RunOptions, CompileOptions {
   // Graph inputs that are really parameters (a model exported without its weights, e.g.
   // torch.onnx.export(export_params=False)): they become parameters with no data until
   // bind_parameter() shares memory for them. Trainable unless also listed in `freeze`.
   std::vector<std::string> param_inputs;
-  int64_t max_memory = 0;  // refuse a plan whose peak exceeds this (bytes; 0 = no limit)
-  // Recompute under a budget: the plan's activation peak (Plan::planned_peak) must not exceed this
-  // many bytes (0: no budget). The session then drops forward values from what backward keeps and
-  // recomputes them in backward (cheapest first, see Note [Recompute under a budget]); if even the
-  // most it can drop does not fit, an InvalidArgument error states the smallest peak it can reach.
-  int64_t activation_budget = 0;
+  // and CompileOptions: max_memory (refuse a plan that does not fit), activation_budget
+  // (recompute under a budget, Note [Recompute under a budget] in src/plan/recompute.cpp).
 };
 
 // One training step in flight: a forward, and then its backward. Several may be in flight at once
 // (each keeps what its own backward needs, like PyTorch's autograd graphs); destroying one releases
 // what it holds. Create with TrainSession::begin().
 class Optimizer;
+class Delivery;
+class StepDelivery;
 
 struct StepState {
   std::unique_ptr<Run> run;
@@ -82,17 +82,19 @@ struct PlannedMemory {
 class TrainSession {
  public:
   // Takes a loaded graph (parameters live in opt.alloc) and input shapes for symbolic dims.
-  // Phases: shapes (infer + fold) -> autodiff -> plan -> parameters -> executor.
+  // Compiles it (graft/compile.h: shapes, autodiff, plan), then takes the parameters out of the
+  // graph and builds the executor.
   TrainSession(Graph g, const SessionOptions& opt,
                const std::map<std::string, Shape>& input_shapes = {});
   // Not movable: the executor refers to the graph. Hold sessions by unique_ptr.
   TrainSession(TrainSession&&) = delete;
+  ~TrainSession();
   static std::unique_ptr<TrainSession> open(const std::string& path, const SessionOptions& opt,
                                             const std::map<std::string, Shape>& input_shapes = {});
 
   // --- steps with explicit state (several may be in flight; forward may run on any thread) ---
   // Runs the forward of a new step over `inputs` (by name; every graph input not given falls back
-  // to set_input's). `seed`: the random stream (Dropout); default: the process-wide counter.
+  // to set_input's). `seed`: the random stream (Dropout); default: the session's counter.
   // `bf16`: this step's matrix products in bfloat16 (RunOptions::bf16; default: the session's).
   std::shared_ptr<StepState> forward(const std::map<std::string, Tensor>& inputs,
                                      std::optional<uint64_t> seed = std::nullopt,
@@ -141,6 +143,11 @@ class TrainSession {
   // mode does; the first backward that is not deferred adds its gradient to the accumulated .grad,
   // applies the update and frees .grad (the unfused loop: k backward()s, one optimizer.step()).
   void set_defer_step(bool defer) { defer_step_ = defer; }
+  // The session's random counter: each step that is not given a seed takes the next value as its
+  // stream (Dropout's masks). Checkpoints save and restore it, so a resumed run draws the masks an
+  // uninterrupted one would.
+  uint64_t rng_state() const { return rng_; }
+  void set_rng_state(uint64_t state) { rng_ = state; }
   // Step mode with global-norm gradient clipping (PyTorch's clip_grad_norm_: every gradient scaled
   // by min(1, max_norm / (norm + 1e-6)), the norm over all gradients before any update): step()
   // then runs two passes over the batch, the first computing only the norm (each gradient is
@@ -150,7 +157,7 @@ class TrainSession {
   void set_clip_norm(double max_norm);
   double last_grad_norm() const { return last_norm_; }  // the norm the last clipped step used
   double clip_norm() const { return clip_norm_; }
-  Optimizer* step_optimizer() const { return step_opt_; }
+  Optimizer* step_optimizer() const;
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -172,49 +179,38 @@ class TrainSession {
   // The step's planned memory: parameters, one gradient set, the given optimizer state, the graph
   // inputs and the planned activation peak.
   PlannedMemory planned_memory(int64_t optimizer_state_bytes = 0) const;
-  // What the forward leaves alive for the backward: every intermediate made by a forward node and
-  // read by a backward node, one entry per buffer (views and in-place results share their root's),
-  // biggest first. Parameters and graph inputs are not counted (the caller holds those anyway).
-  struct SavedValue {
-    std::string value, op, node;  // the buffer's root value, and the node that made it
-    int64_t bytes = 0;
-  };
+  // What the forward leaves alive for the backward, one entry per buffer, biggest first
+  // (graft::saved_for_backward). Parameters and graph inputs are not counted (the caller holds
+  // those anyway).
+  using SavedValue = graft::SavedValue;
   std::vector<SavedValue> saved_for_backward() const;
   // The buffers alive at the plan's activation peak (Plan::peak_step), biggest first: what a
   // budget has to remove (value, the op and node that made it, bytes).
   std::vector<SavedValue> live_at_peak() const;
   // Nodes the activation budget cloned into the backward (0 without a budget, or when it fit).
-  int recomputed_nodes() const { return recomputed_; }
+  int recomputed_nodes() const { return c_.recomputed; }
 
  private:
-  void deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step);
-  void check_budget(const Plan& plan) const;
-  std::vector<SavedValue> live_at(const Plan& plan, int step) const;
-  Plan plan_under_budget(Plan plan, PlanOptions& po);
-  std::vector<std::vector<int>> recompute_candidates(const Plan& plan) const;
-  int recomputed_ = 0;         // nodes cloned into the backward by plan_under_budget
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)
   Graph& g_;
   SessionOptions opt_;
   Allocator* alloc_;
-  BackwardGraph bg_;
+  CompiledStep c_;  // the backward graph and plan, compiled once (the executor runs its plan)
+  const BackwardGraph& bg_ = c_.bg;
   std::unique_ptr<Executor> exec_;
   std::vector<Parameter> params_;    // the one home of parameter memory and .grad
   std::vector<int> param_of_value_;  // value id -> index in params_, -1
   std::vector<int> param_of_sink_;   // node id -> index in params_ (gradient sinks), -1
-  std::vector<int> held_keep_;   // per params_ entry: index in plan.keep of its held gradient, -1
-  std::vector<int> igrad_keep_;  // per requested input: index in plan.keep, -1
   std::map<std::string, Tensor> default_inputs_;  // set_input
   std::shared_ptr<StepState> cur_;                // the simple loop's step
   std::vector<OpTime> last_times_;
   GradHook hook_;
   std::function<void(Parameter&)> ready_;
-  Optimizer* step_opt_ = nullptr;
-  std::vector<int> step_index_;  // per params_ entry: its index in step_opt_'s parameters, -1
+  std::unique_ptr<Delivery> delivery_;  // one per mode (src/train/delivery.h)
+  StepDelivery* step_ = nullptr;        // delivery_ in step mode, else null
+  std::atomic<uint64_t> rng_{0};        // rng_state()
   bool defer_step_ = false;
-  double clip_norm_ = 0, clip_coef_ = 1, last_norm_ = 0;
-  bool norm_pass_ = false;
-  double sumsq_ = 0;  // the norm pass's running sum of squares
+  double clip_norm_ = 0, last_norm_ = 0;
 };
 
 // Adds `src` into `dst` elementwise (same shape and dtype).
@@ -266,17 +262,18 @@ class Optimizer {
   // One step over every parameter that has a .grad (PyTorch's optimizer.step()).
   void step();
   // The update of parameter i (params() order) with `grad`, alone: what step() does for each
-  // parameter, and what the step-in-backward mode does the moment a gradient is complete. A step
-  // made of per-parameter updates counts itself with count_step().
+  // parameter, and what the step-in-backward mode does the moment a gradient is complete.
   virtual void update(size_t i, const Tensor& grad) = 0;
-  void count_step() { ++t_; }
+  // Opens the next step: the updates that follow, until the next begin_step, belong to it. The
+  // one place the step count advances; step() calls it, and so does whoever applies a step as
+  // per-parameter updates (the session's step mode, data parallelism) before the first of them.
+  void begin_step() { ++t_; }
   // Index of p in params(), or -1.
   int index_of(const Parameter& p) const;
   void zero_grad(bool set_to_none = true);
   int64_t steps() const { return t_; }
   // The parameters updated, in order (OptimizerState's per-parameter order).
   const std::vector<Parameter*>& params() const { return params_; }
-  void set_steps(int64_t t) { t_ = t; }
   // Where state tensors are allocated.
   Allocator& allocator() const { return *alloc_; }
   // The learning rate (what a schedule sets before each step).
@@ -298,9 +295,12 @@ class Optimizer {
 
  protected:
   explicit Optimizer(std::vector<Parameter*> params, Allocator* alloc = nullptr);
+  void load_steps(int64_t t) { t_ = t; }  // load_state only
   std::vector<Parameter*> params_;
-  int64_t t_ = 0;
   Allocator* alloc_;
+
+ private:
+  int64_t t_ = 0;  // steps(): advanced by begin_step() alone
 };
 
 struct SGDOptions {

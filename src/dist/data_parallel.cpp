@@ -414,7 +414,7 @@ double DataParallel::step() {
     work_[b].reset();
   }
   next_launch_ = 0;
-  if (step_mode) opt_->count_step();
+  if (step_mode) opt_->begin_step();
   in_step_ = true;
   const double t0 = comm_.now();
   double loss = 0;

@@ -348,7 +348,7 @@ void commit(const Header& h, Staged& st, TrainSession& s, Optimizer* opt) {
     }
   }
   if (opt) opt->load_state(os);
-  set_dropout_rng_state(h.rng);
+  s.set_rng_state(h.rng);
 }
 }  // namespace
 
@@ -508,7 +508,7 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
   json header = {{"format", "graft-checkpoint"},
                  {"version", kCheckpointVersion},
                  {"step", step},
-                 {"rng", {{"dropout_counter", dropout_rng_state()}}},
+                 {"rng", {{"dropout_counter", s.rng_state()}}},
                  {"parameters", std::move(params)},
                  {"optimizer", std::move(oj)}};
   std::string text;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "graft/ops.h"
 #include "graft/train.h"
@@ -17,6 +18,45 @@ template <class F>
 void for_ranges(int64_t n, int64_t work_per_item, F&& f) {
   parallel_ranges(
       n, work_per_item, [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
+}
+}  // namespace
+
+namespace {
+// Each kind's hyperparameters are declared once, here: each_hyper names every field of the options
+// (the table behind OptimizerKind::hyper, state() and load_state()), invalid() says what is out of
+// range (the constructors and checkpoint verification).
+template <class F>
+void each_hyper(SGDOptions& o, F&& f) {
+  f("lr", o.lr);
+  f("momentum", o.momentum);
+  f("dampening", o.dampening);
+  f("weight_decay", o.weight_decay);
+  f("nesterov", o.nesterov);
+}
+template <class F>
+void each_hyper(AdamWOptions& o, F&& f) {
+  f("lr", o.lr);
+  f("beta1", o.beta1);
+  f("beta2", o.beta2);
+  f("eps", o.eps);
+  f("weight_decay", o.weight_decay);
+}
+std::string invalid(const SGDOptions& o) {
+  if (!std::isfinite(o.lr) || !std::isfinite(o.momentum) || !std::isfinite(o.dampening) ||
+      !std::isfinite(o.weight_decay))
+    return "hyperparameters must be finite";
+  if (o.lr < 0 || o.momentum < 0 || o.weight_decay < 0)
+    return "lr, momentum and weight_decay must be >= 0";
+  if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+    return "nesterov needs momentum > 0 and dampening = 0";
+  return "";
+}
+std::string invalid(const AdamWOptions& o) {
+  if (!std::isfinite(o.lr) || !std::isfinite(o.eps) || !std::isfinite(o.weight_decay))
+    return "lr, eps and weight_decay must be finite";
+  if (!(o.lr >= 0 && o.eps >= 0 && o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
+    return "need lr >= 0, eps >= 0, 0 <= betas < 1";
+  return "";
 }
 }  // namespace
 
@@ -51,15 +91,13 @@ void by_dtype(const Tensor& t, F&& f) {
 
 SGD::SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc)
     : Optimizer(std::move(params), alloc), options(o) {
-  GRAFT_CHECK(o.lr >= 0 && o.momentum >= 0 && o.weight_decay >= 0, ErrorKind::InvalidArgument,
-              "SGD: lr, momentum and weight_decay must be >= 0");
-  GRAFT_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), ErrorKind::InvalidArgument,
-              "SGD: nesterov needs momentum > 0 and dampening = 0");
+  const std::string why = invalid(o);
+  GRAFT_CHECK(why.empty(), ErrorKind::InvalidArgument, "SGD: " + why);
   buf_.resize(params_.size());
 }
 
 void Optimizer::step() {
-  ++t_;
+  begin_step();
   for (size_t i = 0; i < params_.size();
        ++i)  // like PyTorch: a parameter with grad None is skipped
     if (params_[i]->grad.defined()) update(i, params_[i]->grad);
@@ -112,8 +150,8 @@ void SGD::update(size_t i, const Tensor& grad) {
 
 AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc)
     : Optimizer(std::move(params), alloc), options(o) {
-  GRAFT_CHECK(o.lr >= 0 && o.eps >= 0 && o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1,
-              ErrorKind::InvalidArgument, "AdamW: need lr >= 0, eps >= 0, 0 <= betas < 1");
+  const std::string why = invalid(o);
+  GRAFT_CHECK(why.empty(), ErrorKind::InvalidArgument, "AdamW: " + why);
   m_.resize(params_.size());
   v_.resize(params_.size());
   steps_.assign(params_.size(), 0);
@@ -161,22 +199,8 @@ void AdamW::update(size_t i, const Tensor& grad) {
 
 // --- state as plain data -------------------------------------------------------------------------
 namespace {
-bool sgd_hyper_valid(const std::map<std::string, double>& h) {
-  const double lr = h.at("lr"), momentum = h.at("momentum"), dampening = h.at("dampening"),
-               weight_decay = h.at("weight_decay");
-  const bool nesterov = h.at("nesterov") != 0;
-  return lr >= 0 && momentum >= 0 && weight_decay >= 0 && std::isfinite(lr) &&
-         std::isfinite(momentum) && std::isfinite(dampening) && std::isfinite(weight_decay) &&
-         (!nesterov || (momentum > 0 && dampening == 0));
-}
 std::string sgd_check_tensors(const std::vector<std::string>& names, int64_t) {
   return names.size() > 1 ? "more than one momentum_buffer" : "";
-}
-bool adamw_hyper_valid(const std::map<std::string, double>& h) {
-  const double lr = h.at("lr"), beta1 = h.at("beta1"), beta2 = h.at("beta2"), eps = h.at("eps"),
-               weight_decay = h.at("weight_decay");
-  return lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 &&
-         std::isfinite(lr) && std::isfinite(eps) && std::isfinite(weight_decay);
 }
 std::string adamw_check_tensors(const std::vector<std::string>& names, int64_t step) {
   const bool full = names.size() == 2 && names[0] == "exp_avg" && names[1] == "exp_avg_sq";
@@ -184,21 +208,44 @@ std::string adamw_check_tensors(const std::vector<std::string>& names, int64_t s
              ? ""
              : "AdamW state needs exp_avg and exp_avg_sq exactly when its step is > 0";
 }
-const OptimizerKind kSGD{"sgd",
-                         {{"lr", false},
-                          {"momentum", false},
-                          {"dampening", false},
-                          {"weight_decay", false},
-                          {"nesterov", true}},
-                         {"momentum_buffer"},
-                         sgd_hyper_valid,
-                         sgd_check_tensors};
-const OptimizerKind kAdamW{
-    "adamw",
-    {{"lr", false}, {"beta1", false}, {"beta2", false}, {"eps", false}, {"weight_decay", false}},
-    {"exp_avg", "exp_avg_sq"},
-    adamw_hyper_valid,
-    adamw_check_tensors};
+
+// A kind's hyperparameters as a name -> value map (flags 0 or 1), and back.
+template <class O>
+std::map<std::string, double> to_map(const O& o) {
+  std::map<std::string, double> m;
+  O copy = o;
+  each_hyper(copy, [&](const char* name, auto& field) { m[name] = static_cast<double>(field); });
+  return m;
+}
+template <class O>
+O from_map(const std::map<std::string, double>& m) {
+  O o;
+  each_hyper(o, [&](const char* name, auto& field) {
+    using F = std::remove_reference_t<decltype(field)>;
+    if constexpr (std::is_same_v<F, bool>)
+      field = m.at(name) != 0;
+    else
+      field = m.at(name);
+  });
+  return o;
+}
+template <class O>
+bool hyper_valid(const std::map<std::string, double>& m) {
+  return invalid(from_map<O>(m)).empty();
+}
+template <class O>
+OptimizerKind make_kind(const char* name, std::vector<std::string> tensors,
+                        std::string (*check)(const std::vector<std::string>&, int64_t)) {
+  OptimizerKind k{name, {}, std::move(tensors), hyper_valid<O>, check};
+  O o;
+  each_hyper(o, [&](const char* n, auto& field) {
+    k.hyper.emplace_back(n, std::is_same_v<std::remove_reference_t<decltype(field)>, bool>);
+  });
+  return k;
+}
+const OptimizerKind kSGD = make_kind<SGDOptions>("sgd", {"momentum_buffer"}, sgd_check_tensors);
+const OptimizerKind kAdamW =
+    make_kind<AdamWOptions>("adamw", {"exp_avg", "exp_avg_sq"}, adamw_check_tensors);
 
 // The defined tensor named `name` of one parameter's state, or an undefined one.
 Tensor slot(const std::map<std::string, Tensor>& m, const std::string& name) {
@@ -259,12 +306,8 @@ void Optimizer::check_state(const OptimizerState& st) const {
 
 OptimizerState SGD::state() const {
   OptimizerState st;
-  st.hyper = {{"lr", options.lr},
-              {"momentum", options.momentum},
-              {"dampening", options.dampening},
-              {"weight_decay", options.weight_decay},
-              {"nesterov", options.nesterov ? 1.0 : 0.0}};
-  st.steps = t_;
+  st.hyper = to_map(options);
+  st.steps = steps();
   st.tensors.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     if (buf_[i].defined()) st.tensors[i]["momentum_buffer"] = buf_[i];
@@ -274,23 +317,15 @@ OptimizerState SGD::state() const {
 
 void SGD::load_state(const OptimizerState& st) {
   check_state(st);
-  options.lr = st.hyper.at("lr");
-  options.momentum = st.hyper.at("momentum");
-  options.dampening = st.hyper.at("dampening");
-  options.weight_decay = st.hyper.at("weight_decay");
-  options.nesterov = st.hyper.at("nesterov") != 0;
+  options = from_map<SGDOptions>(st.hyper);
   for (size_t i = 0; i < params_.size(); ++i) buf_[i] = slot(st.tensors[i], "momentum_buffer");
-  t_ = st.steps;
+  load_steps(st.steps);
 }
 
 OptimizerState AdamW::state() const {
   OptimizerState st;
-  st.hyper = {{"lr", options.lr},
-              {"beta1", options.beta1},
-              {"beta2", options.beta2},
-              {"eps", options.eps},
-              {"weight_decay", options.weight_decay}};
-  st.steps = t_;
+  st.hyper = to_map(options);
+  st.steps = steps();
   st.tensors.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (m_[i].defined()) st.tensors[i]["exp_avg"] = m_[i];
@@ -302,17 +337,13 @@ OptimizerState AdamW::state() const {
 
 void AdamW::load_state(const OptimizerState& st) {
   check_state(st);
-  options.lr = st.hyper.at("lr");
-  options.beta1 = st.hyper.at("beta1");
-  options.beta2 = st.hyper.at("beta2");
-  options.eps = st.hyper.at("eps");
-  options.weight_decay = st.hyper.at("weight_decay");
+  options = from_map<AdamWOptions>(st.hyper);
   for (size_t i = 0; i < params_.size(); ++i) {
     m_[i] = slot(st.tensors[i], "exp_avg");
     v_[i] = slot(st.tensors[i], "exp_avg_sq");
   }
   steps_ = st.counters;
-  t_ = st.steps;
+  load_steps(st.steps);
 }
 
 double lr_schedule_factor(const std::string& schedule, int64_t done, int64_t total,

@@ -1,41 +1,16 @@
-// TrainSession: forward + backward over one plan, delivering parameter gradients per mode.
-//
-// Note [Gradient delivery]
-// hold:       parameter gradients are kept values of the run; after backward ends they are added
-//             into .grad (the old ORTModule behaviour: every gradient is alive at the end).
-// accumulate: a graft.GradSink runs as soon as a gradient is complete (sink-first order, see the
-//             planner); the gradient is added in place into .grad, or adopted as .grad without a
-//             copy when .grad is None and the executor held the only reference; then released.
-// hook:       the same moment, the user's callback gets (parameter, gradient view); graft releases
-//             the buffer when the callback returns.
-// All three run the same nodes in the same order, so their gradients are bit-identical.
+// TrainSession: runs a compiled training step (graft/compile.h) step after step, delivering each
+// parameter's gradient per mode (src/train/delivery.h, Note [Gradient delivery]).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
-#include <set>
 
+#include "delivery.h"
 #include "graft/ops.h"
 #include "graft/train.h"
 
 namespace graft {
-
-void add_inplace(Tensor& dst, const Tensor& src) {
-  GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::ShapeMismatch,
-              "add_inplace: cannot add " + std::string(dtype_name(src.dtype())) + " " +
-                  shape_str(src.shape()) + " into " + dtype_name(dst.dtype()) + " " +
-                  shape_str(dst.shape()));
-  if (!is_float(dst.dtype())) fail(ErrorKind::Internal, "add_inplace on a non-float tensor");
-  add_elements(dst, src);  // threaded, vectorized (src/ops/util.cpp)
-}
-
-void accumulate_grad(Parameter& p, const Tensor& grad) {
-  if (!p.grad.defined())
-    p.grad = grad.reshaped(p.data.shape());  // adopt: no copy
-  else
-    add_inplace(p.grad, grad);
-}
 
 std::unique_ptr<TrainSession> TrainSession::open(const std::string& path, const SessionOptions& opt,
                                                  const std::map<std::string, Shape>& input_shapes) {
@@ -62,15 +37,14 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
     val.kind = ValueKind::Param;
     std::erase(g_.inputs, v);
   }
-  // ---- shapes: bind input shapes, infer every node, fold constants ----
-  infer_shapes(g_, input_shapes, alloc_);
-  // ---- autodiff: keep for backward what eager PyTorch keeps, no copies of weights ----
-  rewrite_for_training(g_);
-  AutodiffOptions ao = opt;
-  ao.alloc = alloc_;
-  bg_ = build_backward(g_, ao);
-  rematerialize_param_copies(g_, bg_);
-  if (opt.mode == GradMode::Step) order_updates_after_reads(g_, bg_);
+  c_ = compile_step(
+      g_,
+      [&] {
+        AutodiffOptions ao = opt;
+        ao.alloc = alloc_;
+        return ao;
+      }(),
+      opt, input_shapes);
 
   // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
@@ -88,196 +62,30 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
   for (size_t i = 0; i < bg_.params.size(); ++i)
     if (bg_.sinks[i] >= 0) param_of_sink_[bg_.sinks[i]] = param_of_value_[bg_.params[i]];
 
-  // ---- plan ----
-  PlanOptions po;
-  po.phase_barrier = bg_.n_forward_nodes;
-  // Outputs and the loss are read when forward ends; the executor releases them after their last
-  // use (the session and the caller keep their own references), so a model output the backward
-  // does not need is not held through backward, and backward never writes into one.
-  for (int o : g_.outputs) po.forward_outputs.push_back(o);
-  if (bg_.loss >= 0) po.forward_outputs.push_back(bg_.loss);
-  po.release_inputs = bg_.output_grad_inputs;  // dropped at their last read (backward() below)
-  auto keep = [&](int v) -> int {
-    if (v < 0) return -1;
-    for (size_t k = 0; k < po.keep.size(); ++k)
-      if (po.keep[k] == v) return static_cast<int>(k);
-    po.keep.push_back(v);
-    return static_cast<int>(po.keep.size()) - 1;
-  };
-  held_keep_.assign(params_.size(), -1);
-  if (opt.mode == GradMode::Hold)
-    for (size_t i = 0; i < bg_.params.size(); ++i)
-      held_keep_[param_of_value_[bg_.params[i]]] = keep(bg_.param_grads[i]);
-  for (int v : bg_.input_grads) igrad_keep_.push_back(keep(v));
-  Plan plan = make_plan(g_, po);
-  if (opt.activation_budget > 0 && plan.planned_peak > opt.activation_budget)
-    plan = plan_under_budget(std::move(plan), po);
-  check_budget(plan);
+  // ---- delivery ----
+  switch (opt.mode) {
+    case GradMode::Hold:
+    case GradMode::Accumulate:
+      delivery_ = std::make_unique<IntoGrad>(*alloc_, opt.mode == GradMode::Accumulate);
+      break;
+    case GradMode::Hook:
+      delivery_ = std::make_unique<HookDelivery>(hook_);
+      break;
+    case GradMode::Step: {
+      auto d = std::make_unique<StepDelivery>(*alloc_, hook_);
+      step_ = d.get();
+      delivery_ = std::move(d);
+      break;
+    }
+  }
+  delivery_->held.assign(params_.size(), -1);
+  for (size_t i = 0; i < bg_.params.size(); ++i)
+    delivery_->held[param_of_value_[bg_.params[i]]] = c_.grad_keep[i];
   // ---- executor ----
-  exec_ = std::make_unique<Executor>(g_, std::move(plan), *alloc_);
+  exec_ = std::make_unique<Executor>(g_, c_.plan, *alloc_);
 }
 
-// Note [Recompute under a budget]
-// What the forward keeps for the backward is grouped by buffer (a value and its views). A group is
-// a candidate when it can be recomputed in backward from what stays kept: every node on the way
-// (its producer, and the producers of forward values that were not kept, back to kept values,
-// parameters, inputs and constants) is deterministic (no Dropout or random op: replaying would
-// need its draw) and no member is a graph output. Each candidate gets a cost: the FLOPs of the
-// nodes it re-runs (2*M*N*K for a GEMM, 2*out*kernel for a convolution) plus 8 per byte they read
-// and write (a CPU's rough FLOP-per-byte balance, so memory-bound kernels are not free), and the
-// candidates are taken in the order of bytes freed per unit of cost, best first: elementwise
-// results (cheap, as big as their input) before attention probabilities (a batched GEMM each)
-// before projections (a GEMM over the hidden size). For k = 0, 1, ... the first k groups are
-// dropped and recomputed (on a copy of the graph: recompute_in_backward, which also recomputes the
-// values in between, planned late so each recomputation happens just before its first use) and
-// planned; the chosen k is the smallest whose activation peak fits the budget. So the planned peak
-// is <= the budget whenever some k fits, and the peak is monotone in the budget: a smaller budget
-// picks a k whose peak is at most the larger budget's peak (both are the first fitting k in one
-// fixed sequence). Results are bit-identical: the recomputed kernels are deterministic and see the
-// same inputs.
-namespace {
-double node_cost(const Graph& g, const Node& n) {
-  auto bytes = [&](int v) { return v < 0 ? 0.0 : static_cast<double>(g.values[v].bytes()); };
-  auto shape = [&](int k) -> const Shape& { return g.values[n.inputs[k]].shape; };
-  double moved = 0;
-  for (int v : n.inputs) moved += bytes(v);
-  double out = 0;
-  for (int v : n.outputs)
-    if (v >= 0) {
-      moved += bytes(v);
-      out += static_cast<double>(numel(g.values[v].shape));
-    }
-  double flops = 0;
-  if ((n.op == "MatMul" || n.op == "FusedMatMul" || n.op == "Gemm") && n.inputs.size() >= 2 &&
-      !shape(0).empty()) {
-    const Shape& a = shape(0);
-    const bool ta = n.attrs.get_int("transA", 0) != 0;
-    const int64_t k = a.size() >= 2 && ta ? a[a.size() - 2] : a.back();
-    flops = 2 * out * static_cast<double>(k);
-  } else if (n.op == "Conv" && n.inputs.size() >= 2 && !shape(1).empty()) {
-    const Shape& w = shape(1);
-    flops = 2 * out * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
-  } else if (n.op == "Einsum") {
-    flops = 2 * out * 64;  // rough: graft's Einsums here are small contractions
-  }
-  return flops + 8 * moved;
-}
-}  // namespace
-
-std::vector<std::vector<int>> TrainSession::recompute_candidates(const Plan& p) const {
-  static const std::set<std::string> random = {
-      "Dropout",   "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-      "Bernoulli", "Multinomial",
-      "PythonOp",           // a custom autograd.Function: may draw random numbers, or keep state
-      "LSTM",      "GRU"};  // (recurrences: deterministic, but not worth re-running)
-  const int nf = bg_.n_forward_nodes;
-  const size_t nv = g_.values.size();
-  std::vector<bool> saved(nv, false);
-  std::map<int, std::vector<int>> members;  // buffer root -> its values kept for backward
-  for (size_t v = 0; v < nv; ++v) {
-    const Value& val = g_.values[v];
-    if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
-    if (p.last_use[v] >= p.barrier_step) {
-      saved[v] = true;
-      members[p.buffer[v]].push_back(static_cast<int>(v));
-    }
-  }
-  std::set<int> outs(g_.outputs.begin(), g_.outputs.end());
-  struct Cand {
-    double ratio;
-    int root;
-    std::vector<int> values;
-  };
-  std::vector<Cand> cand;
-  for (const auto& [root, vals] : members) {
-    // The nodes a recomputation of this group re-runs, with every other kept value still kept.
-    std::set<int> nodes;
-    std::vector<int> todo(vals.begin(), vals.end());
-    bool ok = true;
-    for (int v : vals) ok = ok && !outs.count(v);
-    todo.push_back(root);
-    while (ok && !todo.empty()) {
-      const int v = todo.back();
-      todo.pop_back();
-      const Value& val = g_.values[v];
-      if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
-      if (!nodes.insert(val.producer).second) continue;
-      const Node& n = g_.nodes[val.producer];
-      const OpDef& d = op_for(n);
-      if (d.sink || (!d.kernel && !d.alias) || random.count(n.op)) {
-        ok = false;
-        break;
-      }
-      for (int x : n.inputs)
-        if (x >= 0 && !(saved[x] && p.buffer[x] != root)) todo.push_back(x);
-    }
-    if (!ok) continue;
-    double cost = 1;
-    for (int ni : nodes) cost += node_cost(g_, g_.nodes[ni]);
-    const Value& rv = g_.values[root];
-    const double bytes = static_cast<double>(rv.bytes());
-    cand.push_back({bytes / cost, root, vals});
-  }
-  std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
-    return a.ratio != b.ratio ? a.ratio > b.ratio : a.root < b.root;
-  });
-  if (cand.size() > 256) cand.resize(256);  // bound the search (each trial is one plan)
-  std::vector<std::vector<int>> out;
-  for (Cand& c : cand) out.push_back(std::move(c.values));
-  return out;
-}
-
-Plan TrainSession::plan_under_budget(Plan plan, PlanOptions& po) {
-  const int64_t budget = opt_.activation_budget;
-  const std::vector<std::vector<int>> cand = recompute_candidates(plan);
-  std::vector<bool> available(g_.values.size(), false);  // kept for backward by the forward
-  for (size_t v = 0; v < g_.values.size(); ++v)
-    available[v] = plan.last_use[v] >= plan.barrier_step;
-  int64_t best = plan.planned_peak;
-  std::vector<int> drop;
-  for (size_t k = 1; k <= cand.size(); ++k) {
-    drop.insert(drop.end(), cand[k - 1].begin(), cand[k - 1].end());
-    Graph trial = g_;
-    PlanOptions tpo = po;
-    tpo.late_gradient_free = true;
-    for (int ni : recompute_in_backward(trial, bg_, drop, available)) tpo.late_nodes.push_back(ni);
-    if (opt_.mode == GradMode::Step) order_updates_after_reads(trial, bg_);
-    Plan tp = make_plan(trial, tpo);
-    best = std::min(best, tp.planned_peak);
-    if (tp.planned_peak <= budget) {
-      std::vector<int> late = recompute_in_backward(g_, bg_, drop, available);
-      if (opt_.mode == GradMode::Step) order_updates_after_reads(g_, bg_);
-      po.late_nodes.insert(po.late_nodes.end(), late.begin(), late.end());
-      po.late_gradient_free = true;
-      recomputed_ = static_cast<int>(late.size());
-      return make_plan(g_, po);
-    }
-  }
-  fail(ErrorKind::InvalidArgument,
-       "activation_budget " + std::to_string(budget) + " bytes cannot be met: the smallest " +
-           "activation peak recomputing in backward reaches is " + std::to_string(best) +
-           " bytes (" + std::to_string(cand.size()) +
-           " kept buffers can be recomputed); raise the budget to at least that");
-}
-
-void TrainSession::check_budget(const Plan& plan) const {
-  if (opt_.max_memory <= 0) return;
-  int64_t param_bytes = 0;
-  for (const Parameter& p : params_) param_bytes += g_.values[p.value].bytes();
-  int64_t total = plan.planned_peak + param_bytes + gradient_bytes();
-  if (total <= opt_.max_memory) return;
-  // Name the biggest values alive at the planned peak.
-  const std::vector<SavedValue> live = live_at(plan, plan.peak_step);
-  std::string top;
-  for (size_t i = 0; i < live.size() && i < 3; ++i)
-    top += (i ? ", " : "") + live[i].value + " (" + std::to_string(live[i].bytes) + " bytes)";
-  fail(ErrorKind::OutOfMemory,
-       "the planned step needs " + std::to_string(total) + " bytes (activations " +
-           std::to_string(plan.planned_peak) + " at step " + std::to_string(plan.peak_step) +
-           ", parameters " + std::to_string(param_bytes) + ", gradients " +
-           std::to_string(gradient_bytes()) + "), over the budget of " +
-           std::to_string(opt_.max_memory) + " bytes; biggest live values: " + top);
-}
+TrainSession::~TrainSession() = default;
 
 std::string PlannedMemory::describe() const {
   std::vector<std::pair<int64_t, const char*>> parts{
@@ -320,55 +128,12 @@ PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const 
   return m;
 }
 
-std::vector<TrainSession::SavedValue> TrainSession::saved_for_backward() const {
-  const Plan& p = exec_->plan();
-  std::vector<int> step_of_node(g_.nodes.size(), -1);
-  for (size_t k = 0; k < p.steps.size(); ++k) step_of_node[p.steps[k].node] = static_cast<int>(k);
-  std::vector<bool> seen(g_.values.size(), false);
-  std::vector<SavedValue> out;
-  for (size_t v = 0; v < g_.values.size(); ++v) {
-    const Value& val = g_.values[v];
-    if (val.kind != ValueKind::Intermediate || val.producer < 0) continue;
-    const int made = step_of_node[val.producer];
-    if (made < 0 || made >= p.barrier_step || p.last_use[v] < p.barrier_step) continue;
-    const int root = p.buffer[v] >= 0 ? p.buffer[v] : static_cast<int>(v);
-    if (seen[root]) continue;
-    seen[root] = true;
-    const Value& rv = g_.values[root];
-    if (rv.kind != ValueKind::Intermediate || rv.producer < 0) continue;  // a view of an input
-    const Node& n = g_.nodes[val.producer];
-    out.push_back({val.name, n.op, n.name, rv.bytes()});
-  }
-  std::sort(out.begin(), out.end(),
-            [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
-  return out;
+std::vector<SavedValue> TrainSession::saved_for_backward() const {
+  return graft::saved_for_backward(g_, exec_->plan());
 }
 
-std::vector<TrainSession::SavedValue> TrainSession::live_at(const Plan& plan, int step) const {
-  std::vector<SavedValue> out;
-  std::vector<bool> freed(g_.values.size(), false);
-  std::vector<int> made;
-  for (int s = 0; s <= step && s < static_cast<int>(plan.steps.size()); ++s) {
-    const Node& n = g_.nodes[plan.steps[s].node];
-    for (int o : n.outputs)
-      if (o >= 0 && plan.buffer[o] == o && g_.values[o].kind == ValueKind::Intermediate)
-        made.push_back(o);
-    if (s < step)
-      for (int b : plan.steps[s].buffer_frees) freed[b] = true;
-  }
-  for (int o : made) {
-    if (freed[o]) continue;
-    const Value& v = g_.values[o];
-    const Node& n = g_.nodes[v.producer];
-    out.push_back({v.name, n.op, n.name, v.bytes()});
-  }
-  std::stable_sort(out.begin(), out.end(),
-                   [](const SavedValue& a, const SavedValue& b) { return a.bytes > b.bytes; });
-  return out;
-}
-
-std::vector<TrainSession::SavedValue> TrainSession::live_at_peak() const {
-  return live_at(exec_->plan(), exec_->plan().peak_step);
+std::vector<SavedValue> TrainSession::live_at_peak() const {
+  return live_at(g_, exec_->plan(), exec_->plan().peak_step);
 }
 
 int64_t TrainSession::gradient_bytes() const {
@@ -438,59 +203,10 @@ void TrainSession::set_step_optimizer(Optimizer* opt) {
           ErrorKind::InvalidArgument,
           "set_step_optimizer: the optimizer updates '" + q->name +
               "', which is not a parameter of this session");
-  step_opt_ = opt;
-  step_index_ = std::move(index);
+  step_->set_optimizer(opt, params_.data(), std::move(index));
 }
 
-namespace {
-double sum_squares(const Tensor& t) {
-  double acc = 0;
-  if (t.dtype() == DType::F32) {
-    const float* d = t.data<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) acc += static_cast<double>(d[i]) * d[i];
-  } else if (t.dtype() == DType::F64) {
-    const double* d = t.data<double>();
-    for (int64_t i = 0; i < t.numel(); ++i) acc += d[i] * d[i];
-  }
-  return acc;
-}
-void scale_inplace(Tensor& t, double c) {
-  if (t.dtype() == DType::F32) {
-    float* d = t.data<float>();
-    for (int64_t i = 0; i < t.numel(); ++i) d[i] = static_cast<float>(d[i] * c);
-  } else if (t.dtype() == DType::F64) {
-    double* d = t.data<double>();
-    for (int64_t i = 0; i < t.numel(); ++i) d[i] *= c;
-  }
-}
-// The sum of squares of a + b (an accumulated .grad and a new gradient), without forming it.
-double sum_squares_of_sum(const Tensor& a, const Tensor& b) {
-  double acc = 0;
-  if (a.dtype() == DType::F32) {
-    const float *x = a.data<float>(), *y = b.data<float>();
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      const double v = static_cast<double>(x[i] + y[i]);
-      acc += v * v;
-    }
-  } else if (a.dtype() == DType::F64) {
-    const double *x = a.data<double>(), *y = b.data<double>();
-    for (int64_t i = 0; i < a.numel(); ++i) acc += (x[i] + y[i]) * (x[i] + y[i]);
-  }
-  return acc;
-}
-double clip_coef(double norm, double max_norm) { return std::min(1.0, max_norm / (norm + 1e-6)); }
-}  // namespace
-
-double clip_grad_norm(const std::vector<Parameter*>& params, double max_norm) {
-  double sumsq = 0;
-  for (const Parameter* p : params)
-    if (p->grad.defined()) sumsq += sum_squares(p->grad);
-  const double norm = std::sqrt(sumsq), c = clip_coef(norm, max_norm);
-  if (c < 1)
-    for (Parameter* p : params)
-      if (p->grad.defined()) scale_inplace(p->grad, c);
-  return norm;
-}
+Optimizer* TrainSession::step_optimizer() const { return step_ ? step_->optimizer() : nullptr; }
 
 void TrainSession::set_clip_norm(double max_norm) {
   GRAFT_CHECK(max_norm >= 0 && std::isfinite(max_norm), ErrorKind::InvalidArgument,
@@ -499,55 +215,6 @@ void TrainSession::set_clip_norm(double max_norm) {
               "set_clip_norm is for the step mode; in other modes call clip_grad_norm on the "
               "parameters before the optimizer's step");
   clip_norm_ = max_norm;
-}
-
-void TrainSession::deliver(Parameter& p, Tensor grad, bool exclusive, bool defer_step) {
-  if (opt_.mode == GradMode::Hook) {
-    if (hook_) hook_(p, grad);
-    return;
-  }
-  if (opt_.mode == GradMode::Step && norm_pass_) {  // clipping's first pass: the norm only
-    sumsq_ += p.grad.defined() ? sum_squares_of_sum(p.grad, grad) : sum_squares(grad);
-    return;
-  }
-  if (opt_.mode == GradMode::Step && !defer_step) {
-    // The update, now; the gradient (and any .grad accumulated by deferred micro-batches) is
-    // freed when this returns. A parameter the optimizer does not update keeps nothing.
-    if (p.grad.defined()) {
-      if (grad.storage() != p.grad.storage()) add_inplace(p.grad, grad);
-      grad = p.grad;
-      p.grad = Tensor();
-    }
-    if (clip_coef_ < 1) {
-      if (!exclusive && grad.storage() != p.grad.storage())
-        grad = grad.clone(*alloc_, Category::Gradient);
-      scale_inplace(grad, clip_coef_);
-    }
-    if (step_opt_) {
-      const int i = step_index_[&p - params_.data()];
-      if (i >= 0) step_opt_->update(static_cast<size_t>(i), grad);
-    } else if (hook_) {
-      hook_(p, grad);  // a front end's own optimizer (GraftModule's torch.optim, per parameter)
-    }
-    return;
-  }
-  if (p.grad.defined())
-    GRAFT_CHECK(
-        p.grad.dtype() == grad.dtype() && p.grad.numel() == grad.numel(), ErrorKind::ShapeMismatch,
-        "parameter '" + p.name + "': its .grad is " + dtype_name(p.grad.dtype()) + " " +
-            shape_str(p.grad.shape()) + " but its gradient is " + dtype_name(grad.dtype()) + " " +
-            shape_str(p.data.shape()) + " (assign a .grad of the parameter's shape, or None)");
-  if (p.grad.defined() && grad.storage() == p.grad.storage()) return;  // added in place already
-  if (!p.grad.defined()) {
-    if (exclusive && grad.storage()->owner == alloc_) {
-      alloc_->recategorize(*grad.storage(), Category::Gradient);  // adopt: no copy
-      p.grad = grad.reshaped(g_.values[p.value].shape);
-    } else {
-      p.grad = grad.clone(*alloc_, Category::Gradient).reshaped(g_.values[p.value].shape);
-    }
-    return;
-  }
-  add_inplace(p.grad, grad);
 }
 
 std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Tensor>& inputs,
@@ -588,7 +255,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
     bind.emplace_back(v, *t);
     st->inputs.push_back(*t);
   }
-  st->seed = seed ? *seed : next_dropout_seed();
+  st->seed = seed ? *seed : rng_++;
   RunOptions ro = opt_;
   ro.seed = st->seed;
   if (bf16) ro.bf16 = *bf16;
@@ -596,11 +263,11 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   // .grad (beta = 1), so no temporary of the weight's size exists (deliver sees its own .grad).
   SinkTargetFn target;
   const bool defer = defer_step_;
-  if (opt_.mode == GradMode::Step)
-    GRAFT_CHECK(step_opt_ || hook_, ErrorKind::InvalidArgument,
+  if (step_)
+    GRAFT_CHECK(step_->optimizer() || hook_, ErrorKind::InvalidArgument,
                 "gradient mode 'step' applies the optimizer inside backward: call "
                 "set_step_optimizer(&optimizer) before the first step");
-  if (opt_.mode == GradMode::Accumulate || (opt_.mode == GradMode::Step && defer))
+  if (delivery_->adds_into_grad(defer))
     target = [this](int node) -> Tensor {
       const Parameter& p = params_[param_of_sink_[node]];
       return p.grad.defined() ? p.grad : Tensor();
@@ -610,7 +277,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
       bind, ro,
       [this, defer](int node, Tensor grad, bool exclusive) {
         Parameter& p = params_[param_of_sink_[node]];
-        deliver(p, std::move(grad), exclusive, defer);
+        delivery_->deliver(p, std::move(grad), exclusive, defer);
         if (ready_) ready_(p);
       },
       std::move(target));
@@ -648,23 +315,22 @@ void TrainSession::backward(StepState& st, std::map<std::string, Tensor> output_
   // The run holds the only handles now: each output gradient goes after its last read.
   output_grads.clear();
   st.backward_done = true;
-  if (opt_.mode == GradMode::Step && !st.defer_step && step_opt_ && !norm_pass_)
-    step_opt_->count_step();
+  delivery_->begin_backward(st.defer_step);
   exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
   if (opt_.profile) last_times_ = st.run->op_times();
   kept = exec_->finish(*st.run);
   st.input_grads.clear();
-  for (int k : igrad_keep_) st.input_grads.push_back(k >= 0 ? kept[k] : Tensor());
-  if (opt_.mode == GradMode::Hold) {
-    // The baseline: every gradient was alive until now; deliver them in order, releasing each.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (held_keep_[i] < 0) continue;
-      Tensor grad = std::move(kept[held_keep_[i]]);
-      kept[held_keep_[i]] = Tensor();
-      bool exclusive = grad.storage().use_count() == 1;
-      deliver(params_[i], std::move(grad), exclusive, false);
-      if (ready_) ready_(params_[i]);
-    }
+  for (int k : c_.input_grad_keep) st.input_grads.push_back(k >= 0 ? kept[k] : Tensor());
+  // Hold mode, the baseline: every gradient was alive until now; deliver them in order, releasing
+  // each (other modes hold none).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int k = delivery_->held[i];
+    if (k < 0) continue;
+    Tensor grad = std::move(kept[k]);
+    kept[k] = Tensor();
+    const bool exclusive = grad.storage().use_count() == 1;
+    delivery_->deliver(params_[i], std::move(grad), exclusive, false);
+    if (ready_) ready_(params_[i]);
   }
 }
 
@@ -699,29 +365,27 @@ double TrainSession::step() {
     // Two passes over the batch: the norm, then the updates scaled by the clipping coefficient.
     // The second forward replays the first's random stream, so both see the same function.
     GRAFT_CHECK(!in_run(), ErrorKind::InvalidArgument, "step() called during a forward/backward");
-    const uint64_t seed = next_dropout_seed();
+    const uint64_t seed = rng_++;
     cur_.reset();
-    sumsq_ = 0;
-    norm_pass_ = true;
+    step_->begin_norm_pass();
     try {
       cur_ = forward({}, seed, true);
       backward(*cur_);
     } catch (...) {
-      norm_pass_ = false;
+      step_->end_norm_pass();
       throw;
     }
-    norm_pass_ = false;
-    last_norm_ = std::sqrt(sumsq_);
-    clip_coef_ = clip_coef(last_norm_, clip_norm_);
+    last_norm_ = step_->end_norm_pass();
+    step_->set_clip_coef(clip_coef(last_norm_, clip_norm_));
     cur_.reset();
     try {
       cur_ = forward({}, seed, true);
       backward(*cur_);
     } catch (...) {
-      clip_coef_ = 1;
+      step_->set_clip_coef(1);
       throw;
     }
-    clip_coef_ = 1;
+    step_->set_clip_coef(1);
     if (bg_.loss < 0) return std::numeric_limits<double>::quiet_NaN();
     return cur_->loss.at(0);
   }
@@ -754,7 +418,7 @@ std::vector<int> TrainSession::delivery_order() const {
   for (size_t i = 0; i < bg_.params.size(); ++i) {
     const int p = param_of_value_[bg_.params[i]];
     if (opt_.mode == GradMode::Hold) {
-      if (held_keep_[p] >= 0) order.emplace_back(p, p);
+      if (delivery_->held[p] >= 0) order.emplace_back(p, p);
     } else if (bg_.sinks[i] >= 0) {
       order.emplace_back(exec_->plan().step_of(bg_.sinks[i]), p);
     }

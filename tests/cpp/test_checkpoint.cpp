@@ -159,11 +159,15 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, RoundTrip, ::testing::Values("sgd", "adamw"
 TEST(Checkpoint, RngStateIsSavedAndRestored) {
   TempDir d("graft_ckpt_test_");
   Trainer r("sgd");
-  set_dropout_rng_state(12345);
+  r.s->set_rng_state(12345);
   save_checkpoint(d / "a.graft", *r.s, r.opt.get(), 0);
-  set_dropout_rng_state(7);
+  r.s->set_rng_state(7);
   load_checkpoint(d / "a.graft", *r.s, r.opt.get());
-  EXPECT_EQ(dropout_rng_state(), 12345u);
+  EXPECT_EQ(r.s->rng_state(), 12345u);
+  // The counter is the session's: another session's steps do not advance it.
+  Trainer other("sgd");
+  other.train(2);
+  EXPECT_EQ(r.s->rng_state(), 12345u);
 }
 
 // Every truncation and a bit flip in every region (preamble, header, data, trailer) is refused as

@@ -1,0 +1,157 @@
+// The recompute policy: which forward values a training step drops and recomputes in backward so
+// that its activation peak fits a budget (include/graft/compile.h, plan_under_budget).
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+
+#include "graft/compile.h"
+#include "graft/ops.h"
+
+namespace graft {
+
+// Note [Recompute under a budget]
+// What the forward keeps for the backward is grouped by buffer (a value and its views). A group is
+// a candidate when it can be recomputed in backward from what stays kept: every node on the way
+// (its producer, and the producers of forward values that were not kept, back to kept values,
+// parameters, inputs and constants) is deterministic (no Dropout or random op: replaying would
+// need its draw) and no member is a graph output. Each candidate gets a cost: the FLOPs of the
+// nodes it re-runs (2*M*N*K for a GEMM, 2*out*kernel for a convolution) plus 8 per byte they read
+// and write (a CPU's rough FLOP-per-byte balance, so memory-bound kernels are not free), and the
+// candidates are taken in the order of bytes freed per unit of cost, best first: elementwise
+// results (cheap, as big as their input) before attention probabilities (a batched GEMM each)
+// before projections (a GEMM over the hidden size). For k = 0, 1, ... the first k groups are
+// dropped and recomputed (on a copy of the graph: recompute_in_backward, which also recomputes the
+// values in between, planned late so each recomputation happens just before its first use) and
+// planned; the chosen k is the smallest whose activation peak fits the budget. So the planned peak
+// is <= the budget whenever some k fits, and the peak is monotone in the budget: a smaller budget
+// picks a k whose peak is at most the larger budget's peak (both are the first fitting k in one
+// fixed sequence). Results are bit-identical: the recomputed kernels are deterministic and see the
+// same inputs.
+namespace {
+double node_cost(const Graph& g, const Node& n) {
+  auto bytes = [&](int v) { return v < 0 ? 0.0 : static_cast<double>(g.values[v].bytes()); };
+  auto shape = [&](int k) -> const Shape& { return g.values[n.inputs[k]].shape; };
+  double moved = 0;
+  for (int v : n.inputs) moved += bytes(v);
+  double out = 0;
+  for (int v : n.outputs)
+    if (v >= 0) {
+      moved += bytes(v);
+      out += static_cast<double>(numel(g.values[v].shape));
+    }
+  double flops = 0;
+  if ((n.op == "MatMul" || n.op == "FusedMatMul" || n.op == "Gemm") && n.inputs.size() >= 2 &&
+      !shape(0).empty()) {
+    const Shape& a = shape(0);
+    const bool ta = n.attrs.get_int("transA", 0) != 0;
+    const int64_t k = a.size() >= 2 && ta ? a[a.size() - 2] : a.back();
+    flops = 2 * out * static_cast<double>(k);
+  } else if (n.op == "Conv" && n.inputs.size() >= 2 && !shape(1).empty()) {
+    const Shape& w = shape(1);
+    flops = 2 * out * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
+  } else if (n.op == "Einsum") {
+    flops = 2 * out * 64;  // rough: graft's Einsums here are small contractions
+  }
+  return flops + 8 * moved;
+}
+
+std::vector<std::vector<int>> recompute_candidates(const Graph& g, const BackwardGraph& bg,
+                                                   const Plan& p) {
+  static const std::set<std::string> random = {
+      "Dropout",   "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+      "Bernoulli", "Multinomial",
+      "PythonOp",           // a custom autograd.Function: may draw random numbers, or keep state
+      "LSTM",      "GRU"};  // (recurrences: deterministic, but not worth re-running)
+  const int nf = bg.n_forward_nodes;
+  const size_t nv = g.values.size();
+  std::vector<bool> saved(nv, false);
+  std::map<int, std::vector<int>> members;  // buffer root -> its values kept for backward
+  for (size_t v = 0; v < nv; ++v) {
+    const Value& val = g.values[v];
+    if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
+    if (p.last_use[v] >= p.barrier_step) {
+      saved[v] = true;
+      members[p.buffer[v]].push_back(static_cast<int>(v));
+    }
+  }
+  std::set<int> outs(g.outputs.begin(), g.outputs.end());
+  struct Cand {
+    double ratio;
+    int root;
+    std::vector<int> values;
+  };
+  std::vector<Cand> cand;
+  for (const auto& [root, vals] : members) {
+    // The nodes a recomputation of this group re-runs, with every other kept value still kept.
+    std::set<int> nodes;
+    std::vector<int> todo(vals.begin(), vals.end());
+    bool ok = true;
+    for (int v : vals) ok = ok && !outs.count(v);
+    todo.push_back(root);
+    while (ok && !todo.empty()) {
+      const int v = todo.back();
+      todo.pop_back();
+      const Value& val = g.values[v];
+      if (val.kind != ValueKind::Intermediate || val.producer < 0 || val.producer >= nf) continue;
+      if (!nodes.insert(val.producer).second) continue;
+      const Node& n = g.nodes[val.producer];
+      const OpDef& d = op_for(n);
+      if (d.sink || (!d.kernel && !d.alias) || random.count(n.op)) {
+        ok = false;
+        break;
+      }
+      for (int x : n.inputs)
+        if (x >= 0 && !(saved[x] && p.buffer[x] != root)) todo.push_back(x);
+    }
+    if (!ok) continue;
+    double cost = 1;
+    for (int ni : nodes) cost += node_cost(g, g.nodes[ni]);
+    const Value& rv = g.values[root];
+    const double bytes = static_cast<double>(rv.bytes());
+    cand.push_back({bytes / cost, root, vals});
+  }
+  std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
+    return a.ratio != b.ratio ? a.ratio > b.ratio : a.root < b.root;
+  });
+  if (cand.size() > 256) cand.resize(256);  // bound the search (each trial is one plan)
+  std::vector<std::vector<int>> out;
+  for (Cand& c : cand) out.push_back(std::move(c.values));
+  return out;
+}
+
+}  // namespace
+
+Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
+                       int64_t budget, bool step_mode, int* recomputed) {
+  const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan);
+  std::vector<bool> available(g.values.size(), false);  // kept for backward by the forward
+  for (size_t v = 0; v < g.values.size(); ++v) available[v] = plan.last_use[v] >= plan.barrier_step;
+  int64_t best = plan.planned_peak;
+  std::vector<int> drop;
+  for (size_t k = 1; k <= cand.size(); ++k) {
+    drop.insert(drop.end(), cand[k - 1].begin(), cand[k - 1].end());
+    Graph trial = g;
+    PlanOptions tpo = po;
+    tpo.late_gradient_free = true;
+    for (int ni : recompute_in_backward(trial, bg, drop, available)) tpo.late_nodes.push_back(ni);
+    if (step_mode) order_updates_after_reads(trial, bg);
+    Plan tp = make_plan(trial, tpo);
+    best = std::min(best, tp.planned_peak);
+    if (tp.planned_peak <= budget) {
+      std::vector<int> late = recompute_in_backward(g, bg, drop, available);
+      if (step_mode) order_updates_after_reads(g, bg);
+      po.late_nodes.insert(po.late_nodes.end(), late.begin(), late.end());
+      po.late_gradient_free = true;
+      if (recomputed) *recomputed = static_cast<int>(late.size());
+      return make_plan(g, po);
+    }
+  }
+  fail(ErrorKind::InvalidArgument,
+       "activation_budget " + std::to_string(budget) + " bytes cannot be met: the smallest " +
+           "activation peak recomputing in backward reaches is " + std::to_string(best) +
+           " bytes (" + std::to_string(cand.size()) +
+           " kept buffers can be recomputed); raise the budget to at least that");
+}
+
+}  // namespace graft
