@@ -211,5 +211,6 @@ void register_rnn_ops(std::vector<const OpDef*>& t);
 void register_math_ops(std::vector<const OpDef*>& t);
 void register_python_ops(std::vector<const OpDef*>& t);
 void register_ctc_ops(std::vector<const OpDef*>& t);
+void register_attention_ops(std::vector<const OpDef*>& t);
 
 }  // namespace graft

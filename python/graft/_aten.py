@@ -287,9 +287,9 @@ def _user_line(frames=None):
 
 
 # Fused kernels of torch 2.x that graft runs as their definition (PyTorch's own decompositions into
-# ops graft has rules for): attention on the CPU (its math path; a query whose keys are all masked
-# gives 0, as PyTorch's _safe_softmax).
-_DECOMPOSE = ("_scaled_dot_product_flash_attention_for_cpu", "_safe_softmax")
+# ops graft has rules for): the softmax of the attention's math path (a query whose keys are all
+# masked gives 0). The CPU's fused attention itself maps to graft's (_aten_layers._sdpa_cpu).
+_DECOMPOSE = ("_safe_softmax",)
 
 
 # torch 2.x traces on fake tensors (shapes and dtypes, no data), as torch.export does: the forward

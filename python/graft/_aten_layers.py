@@ -704,3 +704,25 @@ def _ctc_loss(r, out, log_probs, targets, input_lengths, target_lengths, blank=0
                              lengths(target_lengths)], domain="graft",
                  attrs=[("blank", "i", int(blank)), ("zero_infinity", "i", int(bool(zero_infinity)))])
     return [nll, ""] if isinstance(out, (list, tuple)) else nll
+
+
+@rule("_scaled_dot_product_flash_attention_for_cpu")
+def _sdpa_cpu(r, out, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    """torch 2.x's scaled_dot_product_attention on the CPU: graft's fused Attention
+    (src/ops/attention.cpp, Note [fused attention]), which never holds the T x T probabilities.
+    Outputs: the attention, and each query row's log-sum-exp (what PyTorch's kernel returns too)."""
+    if dropout_p:
+        raise NotCaptured("fused attention with dropout (PyTorch's CPU kernel has none)")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise NotCaptured("fused attention of inputs that are not 4-D")
+    ins = [r.v(q), r.v(k), r.v(v), ""]
+    if attn_mask is not None:
+        if attn_mask.dtype not in (torch.bool, q.dtype):
+            raise NotCaptured(f"an attention mask of dtype {attn_mask.dtype} with queries of {q.dtype}")
+        ins[3] = r.v(attn_mask)
+    if scale is not None:  # an input, not a float attribute: ONNX's are float32
+        ins.append(r.v(torch.tensor(float(scale), dtype=torch.float64)))
+    while not ins[-1]:
+        ins.pop()
+    o, lse = r.emit("Attention", ins, attrs=[("causal", "i", int(bool(is_causal)))], nout=2, domain="graft")
+    return [o, lse]

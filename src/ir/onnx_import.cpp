@@ -338,9 +338,10 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
                         "' (" + np.op_type() + ")";
     // graft's own domain: only the ops graft's PyTorch capture writes (python/graft/_aten.py, Note
     // [capture]): StopGradient (a constant for autodiff where eager's autograd stops a gradient)
-    // the math ONNX lacks (src/ops/math.cpp), PythonOp (a custom autograd.Function) and CTCLoss.
-    static const std::set<std::string> kGraftOpsInFiles = {"StopGradient", "Trunc",    "Expm1",
-                                                           "Log1p",        "PythonOp", "CTCLoss"};
+    // the math ONNX lacks (src/ops/math.cpp), PythonOp (a custom autograd.Function), CTCLoss and
+    // Attention (fused scaled-dot-product attention, src/ops/attention.cpp).
+    static const std::set<std::string> kGraftOpsInFiles = {
+        "StopGradient", "Trunc", "Expm1", "Log1p", "PythonOp", "CTCLoss", "Attention"};
     GRAFT_CHECK(
         np.domain().empty() || np.domain() == "ai.onnx" ||
             (np.domain() == "graft" && kGraftOpsInFiles.count(np.op_type())),

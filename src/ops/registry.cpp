@@ -30,6 +30,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_math_ops(t);
     register_python_ops(t);
     register_ctc_ops(t);
+    register_attention_ops(t);
     // Input 0 is the gradient; further inputs only order the sink after their producers (step
     // mode: a parameter is updated only after every backward node that reads it has run).
     static const OpDef sink{.name = "GradSink",

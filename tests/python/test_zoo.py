@@ -223,13 +223,12 @@ def test_saved_for_backward_at_most_eager(name):
             mine[op] = mine.get(op, 0) + b
         fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
         fused = any(k.startswith("ScaledDotProduct") and "Math" not in k for k in by_op)
-        if fused:
-            # torch 2.x's eager runs attention as one fused kernel that saves O(T) per query (its
-            # logsumexp) and reads grouped-query K / V heads in place; graft runs attention as its
-            # definition and keeps the probabilities (and the repeated K / V heads). A known gap
-            # until graft has a fused attention; on torch 1.13 (math attention) the bound holds.
-            pytest.xfail(f"attention: eager's fused kernel saves {eager} bytes, graft's attention as its definition "
-                         f"{total} (probabilities {mine.get('Softmax', 0)}); graft's fused attention is not built yet")
+        if fused and total <= 1.07 * eager:
+            # torch 2.x: attention runs fused on both sides (graft's Attention keeps only its
+            # log-sum-exp, as eager's kernel does). What is left, a few percent on some models, is
+            # outside attention; the message gives both sides by op. Not pinned down yet.
+            pytest.xfail(f"graft keeps {total} bytes for backward, eager's fused kernels {eager} "
+                         f"(+{100 * (total / eager - 1):.1f}%); graft by op: {fmt(mine)}; eager: {fmt(by_op)}")
         pytest.fail(f"graft keeps {total} bytes for backward, eager {eager}\n  graft by op: {fmt(mine)}\n"
                     f"  eager by grad_fn: {fmt(by_op)}")
 
@@ -259,9 +258,11 @@ def test_recompute_through_gemms_meets_a_third_of_the_activation_peak(name, monk
         prev = peak(gm)
         for (n, a), b in zip(m.named_parameters(), free.parameters()):
             assert torch.equal(a.grad, b.grad), (f, n)
-    # Attention probabilities are recomputed (a batched GEMM each), not only elementwise values.
+    # Attention as its definition (torch 1.13): its probabilities are recomputed (a batched GEMM
+    # each), not only elementwise values. Fused (torch 2.x), attention keeps no probabilities.
     softmaxes = lambda gm: sum(s[1] == "Softmax" for s in gm.saved_for_backward())  # noqa: E731
-    assert softmaxes(gm) < softmaxes(g) == 6
+    if softmaxes(g):
+        assert softmaxes(gm) < softmaxes(g) == 6
     assert sum(s[3] for s in gm.saved_for_backward()) < kept / 3
 
 

@@ -1,0 +1,370 @@
+// graft's fused scaled-dot-product attention: Attention and AttentionGrad.
+//
+// Attention(Q [B, H, Tq, D], K [B, Hk, Tk, D], V [B, Hk, Tk, Dv], mask?, scale?; causal)
+//   -> O [B, H, Tq, Dv], LSE [B, H, Tq]
+// O = softmax(scale * Q K^T + mask) V per (batch, head), query head h reading key/value head
+// h / (H / Hk) (grouped-query attention: H a multiple of Hk). scale: a constant scalar input (read
+// in double: an ONNX float attribute would round it to float32), or the attribute `scale`, or
+// 1 / sqrt(D). The
+// optional mask broadcasts to [B, H, Tq, Tk]: boolean (true = attend, PyTorch's convention) or
+// float (added to the scores). causal: query i attends to keys j <= i (PyTorch's is_causal, the
+// triangle aligned top-left). LSE is each row's log-sum-exp of the masked, scaled scores; a query
+// that attends to nothing gets O = 0 and LSE = -inf (PyTorch 2.x's _safe_softmax gives 0 there).
+// AttentionGrad(dO?, Q, K, V, LSE, mask?, dLSE?, scale?; causal) -> dQ, dK, dV, dMask? (a float
+// mask's gradient at full size [B, H, Tq, Tk], made only when the mask needs one; dO or dLSE
+// absent: no gradient flows into that output).
+//
+// Note [fused attention]
+// Eager attention materializes the B x H x Tq x Tk probabilities, keeps them for the backward and
+// holds their gradient beside them there: at long sequences that is a model's largest activation.
+// Here the scores never exist for more than a block of query rows at a time. The forward takes,
+// per (batch, head), `rows` query rows at once (rows * Tk scores, about 1 MiB: it fits the L2
+// cache), computes their scores with one GEMM, the exact softmax of each row (max, exp, sum: a
+// whole row is in the block, so no online rescaling is needed) and their output with a second
+// GEMM, and keeps only the row's log-sum-exp for the backward. The backward recomputes the block's
+// probabilities from Q, K and the LSE (P = exp(S - LSE)), then
+//   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(P * dP)),   dQ = scale dS K,
+//   dK += scale dS^T Q,
+// so what attention adds to a step is O(T) (the LSE, and a block of scores and their gradient),
+// not O(T^2). rowsum(P * dP) equals FlashAttention's rowsum(dO * O) (O = P V), but needs no O:
+// the backward does not keep the output, which the next layer usually keeps in another layout
+// (the heads transposed back), so the forward's result is not held twice. The GEMMs run on graft's
+// GEMM entry point (threaded, oneDNN / OpenBLAS); the row softmax runs on the op families' threads.
+// A causal block stops at its last row's diagonal.
+#include <cmath>
+#include <limits>
+
+#include "util.h"
+#include "vmath.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// The shapes of one Attention / AttentionGrad node, read from its inputs.
+struct Dims {
+  int64_t B, H, Hk, Tq, Tk, D, Dv;
+  bool causal;
+  double scale;
+  // The mask's strides (in elements) over [B, H, Tq, Tk], 0 along broadcast dimensions.
+  bool has_mask = false, bool_mask = false;
+  int64_t ms[4] = {0, 0, 0, 0};
+};
+
+Dims dims_of(const Node& n, const Shape& q, const Shape& k, const Shape& v, const Shape* mask,
+             DType mask_dt, bool has_mask, const Tensor* scale) {
+  Dims d{};
+  d.B = q[0], d.H = q[1], d.Tq = q[2], d.D = q[3];
+  d.Hk = k[1], d.Tk = k[2], d.Dv = v[3];
+  d.causal = n.attrs.get_int("causal", 0, n.label()) != 0;
+  d.scale = n.attrs.get_float("scale", 0.0, n.label());
+  if (scale)
+    d.scale = scale->dtype() == DType::F64 ? scale->data<double>()[0] : scale->data<float>()[0];
+  if (d.scale == 0) d.scale = 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(1, d.D)));
+  d.has_mask = has_mask;
+  if (has_mask) {
+    d.bool_mask = mask_dt == DType::Bool;
+    const Shape full{d.B, d.H, d.Tq, d.Tk};
+    Shape m(4 - std::min<size_t>(4, mask->size()), 1);
+    m.insert(m.end(), mask->begin(), mask->end());
+    const std::vector<int64_t> st = bcast_strides(m, full);
+    for (int i = 0; i < 4; ++i) d.ms[i] = st[i];
+  }
+  return d;
+}
+
+void infer_attention(InferCtx& c) {
+  const Shape &q = c.shape(0), &k = c.shape(1), &v = c.shape(2);
+  c.check(q.size() == 4 && k.size() == 4 && v.size() == 4,
+          "Q, K and V must be 4-D [batch, heads, sequence, head size]");
+  c.check(is_float(c.dtype(0)) && c.dtype(1) == c.dtype(0) && c.dtype(2) == c.dtype(0),
+          "Q, K and V must share one float dtype");
+  c.check(k[0] == q[0] && v[0] == q[0], "Q, K and V must have the same batch size");
+  c.check(k[3] == q[3], "Q and K must have the same head size");
+  c.check(v[1] == k[1] && v[2] == k[2], "K and V must have the same heads and sequence length");
+  c.check(k[1] > 0 && q[1] % k[1] == 0, "the query heads (" + std::to_string(q[1]) +
+                                            ") must be a multiple of the key/value heads (" +
+                                            std::to_string(k[1]) + ")");
+  if (c.has_in(4))
+    c.check(c.shape(4).empty() && is_float(c.dtype(4)), "the scale must be a float scalar");
+  if (c.has_in(3)) {
+    const Shape& m = c.shape(3);
+    c.check(m.size() <= 4, "the mask must broadcast to [batch, heads, Tq, Tk]");
+    const Shape full{q[0], q[1], q[2], k[2]};
+    Shape b;
+    c.check(broadcast_shape(m, full, b) && b == full,
+            "the mask " + shape_str(m) + " does not broadcast to " + shape_str(full));
+    c.check(c.dtype(3) == DType::Bool || c.dtype(3) == c.dtype(0),
+            "the mask must be boolean or of Q's dtype");
+  }
+  c.set_out(0, c.dtype(0), {q[0], q[1], q[2], v[3]});
+  if (c.has_out(1)) c.set_out(1, c.dtype(0), {q[0], q[1], q[2]});
+}
+
+// Query rows per block: about 2^18 scores (1 MiB of float32), at least 16 rows, at most Tq.
+int64_t block_rows(const Dims& d) {
+  return std::clamp<int64_t>((int64_t{1} << 18) / std::max<int64_t>(1, d.Tk), 16,
+                             std::max<int64_t>(1, d.Tq));
+}
+
+// Keys a block of rows [r0, r1) reads: all, or (causal) up to the last row's diagonal.
+int64_t keys_for(const Dims& d, int64_t r1) { return d.causal ? std::min(d.Tk, r1) : d.Tk; }
+
+// S[m x kn] (scores of rows r0.. of head (b, h), already scaled) gets the mask and the causal
+// triangle: -inf where a query does not attend.
+template <class T>
+void mask_scores(const Dims& d, const Tensor* mask, int64_t b, int64_t h, int64_t r0, int64_t m,
+                 int64_t kn, T* S) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  parallel_for(m, 2 * kn, [&](int, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T* s = S + i * kn;
+      const int64_t row = r0 + i;
+      if (d.has_mask) {
+        const int64_t base = b * d.ms[0] + h * d.ms[1] + row * d.ms[2];
+        if (d.bool_mask) {
+          const bool* mk = mask->data<bool>() + base;
+          for (int64_t j = 0; j < kn; ++j)
+            if (!mk[j * d.ms[3]]) s[j] = ninf;
+        } else {
+          const T* mk = mask->data<T>() + base;
+          for (int64_t j = 0; j < kn; ++j) s[j] += mk[j * d.ms[3]];
+        }
+      }
+      if (d.causal)
+        for (int64_t j = row + 1; j < kn; ++j) s[j] = ninf;
+    }
+  });
+}
+
+// Row softmax in place over S[m x kn]: P = exp(S - max) / sum; lse[i] = max + log(sum). A row
+// with no finite score becomes zeros with lse = -inf. With `lse_in`, P = exp(S - lse_in) instead
+// (the backward's recomputation, exact to the forward's).
+template <class T>
+void softmax_rows(int64_t m, int64_t kn, T* S, T* lse_out, const T* lse_in) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const bool vec = std::is_same_v<T, float> && vmath::active();
+  parallel_for(m, (vec ? 8 : 24) * kn, [&](int, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      T* s = S + i * kn;
+      T mx = ninf;
+      if (lse_in) {
+        mx = lse_in[i];
+      } else {
+        for (int64_t j = 0; j < kn; ++j) mx = std::max(mx, s[j]);
+      }
+      if (!(mx > ninf)) {  // attends to nothing (or NaN scores: they stay NaN below)
+        if (std::isnan(static_cast<double>(mx))) {
+          for (int64_t j = 0; j < kn; ++j) s[j] = mx;
+        } else {
+          std::fill(s, s + kn, T(0));
+        }
+        if (lse_out) lse_out[i] = mx;
+        continue;
+      }
+      for (int64_t j = 0; j < kn; ++j) s[j] -= mx;
+      if constexpr (std::is_same_v<T, float>) {
+        if (vec)
+          vmath::map(vmath::Fn::Exp, s, s, kn);
+        else
+          for (int64_t j = 0; j < kn; ++j) s[j] = std::exp(s[j]);
+      } else {
+        for (int64_t j = 0; j < kn; ++j) s[j] = std::exp(s[j]);
+      }
+      if (lse_in) continue;
+      double sum = 0;
+      for (int64_t j = 0; j < kn; ++j) sum += static_cast<double>(s[j]);
+      const T inv = static_cast<T>(1.0 / sum);
+      for (int64_t j = 0; j < kn; ++j) s[j] *= inv;
+      if (lse_out) lse_out[i] = mx + static_cast<T>(std::log(sum));
+    }
+  });
+}
+
+void attention_kernel(KernelCtx& c) {
+  const Tensor &q = c.in(0), &k = c.in(1), &v = c.in(2);
+  const Tensor* mask = c.has_in(3) ? &c.in(3) : nullptr;
+  const Dims d =
+      dims_of(c.node, q.shape(), k.shape(), v.shape(), mask ? &mask->shape() : nullptr,
+              mask ? mask->dtype() : q.dtype(), mask != nullptr, c.has_in(4) ? &c.in(4) : nullptr);
+  const int64_t rows = block_rows(d), group = d.H / d.Hk;
+  dispatch_float(q.dtype(), c, [&]<class T>() {
+    Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
+    Tensor lse_ws;
+    T* lse_all = nullptr;
+    if (c.has_out(1)) {
+      lse_all = c.out(1).data<T>();
+    } else {
+      lse_ws = Tensor::empty({rows}, q.dtype(), c.alloc, Category::Workspace, "lse");
+    }
+    T* S = ws.data<T>();
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t h = 0; h < d.H; ++h) {
+        const int64_t hk = h / group;
+        const T* Q = q.data<T>() + (b * d.H + h) * d.Tq * d.D;
+        const T* K = k.data<T>() + (b * d.Hk + hk) * d.Tk * d.D;
+        const T* V = v.data<T>() + (b * d.Hk + hk) * d.Tk * d.Dv;
+        T* O = c.out(0).data<T>() + (b * d.H + h) * d.Tq * d.Dv;
+        for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
+          const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
+          T* lse = lse_all ? lse_all + (b * d.H + h) * d.Tq + r0 : lse_ws.data<T>();
+          if (kn == 0) {  // causal with no keys at all (Tk = 0)
+            std::fill(O + r0 * d.Dv, O + (r0 + m) * d.Dv, T(0));
+            std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
+            continue;
+          }
+          gemm_ld<T>(false, true, m, kn, d.D, static_cast<T>(d.scale), Q + r0 * d.D, d.D, K, d.D,
+                     T(0), S, kn);
+          mask_scores<T>(d, mask, b, h, r0, m, kn, S);
+          softmax_rows<T>(m, kn, S, lse, nullptr);
+          gemm_ld<T>(false, false, m, d.Dv, kn, T(1), S, kn, V, d.Dv, T(0), O + r0 * d.Dv, d.Dv);
+        }
+      }
+  });
+}
+
+void infer_attention_grad(InferCtx& c) {
+  // dO?, Q, K, V, LSE, mask?, dLSE?, scale?
+  const Shape &q = c.shape(1), &k = c.shape(2), &v = c.shape(3);
+  c.check(!c.has_in(0) || c.shape(0) == Shape{q[0], q[1], q[2], v[3]}, "dO must have O's shape");
+  c.check(c.shape(4) == Shape{q[0], q[1], q[2]}, "LSE must be [batch, heads, Tq]");
+  c.check(!c.has_in(6) || c.shape(6) == c.shape(4), "dLSE must have LSE's shape");
+  c.set_out(0, c.dtype(1), c.shape(1));
+  if (c.has_out(1)) c.set_out(1, c.dtype(2), c.shape(2));
+  if (c.has_out(2)) c.set_out(2, c.dtype(3), c.shape(3));
+  if (c.has_out(3)) c.set_out(3, c.dtype(1), {q[0], q[1], q[2], k[2]});
+}
+
+void attention_grad_kernel(KernelCtx& c) {
+  const Tensor &q = c.in(1), &k = c.in(2), &v = c.in(3), &lse_t = c.in(4);
+  const Tensor* dout = c.has_in(0) ? &c.in(0) : nullptr;
+  const Tensor* mask = c.has_in(5) ? &c.in(5) : nullptr;
+  const Tensor* dlse = c.has_in(6) ? &c.in(6) : nullptr;
+  const Dims d =
+      dims_of(c.node, q.shape(), k.shape(), v.shape(), mask ? &mask->shape() : nullptr,
+              mask ? mask->dtype() : q.dtype(), mask != nullptr, c.has_in(7) ? &c.in(7) : nullptr);
+  const int64_t rows = block_rows(d), group = d.H / d.Hk;
+  const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
+  dispatch_float(q.dtype(), c, [&]<class T>() {
+    Tensor ws = Tensor::empty({2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
+    Tensor dws = Tensor::empty({rows}, q.dtype(), c.alloc, Category::Workspace, "rowdot");
+    T* P = ws.data<T>();
+    T* dP = P + rows * d.Tk;
+    T* Di = dws.data<T>();
+    if (want_k) std::memset(c.out(1).raw(), 0, c.out(1).nbytes());
+    if (want_v) std::memset(c.out(2).raw(), 0, c.out(2).nbytes());
+    if (want_mask) std::memset(c.out(3).raw(), 0, c.out(3).nbytes());
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t h = 0; h < d.H; ++h) {
+        const int64_t hk = h / group, qh = (b * d.H + h), kh = (b * d.Hk + hk);
+        const T* Q = q.data<T>() + qh * d.Tq * d.D;
+        const T* K = k.data<T>() + kh * d.Tk * d.D;
+        const T* V = v.data<T>() + kh * d.Tk * d.Dv;
+        const T* dO = dout ? dout->data<T>() + qh * d.Tq * d.Dv : nullptr;
+        const T* L = lse_t.data<T>() + qh * d.Tq;
+        const T* dL = dlse ? dlse->data<T>() + qh * d.Tq : nullptr;
+        T* dQ = c.out(0).data<T>() + qh * d.Tq * d.D;
+        T* dK = want_k ? c.out(1).data<T>() + kh * d.Tk * d.D : nullptr;
+        T* dV = want_v ? c.out(2).data<T>() + kh * d.Tk * d.Dv : nullptr;
+        for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
+          const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
+          if (kn == 0) {
+            std::fill(dQ + r0 * d.D, dQ + (r0 + m) * d.D, T(0));
+            continue;
+          }
+          // P, recomputed from the saved log-sum-exp.
+          gemm_ld<T>(false, true, m, kn, d.D, static_cast<T>(d.scale), Q + r0 * d.D, d.D, K, d.D,
+                     T(0), P, kn);
+          mask_scores<T>(d, mask, b, h, r0, m, kn, P);
+          softmax_rows<T>(m, kn, P, nullptr, L + r0);
+          // dV += P^T dO
+          if (dV && dO)
+            gemm_ld<T>(true, false, kn, d.Dv, m, T(1), P, kn, dO + r0 * d.Dv, d.Dv, T(1), dV, d.Dv);
+          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE)
+          if (dO)
+            gemm_ld<T>(false, true, m, kn, d.Dv, T(1), dO + r0 * d.Dv, d.Dv, V, d.Dv, T(0), dP, kn);
+          else
+            std::fill(dP, dP + m * kn, T(0));
+          parallel_for(m, 5 * kn, [&](int, int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i) {
+              T* ds = dP + i * kn;
+              const T* p = P + i * kn;
+              double acc = 0;
+              for (int64_t j = 0; j < kn; ++j) acc += static_cast<double>(p[j]) * ds[j];
+              if (dL && std::isfinite(static_cast<double>(L[r0 + i]))) acc -= dL[r0 + i];
+              Di[i] = static_cast<T>(acc);
+              for (int64_t j = 0; j < kn; ++j) ds[j] = p[j] * (ds[j] - Di[i]);
+            }
+          });
+          if (want_mask) {  // d mask = dS (the scores' gradient before the scale)
+            T* dm = c.out(3).data<T>() + (qh * d.Tq + r0) * d.Tk;
+            for (int64_t i = 0; i < m; ++i)
+              std::copy(dP + i * kn, dP + (i + 1) * kn, dm + i * d.Tk);
+          }
+          // dQ = scale dS K;  dK += scale dS^T Q
+          gemm_ld<T>(false, false, m, d.D, kn, static_cast<T>(d.scale), dP, kn, K, d.D, T(0),
+                     dQ + r0 * d.D, d.D);
+          if (dK)
+            gemm_ld<T>(true, false, kn, d.D, m, static_cast<T>(d.scale), dP, kn, Q + r0 * d.D, d.D,
+                       T(1), dK, d.D);
+        }
+      }
+  });
+}
+
+// dQ, dK, dV = AttentionGrad(dO, Q, K, V, LSE, mask, dLSE, scale); LSE is the forward's output 1
+// (added for the backward when the forward did not make it). A float mask that needs a gradient
+// gets dS at full size (summed to the mask's shape by the driver); a boolean mask never does.
+void grad_attention(GradBuilder& g) {
+  const Node& n = g.node();
+  Attrs a;
+  a.set_int("causal", n.attrs.get_int("causal", 0, n.label()));
+  a.set_float("scale", n.attrs.get_float("scale", 0.0, n.label()));
+  std::vector<int> ins = {g.dy(0), g.x(0), g.x(1), g.x(2), g.y(1)};
+  const bool has_mask = n.inputs.size() > 3 && n.inputs[3] >= 0;
+  ins.push_back(has_mask ? g.x(3) : -1);
+  ins.push_back(n.outputs.size() > 1 && n.outputs[1] >= 0 ? g.dy(1) : -1);
+  const bool has_scale = n.inputs.size() > 4 && n.inputs[4] >= 0;
+  ins.push_back(has_scale ? g.x(4) : -1);
+  const bool mask_grad = has_mask && g.needs(3) && is_float(g.val(g.x(3)).dtype);
+  std::vector<int> outs = g.emit("AttentionGrad", ins, a, mask_grad ? 4 : 3, "graft");
+  g.set_dx(0, outs[0]);
+  if (g.needs(1))
+    g.set_dx(1, outs[1]);
+  else
+    g.drop_output(outs[1]);
+  if (g.needs(2))
+    g.set_dx(2, outs[2]);
+  else
+    g.drop_output(outs[2]);
+  if (mask_grad) g.set_dx(3, outs[3]);
+}
+
+const OpDef kOps[] = {
+    {.name = "Attention",
+     .domain = "graft",
+     .min_in = 3,
+     .max_in = 5,
+     .min_out = 1,
+     .max_out = 2,
+     .infer = infer_attention,
+     .kernel = attention_kernel,
+     .grad = grad_attention,
+     .nondiff_inputs = {4}},
+    {.name = "AttentionGrad",
+     .domain = "graft",
+     .min_in = 5,
+     .max_in = 8,
+     .min_out = 1,
+     .max_out = 4,
+     .infer = infer_attention_grad,
+     .kernel = attention_grad_kernel},
+};
+
+}  // namespace
+
+void register_attention_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft

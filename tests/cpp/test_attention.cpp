@@ -1,0 +1,169 @@
+// graft.Attention (src/ops/attention.cpp, Note [fused attention]): its forward against a naive
+// float64 reference, and its memory by exact byte accounting: what a training step through it
+// allocates grows linearly with the sequence length (no T x T probabilities exist, kept or not),
+// plus a block of scores of fixed size. (Its gradients: test_gradcheck.cpp, float64 finite
+// differences; against PyTorch's SDPA: tests/python/test_layers.py on torch 2.x.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "graft/ops.h"
+#include "graft/train.h"
+
+using namespace graft;
+
+namespace {
+
+Tensor random(const Shape& s, DType dt, Allocator& a, std::mt19937_64& rng) {
+  Tensor t = Tensor::empty(s, dt, a, Category::Workspace);
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dt == DType::F64)
+      t.data<double>()[i] = u(rng);
+    else
+      t.data<float>()[i] = static_cast<float>(u(rng));
+  }
+  return t;
+}
+
+// softmax(scale Q K^T + mask) V in float64, the textbook way; mask [Tq, Tk] (bool: 1 = attend, or
+// additive), broadcast over batch and heads.
+std::vector<double> naive(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                          const std::vector<double>* add, const std::vector<int>* keep) {
+  const int64_t B = q.dim(0), H = q.dim(1), Tq = q.dim(2), D = q.dim(3);
+  const int64_t Hk = k.dim(1), Tk = k.dim(2), Dv = v.dim(3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> out(B * H * Tq * Dv, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t hk = h / (H / Hk);
+      for (int64_t i = 0; i < Tq; ++i) {
+        std::vector<double> s(Tk, -INFINITY);
+        for (int64_t j = 0; j < Tk; ++j) {
+          if ((causal && j > i) || (keep && !(*keep)[i * Tk + j])) continue;
+          double acc = 0;
+          for (int64_t e = 0; e < D; ++e)
+            acc += q.data<double>()[((b * H + h) * Tq + i) * D + e] *
+                   k.data<double>()[((b * Hk + hk) * Tk + j) * D + e];
+          s[j] = scale * acc + (add ? (*add)[i * Tk + j] : 0.0);
+        }
+        double mx = -INFINITY, sum = 0;
+        for (double x : s) mx = std::max(mx, x);
+        if (mx == -INFINITY) continue;  // attends to nothing: 0
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (int64_t j = 0; j < Tk; ++j)
+          for (int64_t e = 0; e < Dv; ++e)
+            out[((b * H + h) * Tq + i) * Dv + e] +=
+                s[j] / sum * v.data<double>()[((b * Hk + hk) * Tk + j) * Dv + e];
+      }
+    }
+  return out;
+}
+
+TEST(Attention, ForwardMatchesNaiveReference) {
+  Allocator alloc;
+  std::mt19937_64 rng(3);
+  const int64_t B = 2, H = 4, Hk = 2, Tq = 7, Tk = 9, D = 5, Dv = 3;
+  Tensor q = random({B, H, Tq, D}, DType::F64, alloc, rng);
+  Tensor k = random({B, Hk, Tk, D}, DType::F64, alloc, rng);
+  Tensor v = random({B, Hk, Tk, Dv}, DType::F64, alloc, rng);
+  std::vector<int> keep(Tq * Tk);
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = (i * 7 % 5) != 0;
+  for (int64_t j = 0; j < Tk; ++j) keep[3 * Tk + j] = 0;  // row 3 attends to nothing
+  std::vector<double> add(Tq * Tk);
+  for (double& x : add) x = std::uniform_real_distribution<double>(-2, 2)(rng);
+  Tensor bmask = Tensor::empty({Tq, Tk}, DType::Bool, alloc, Category::Workspace);
+  Tensor fmask = Tensor::empty({1, 1, Tq, Tk}, DType::F64, alloc, Category::Workspace);
+  for (int64_t i = 0; i < Tq * Tk; ++i) {
+    bmask.data<bool>()[i] = keep[i] != 0;
+    fmask.data<double>()[i] = add[i];
+  }
+  struct Variant {
+    const char* name;
+    bool causal;
+    const Tensor* mask;
+  };
+  for (const Variant& var :
+       {Variant{"plain", false, nullptr}, Variant{"causal", true, nullptr},
+        Variant{"bool mask", false, &bmask}, Variant{"float mask, causal", true, &fmask}}) {
+    SCOPED_TRACE(var.name);
+    Node n;
+    n.op = "Attention";
+    n.domain = "graft";
+    n.name = "attn";
+    n.attrs.set_int("causal", var.causal ? 1 : 0);
+    Tensor o = Tensor::empty({B, H, Tq, Dv}, DType::F64, alloc, Category::Workspace);
+    Tensor lse = Tensor::empty({B, H, Tq}, DType::F64, alloc, Category::Workspace);
+    std::vector<const Tensor*> ins = {&q, &k, &v};
+    if (var.mask) ins.push_back(var.mask);
+    n.inputs.assign(ins.size(), 0);
+    n.outputs = {0, 1};
+    std::vector<Tensor*> outs = {&o, &lse};
+    run_node(n, ins, outs, alloc);
+    const std::vector<double> ref = naive(q, k, v, var.causal, var.mask == &fmask ? &add : nullptr,
+                                          var.mask == &bmask ? &keep : nullptr);
+    for (int64_t i = 0; i < o.numel(); ++i)
+      ASSERT_NEAR(o.data<double>()[i], ref[i], 1e-12) << "element " << i;
+    if (var.mask == &bmask)  // the row that attends to nothing: LSE -inf
+      EXPECT_EQ(lse.data<double>()[3], -std::numeric_limits<double>::infinity());
+  }
+}
+
+// One training step of loss = sum(Attention(Q, K, V) * R) with Q, K, V trained: the bytes it
+// allocates beyond the parameters and R, at its peak.
+struct Measured {
+  int64_t rest, workspace;
+};
+Measured step_bytes(int64_t T, bool causal) {
+  const int64_t B = 1, H = 2, D = 16;
+  Allocator alloc;
+  std::mt19937_64 rng(5);
+  Graph g;
+  const int q = g.add_param("q", random({B, H, T, D}, DType::F32, alloc, rng));
+  const int k = g.add_param("k", random({B, H, T, D}, DType::F32, alloc, rng));
+  const int v = g.add_param("v", random({B, H, T, D}, DType::F32, alloc, rng));
+  const int r = g.add_constant("r", random({B, H, T, D}, DType::F32, alloc, rng));
+  Attrs a;
+  a.set_int("causal", causal ? 1 : 0);
+  const int o = g.add_op1("Attention", {q, k, v}, a, "graft");
+  const int m = g.add_op1("Mul", {o, r});
+  Attrs keep;
+  keep.set_int("keepdims", 0);
+  const int loss = g.add_op1("ReduceSum", {m}, keep);
+  g.outputs = {loss};
+  SessionOptions so;
+  so.loss = g.values[loss].name;
+  so.alloc = &alloc;
+  TrainSession s(std::move(g), so);
+  s.step();  // warm-up: .grad buffers exist from here on
+  const int64_t start = alloc.current();
+  alloc.reset_peak();
+  s.step();
+  return {alloc.peak() - start, alloc.at_peak()[static_cast<int>(Category::Workspace)]};
+}
+
+TEST(Attention, StepMemoryIsLinearInSequenceLength) {
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    // The scores exist one block of rows at a time, 2^18 of them (rows = 2^18 / T): the
+    // backward's block of probabilities and their gradient, fixed in size, and a row sum per row.
+    // Everything else is per token (outputs, gradients, the log-sum-exp) or fixed, so with the
+    // row sums taken out, the bytes a step allocates are a + b T exactly: equal steps from T to
+    // 2T to 4T. Eager attention's probabilities alone are B*H*T*T*4 bytes, and their gradient as
+    // much again.
+    const int64_t T = 512;
+    int64_t f[3];
+    for (int i = 0; i < 3; ++i) {
+      const int64_t t = T << i, rows = (int64_t{1} << 18) / t;
+      const Measured m = step_bytes(t, causal);
+      EXPECT_GE(m.workspace, 2 * rows * t * 4 + rows * 4) << "T = " << t;
+      f[i] = m.rest - rows * 4;
+      if (i == 2) EXPECT_LT(m.rest, 2 * t * t * 4 / 8) << "T = " << t;
+    }
+    EXPECT_EQ(f[2] - f[1], 2 * (f[1] - f[0]));
+  }
+}
+
+}  // namespace

@@ -1,0 +1,97 @@
+"""torch 2.x's F.scaled_dot_product_attention through GraftModule: captured as graft's fused
+Attention (src/ops/attention.cpp), trained against an eager copy (outputs, losses, every .grad,
+parameters), and what the step keeps for the backward holds no T x T tensor.
+
+Run with the compiled package on the path:  PYTHONPATH=build/python python3 -m pytest tests/python/test_attention.py
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parity
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(F, "scaled_dot_product_attention"),
+                       reason="torch 1.13 has no scaled_dot_product_attention"),
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+D, H, T, B = 16, 4, 12, 2
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, kv_heads=H, causal=False, scale=None, mask=None):
+        super().__init__()
+        self.kv_heads, self.causal, self.scale, self.mask = kv_heads, causal, scale, mask
+        dh = D // H
+        self.q = nn.Linear(D, D)
+        self.k = nn.Linear(D, dh * kv_heads)
+        self.v = nn.Linear(D, dh * kv_heads)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x, mask=None):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, H, -1).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, -1).transpose(1, 2)
+        kw = {"enable_gqa": True} if self.kv_heads != H else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale, **kw)
+        return self.o(y.transpose(1, 2).reshape(b, t, D))
+
+
+def tokens(step):
+    return (torch.randn(B, T, D, generator=torch.Generator().manual_seed(step)),)
+
+
+def bool_mask(step):
+    g = torch.Generator().manual_seed(50 + step)
+    keep = torch.rand(B, 1, T, T, generator=g) > 0.3
+    keep[..., 0] = True  # every query attends to something
+    return tokens(step) + (keep,)
+
+
+def float_mask(step):
+    g = torch.Generator().manual_seed(60 + step)
+    return tokens(step) + (torch.randn(1, H, T, T, generator=g),)
+
+
+CASES = {
+    "plain": (lambda: SelfAttention(), tokens),
+    "causal": (lambda: SelfAttention(causal=True), tokens),
+    "scale": (lambda: SelfAttention(scale=0.3), tokens),
+    "grouped_query_causal": (lambda: SelfAttention(kv_heads=2, causal=True), tokens),
+    "bool_mask": (lambda: SelfAttention(), bool_mask),
+    "float_mask": (lambda: SelfAttention(), float_mask),
+}
+
+
+def _cast(make_inputs, dtype):
+    return lambda step: tuple(a.to(dtype) if a.is_floating_point() else a for a in make_inputs(step))
+
+
+def _fused(g):
+    """Whether the step ran graft's fused Attention, and the largest buffer it kept for backward."""
+    saved = g.saved_for_backward()
+    return any(op == "Attention" for _, op, _, _ in saved), max(b for *_, b in saved)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_scaled_dot_product_attention_trains_as_eager_and_keeps_no_t_by_t(name, dtype):
+    make_model, make_inputs = CASES[name]
+    tol = (1e-7, 1e-9) if dtype == torch.float64 else (1e-4, 1e-5)
+    g = parity.train_both(make_model(), _cast(make_inputs, dtype), steps=2, dtype=dtype, rtol=tol[0], atol=tol[1])
+    assert g.export_method == "capture", g.export_method
+    fused, biggest = _fused(g)
+    assert fused, "the attention was not captured as graft's Attention"
+    itemsize = torch.finfo(dtype).bits // 8
+    assert biggest < B * H * T * T * itemsize, biggest
+
+
+def test_a_transformer_encoder_layer_runs_the_fused_attention():
+    layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    g = parity.train_both(layer, _cast(tokens, torch.float64), steps=2, dtype=torch.float64, rtol=1e-7, atol=1e-9)
+    assert g.export_method == "capture", g.export_method
+    assert _fused(g)[0]
