@@ -18,11 +18,11 @@
 // Eager attention materializes the B x H x Tq x Tk probabilities, keeps them for the backward and
 // holds their gradient beside them there: at long sequences that is a model's largest activation.
 // Here the scores never exist for more than a block of query rows at a time. The forward takes,
-// per (batch, head), `rows` query rows at once (rows * Tk scores, about 1 MiB: it fits the L2
-// cache), computes their scores with one GEMM, the exact softmax of each row (max, exp, sum: a
-// whole row is in the block, so no online rescaling is needed) and their output with a second
-// GEMM, and keeps only the row's log-sum-exp for the backward. The backward recomputes the block's
-// probabilities from Q, K and the LSE (P = exp(S - LSE)), then
+// per (batch, head), `rows` query rows at once (rows * Tk scores, about 1 MiB, at least 256 rows),
+// computes their scores with one GEMM, the exact softmax of each row (max, exp, sum: a whole row is
+// in the block, so no online rescaling is needed) and their output with a second GEMM, and keeps
+// only the row's log-sum-exp for the backward. The backward recomputes the block's probabilities
+// from Q, K and the LSE (P = exp(S - LSE)), then
 //   dV += P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(P * dP)),   dQ = scale dS K,
 //   dK += scale dS^T Q,
 // so what attention adds to a step is O(T) (the LSE, and a block of scores and their gradient),
@@ -101,10 +101,12 @@ void infer_attention(InferCtx& c) {
   if (c.has_out(1)) c.set_out(1, c.dtype(0), {q[0], q[1], q[2]});
 }
 
-// Query rows per block: about 2^18 scores (1 MiB of float32), at least 16 rows, at most Tq.
+// Query rows per block: about 2^18 scores (1 MiB of float32), but at least 256 rows (the inner
+// dimension of the backward's dK and dV updates: thinner, those GEMMs re-read dK and dV for
+// little work each), at most Tq.
 int64_t block_rows(const Dims& d) {
-  return std::clamp<int64_t>((int64_t{1} << 18) / std::max<int64_t>(1, d.Tk), 16,
-                             std::max<int64_t>(1, d.Tq));
+  const int64_t r = std::max<int64_t>((int64_t{1} << 18) / std::max<int64_t>(1, d.Tk), 256);
+  return std::min(r, std::max<int64_t>(1, d.Tq));
 }
 
 // Keys a block of rows [r0, r1) reads: all, or (causal) up to the last row's diagonal.
