@@ -1,12 +1,13 @@
 """What the tools that run the model zoo share (tools/zoo-report, recompute-report, bf16-report):
 the repository's paths, the zoo itself (bench/zoo.py, importable as `zoo` once this is imported)
 and the re-execution of a tool under build/venv-zoo (made by tools/setup), where Hugging Face
-transformers is installed."""
+transformers is installed; GRAFT_ZOO_VENV=DIR runs it under another venv instead (the current
+PyTorch stack's, ~/.cache/graft/venv-torch-current, made by tools/setup too)."""
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV = os.path.join(ROOT, "build", "venv-zoo")
+VENV = os.environ.get("GRAFT_ZOO_VENV") or os.path.join(ROOT, "build", "venv-zoo")
 BENCH = os.path.join(ROOT, "bench")  # the model zoo (bench/zoo.py): a benchmark, not in the package
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
