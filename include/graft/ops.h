@@ -110,6 +110,12 @@ class GradBuilder {
 };
 using GradFn = void (*)(GradBuilder&);
 
+// --- cost ---------------------------------------------------------------------------------------
+// The arithmetic FLOPs of one node, from its inputs' and outputs' (inferred) shapes: 2*M*N*K for a
+// matrix product, 2*out*kernel for a convolution. Ops without one are elementwise: what they cost
+// is the bytes they move, which the caller counts (node_flops is 0 for them).
+using FlopsFn = double (*)(const Graph&, const Node&);
+
 // --- the table ----------------------------------------------------------------------------------
 // Rows are written with designated initializers; only what differs from these defaults is named:
 //   {.name = "Relu", .min_in = 1, .max_in = 1, .infer = infer_unary_float, .kernel = relu_kernel,
@@ -131,12 +137,33 @@ struct OpDef {
   // The kernel can add into output 0 (KernelCtx::accumulate): a weight-gradient GEMM then writes
   // straight into an existing .grad (beta = 1) instead of into a temporary that is added after.
   bool accumulate_out = false;
+  // Properties the graph passes read (autodiff's rewrites, recomputation under a memory budget),
+  // so that no pass keeps a list of op names:
+  // Draws random numbers: running the node again would not give the same result (Dropout's mask).
+  // PythonOp and PythonOpGrad count as random: a custom autograd.Function may draw random numbers
+  // or keep state between calls, which graft cannot see.
+  bool random = false;
+  // Only moves or copies data (Transpose, Reshape, Concat, Slice, Cast, Expand, ...): running it
+  // again costs a copy, never arithmetic (rewrite.cpp recomputes such copies of parameters in
+  // backward instead of keeping them).
+  bool copy_like = false;
+  // May be run again in backward to recompute a value dropped under an activation budget. False
+  // for random ops (the replay would draw anew), PythonOp (state) and LSTM / GRU (deterministic,
+  // but a whole recurrence is not worth re-running).
+  bool recompute = true;
+  // Arithmetic FLOPs of a node (see FlopsFn); nullptr: elementwise (node_flops gives 0).
+  FlopsFn flops = nullptr;
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");
 const std::vector<const OpDef*>& all_ops();
 // Looks up the node's op and checks its arity; Unsupported / InvalidModel naming the node.
 const OpDef& op_for(const Node& n);
+// The node's op (Node::def once resolved), or nullptr when graft has no such op; no arity check.
+const OpDef* op_def(const Node& n);
+// The node's arithmetic FLOPs (OpDef::flops; 0 for elementwise and unknown ops). A cost model adds
+// the bytes the node reads and writes.
+double node_flops(const Graph& g, const Node& n);
 
 // Binds graph-input shapes, runs static shape inference over every node, and folds constant
 // subgraphs (Shape -> Gather -> Concat -> Reshape ...). `shapes` gives concrete shapes for inputs

@@ -782,6 +782,13 @@ void grad_conv(GradBuilder& g) {
   }
 }
 
+// 2 * out * (C / group * kernel): each output element is a multiply-add over that many weights.
+double conv_flops(const Graph& g, const Node& n) {
+  if (n.inputs.size() < 2 || input_shape(g, n, 1).empty()) return 0;
+  const Shape& w = input_shape(g, n, 1);
+  return 2 * output_elements(g, n) * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
+}
+
 // ---- ConvTranspose(X, W, B?)
 // ------------------------------------------------------------------------
 // The transpose of the Conv (same window attributes, weight [C_in, C_out / group, k...]) that maps
@@ -1130,7 +1137,8 @@ const OpDef kOps[] = {
      .max_in = 3,
      .infer = infer_conv,
      .kernel = conv_kernel,
-     .grad = grad_conv},
+     .grad = grad_conv,
+     .flops = conv_flops},
     {.name = "ConvTranspose",
      .min_in = 2,
      .max_in = 3,

@@ -894,7 +894,11 @@ const OpDef kOps[] = {
      .kernel = unary_kernel<ReluF>,
      .grad = grad_relu,
      .inplace_input = 0},
-    {.name = "Identity", .infer = infer_same, .grad = grad_identity, .alias = true},
+    {.name = "Identity",
+     .infer = infer_same,
+     .grad = grad_identity,
+     .alias = true,
+     .copy_like = true},
     // graft's own: the value as it is, a constant for autodiff (where eager's autograd stops a
     // gradient: detach(), torch.no_grad; python/graft/_aten.py, Note [capture]).
     {.name = "StopGradient",
@@ -953,7 +957,11 @@ const OpDef kOps[] = {
      .kernel = sum_kernel,
      .grad = grad_sum,
      .inplace_input = 0},
-    {.name = "Cast", .infer = infer_cast, .kernel = cast_kernel, .grad = grad_cast},
+    {.name = "Cast",
+     .infer = infer_cast,
+     .kernel = cast_kernel,
+     .grad = grad_cast,
+     .copy_like = true},
     // comparisons and logic
     {.name = "Less",
      .min_in = 2,

@@ -250,6 +250,15 @@ void grad_matmul(GradBuilder& g) {
   }
 }
 
+// 2 * out * K: K from A's shape (and transA; Gemm's and FusedMatMul's, MatMul has none).
+double matmul_flops(const Graph& g, const Node& n) {
+  if (n.inputs.size() < 2 || input_shape(g, n, 0).empty()) return 0;
+  const Shape& a = input_shape(g, n, 0);
+  const bool ta = n.attrs.get_int("transA", 0) != 0;
+  const int64_t k = a.size() >= 2 && ta ? a[a.size() - 2] : a.back();
+  return 2 * output_elements(g, n) * static_cast<double>(k);
+}
+
 // ---- Einsum -------------------------------------------------------------------------------------
 // Equations with explicit or implicit output, repeated indices within an operand (diagonals),
 // "..." broadcasting and any number of operands. Labels are numbered densely: letters first, then
@@ -692,6 +701,9 @@ void einsum_kernel(KernelCtx& c) {
   });
 }
 
+// Rough: graft's Einsums (attention in exported transformers) are small contractions.
+double einsum_flops(const Graph& g, const Node& n) { return 2 * output_elements(g, n) * 64; }
+
 // Y = einsum(X_0, ..., X_n-1). dX_i = einsum of dY with the other operands, the output being X_i's
 // term. Labels X_i alone has were summed: dY does not vary along them, so the result is expanded
 // back. A label repeated in X_i (a diagonal) is split into fresh labels joined by identity
@@ -782,14 +794,16 @@ const OpDef kOps[] = {
      .kernel = gemm_kernel,
      .grad = grad_gemm,
      .inplace_input = 2,
-     .accumulate_out = true},
+     .accumulate_out = true,
+     .flops = matmul_flops},
     {.name = "MatMul",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_matmul,
      .kernel = matmul_kernel,
      .grad = grad_matmul,
-     .accumulate_out = true},
+     .accumulate_out = true,
+     .flops = matmul_flops},
     {.name = "FusedMatMul",
      .domain = "graft",
      .min_in = 2,
@@ -797,12 +811,14 @@ const OpDef kOps[] = {
      .infer = infer_matmul,
      .kernel = matmul_kernel,
      .grad = grad_matmul,
-     .accumulate_out = true},
+     .accumulate_out = true,
+     .flops = matmul_flops},
     {.name = "Einsum",
      .max_in = 1 << 20,
      .infer = infer_einsum,
      .kernel = einsum_kernel,
-     .grad = grad_einsum},
+     .grad = grad_einsum,
+     .flops = einsum_flops},
 };
 
 }  // namespace

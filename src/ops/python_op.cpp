@@ -120,7 +120,9 @@ const OpDef kOps[] = {
      .infer = infer_python_op,
      .kernel = python_op_kernel,
      .grad = grad_python_op,
-     .foldable = false},
+     .foldable = false,
+     .random = true,
+     .recompute = false},
     {.name = "PythonOpGrad",
      .domain = "graft",
      .min_in = 0,
@@ -129,7 +131,9 @@ const OpDef kOps[] = {
      .max_out = 1 << 16,
      .infer = infer_python_op_grad,
      .kernel = python_op_grad_kernel,
-     .foldable = false},
+     .foldable = false,
+     .random = true,
+     .recompute = false},
 };
 
 }  // namespace

@@ -77,6 +77,13 @@ const OpDef& op_for(const Node& n) {
   return *d;
 }
 
+const OpDef* op_def(const Node& n) { return n.def ? n.def : find_op(n.op, n.domain); }
+
+double node_flops(const Graph& g, const Node& n) {
+  const OpDef* d = op_def(n);
+  return d && d->flops ? d->flops(g, n) : 0.0;
+}
+
 // --- InferCtx / KernelCtx ----------------------------------------------------------------------
 const Value& InferCtx::in(int i) const {
   GRAFT_CHECK(has_in(i), ErrorKind::InvalidModel,

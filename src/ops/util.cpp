@@ -264,6 +264,13 @@ void add_n(T* d, const T* s, int64_t n) {
 
 void infer_same(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
 
+double output_elements(const Graph& g, const Node& n) {
+  double out = 0;
+  for (int v : n.outputs)
+    if (v >= 0) out += static_cast<double>(numel(g.values[v].shape));
+  return out;
+}
+
 }  // namespace graft::opsutil
 
 namespace graft {

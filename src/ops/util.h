@@ -322,4 +322,11 @@ int onnx_dtype_code_of(DType d);
 // Shape function: output 0 has input 0's dtype and shape.
 void infer_same(InferCtx& c);
 
+// For the cost functions (OpDef::flops): the elements of all the node's outputs, and the shape of
+// its input i.
+double output_elements(const Graph& g, const Node& n);
+inline const Shape& input_shape(const Graph& g, const Node& n, int i) {
+  return g.values[n.inputs[i]].shape;
+}
+
 }  // namespace graft::opsutil

@@ -1,0 +1,85 @@
+// The op table's own API: the properties the graph passes read from OpDef (random, copy_like,
+// recompute, flops) and node_flops.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "graft/ops.h"
+
+using namespace graft;
+
+namespace {
+Tensor ints(const std::vector<int64_t>& v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I64, Allocator::global(),
+                           Category::Workspace);
+  std::copy(v.begin(), v.end(), t.data<int64_t>());
+  return t;
+}
+Attrs int_attr(const std::string& k, int64_t v) {
+  Attrs a;
+  a.set_int(k, v);
+  return a;
+}
+}  // namespace
+
+TEST(OpDef, PropertiesAreFieldsOfTheTable) {
+  const std::set<std::string> copies = {"Transpose", "Reshape", "Unsqueeze", "Squeeze",
+                                        "Flatten",   "Concat",  "Slice",     "Split",
+                                        "Identity",  "Cast",    "Expand",    "Tile"};
+  for (const OpDef* d : all_ops()) {
+    const std::string name = d->name, where = name + " (domain '" + d->domain + "')";
+    const bool onnx = std::string(d->domain).empty();
+    EXPECT_EQ(d->copy_like, onnx && copies.count(name) == 1) << where;
+    if (d->random) {
+      EXPECT_FALSE(d->recompute) << where << ": a random op is never re-run";
+    }
+  }
+  EXPECT_TRUE(find_op("Dropout")->random);
+  EXPECT_TRUE(find_op("PythonOp", "graft")->random);
+  EXPECT_TRUE(find_op("PythonOpGrad", "graft")->random);
+  EXPECT_FALSE(find_op("Relu")->random);
+  EXPECT_TRUE(find_op("Relu")->recompute);
+  EXPECT_FALSE(find_op("LSTM")->recompute);
+  EXPECT_FALSE(find_op("GRU")->recompute);
+  EXPECT_FALSE(find_op("LSTM")->random);
+}
+
+TEST(OpDef, NodeFlopsFromShapes) {
+  Graph g;
+  const int a = g.add_input("a", DType::F32, {2, 3});
+  const int b = g.add_input("b", DType::F32, {3, 4});
+  const int at = g.add_input("at", DType::F32, {3, 2});
+  const int x = g.add_input("x", DType::F32, {1, 4, 8, 8});
+  const int w = g.add_param(
+      "w", Tensor::zeros({6, 2, 3, 3}, DType::F32, Allocator::global(), Category::Parameter));
+  g.add_op1("MatMul", {a, b}, {}, "", "mm");
+  g.add_op1("Gemm", {at, b}, int_attr("transA", 1), "", "gemm");
+  g.add_op1("FusedMatMul", {at, b}, int_attr("transA", 1), "graft", "fmm");
+  g.add_op1("Conv", {x, w}, int_attr("group", 2), "", "conv");  // -> [1, 6, 6, 6]
+  Attrs eq;
+  eq.set_string("equation", "ij,jk->ik");
+  g.add_op1("Einsum", {a, b}, eq, "", "ein");
+  g.add_op1("Relu", {a}, {}, "", "relu");
+  g.add_op1("Reshape", {a, g.add_constant("shape", ints({6}))}, {}, "", "reshape");
+  infer_shapes(g);
+  auto flops = [&](const std::string& name) {
+    for (const Node& n : g.nodes)
+      if (n.name == name) return node_flops(g, n);
+    ADD_FAILURE() << "no node " << name;
+    return -1.0;
+  };
+  EXPECT_EQ(flops("mm"), 2.0 * 8 * 3);  // 2 * M * N * K
+  EXPECT_EQ(flops("gemm"), 2.0 * 8 * 3);
+  EXPECT_EQ(flops("fmm"), 2.0 * 8 * 3);
+  EXPECT_EQ(flops("conv"), 2.0 * 216 * (2 * 3 * 3));  // 2 * out * (C / group * kernel)
+  EXPECT_EQ(flops("ein"), 2.0 * 8 * 64);
+  EXPECT_EQ(flops("relu"), 0.0);  // elementwise: the caller counts bytes
+  EXPECT_EQ(flops("reshape"), 0.0);
+  Node unknown;
+  unknown.op = "NoSuchOp";
+  EXPECT_EQ(op_def(unknown), nullptr);
+  EXPECT_EQ(node_flops(g, unknown), 0.0);
+}
+
