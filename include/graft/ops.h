@@ -17,6 +17,13 @@
 
 namespace graft {
 
+// --- axes ---------------------------------------------------------------------------------------
+// ONNX counts a negative axis from the end: axis a of a rank-r tensor, -r <= a < r, is dim
+// a < 0 ? a + r : a. The one place that normalizes an axis (shape functions, kernels, gradient
+// rules): an axis outside [-r, r) is an InvalidModel error naming node `n`, "<label>: <what> <a> is
+// out of range for rank <r>".
+int normalize_axis(int64_t axis, int rank, const Node& n, const char* what = "axis");
+
 // --- shape inference ----------------------------------------------------------------------------
 class InferCtx {
  public:
@@ -42,8 +49,6 @@ class InferCtx {
   int64_t attr_int(const std::string& k, int64_t d) const {
     return attrs().get_int(k, d, node().label());
   }
-  // Normalizes a possibly negative axis against `rank`, with a clear error when out of range.
-  int axis(int64_t a, int rank, const char* what = "axis") const;
 
  private:
   Graph& g_;

@@ -15,12 +15,11 @@ namespace {
 using namespace opsutil;
 
 // ---- Softmax / LogSoftmax (opset 13: one axis) --------------------------------------------------
-int norm_axis(const Node& n, int rank, int64_t dflt = -1) {
-  int64_t a = n.attrs.get_int("axis", dflt, n.label());
-  GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
-              n.label() + ": axis " + std::to_string(a) + " is out of range for rank " +
-                  std::to_string(rank));
-  return static_cast<int>(a < 0 ? a + rank : a);
+// The node's axis attribute (default -1) normalized for an input of rank `rank`; a scalar's axis 0
+// is accepted (the one element).
+int norm_axis(const Node& n, int rank) {
+  const int64_t a = n.attrs.get_int("axis", -1, n.label());
+  return rank == 0 && a == 0 ? 0 : normalize_axis(a, rank, n);
 }
 void infer_softmax(InferCtx& c) {
   require_float(c, 0);

@@ -25,10 +25,7 @@ std::vector<int> reduce_axes(const Node& n, const std::vector<int64_t>& axes_in,
     return axes;
   }
   for (int64_t a : axes_in) {
-    GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
-                n.label() + ": axis " + std::to_string(a) + " is out of range for rank " +
-                    std::to_string(rank));
-    int ax = static_cast<int>(a < 0 ? a + rank : a);
+    const int ax = rank == 0 && a == 0 ? 0 : normalize_axis(a, rank, n);  // a scalar's axis 0
     GRAFT_CHECK(std::find(axes.begin(), axes.end(), ax) == axes.end(), ErrorKind::InvalidModel,
                 n.label() + ": axis " + std::to_string(a) + " is listed twice");
     axes.push_back(ax);
@@ -286,7 +283,7 @@ void grad_reduce_any(GradBuilder& g) {
 void infer_arg(InferCtx& c) {
   require_numeric(c, 0);
   Shape s = c.shape(0);
-  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(s.size()), c.node());
   if (c.attr_int("keepdims", 1))
     s[ax] = 1;
   else
@@ -297,8 +294,7 @@ template <bool kMax>
 void arg_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
-    int ax = static_cast<int>(c.attr_int("axis", 0));
-    if (ax < 0) ax += x.rank();
+    const int ax = normalize_axis(c.attr_int("axis", 0), x.rank(), c.node);
     const bool last = c.attr_int("select_last_index", 0);
     int64_t outer, n, inner;
     split3(x.shape(), ax, ax + 1, outer, n, inner);
@@ -327,16 +323,15 @@ int64_t topk_k(const Tensor& k, const std::string& where) {
               where + ": K must be a one-element integer tensor");
   return static_cast<int64_t>(k.at(0));
 }
-// TopK's and TopKGrad's axis, non-negative (infer_topk checked its range).
+// TopK's and TopKGrad's axis, non-negative.
 int topk_axis(const KernelCtx& c, int rank) {
-  const int64_t ax = c.attr_int("axis", -1);
-  return static_cast<int>(ax < 0 ? ax + rank : ax);
+  return normalize_axis(c.attr_int("axis", -1), rank, c.node);
 }
 void infer_topk(InferCtx& c) {
   require_numeric(c, 0);
   Shape s = c.shape(0);
   if (s.empty()) c.error(ErrorKind::ShapeMismatch, "X must have at least one dim");
-  const int ax = c.axis(c.attr_int("axis", -1), static_cast<int>(s.size()));
+  const int ax = normalize_axis(c.attr_int("axis", -1), static_cast<int>(s.size()), c.node());
   const std::vector<int64_t> k = c.ints_in(1);
   c.check(k.size() == 1, "K must hold one value");
   if (k[0] < 0 || k[0] > s[ax])
@@ -417,12 +412,11 @@ void topk_grad_kernel(KernelCtx& c) {
 
 // ---- CumSum(x, axis; exclusive, reverse)
 // ------------------------------------------------------------
-int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
+// CumSum's axis: its input 1, read at run time (it may be a graph input).
+int cumsum_axis(const Tensor& t, int rank, const Node& n) {
   GRAFT_CHECK(t.numel() == 1 && is_int(t.dtype()), ErrorKind::InvalidModel,
-              where + ": axis must be an integer scalar");
-  int64_t a = static_cast<int64_t>(t.at(0));
-  GRAFT_CHECK(a >= -rank && a < rank, ErrorKind::InvalidModel, where + ": axis out of range");
-  return static_cast<int>(a < 0 ? a + rank : a);
+              n.label() + ": axis must be an integer scalar");
+  return normalize_axis(static_cast<int64_t>(t.at(0)), rank, n);
 }
 void infer_cumsum(InferCtx& c) {
   require_numeric(c, 0);
@@ -433,7 +427,7 @@ void infer_cumsum(InferCtx& c) {
 void cumsum_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
-    int ax = cumsum_axis(c.in(1), x.rank(), c.node.label());
+    int ax = cumsum_axis(c.in(1), x.rank(), c.node);
     const bool excl = c.attr_int("exclusive", 0), rev = c.attr_int("reverse", 0);
     int64_t outer, n, inner;
     split3(x.shape(), ax, ax + 1, outer, n, inner);

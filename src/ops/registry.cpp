@@ -130,11 +130,12 @@ void InferCtx::error(ErrorKind k, const std::string& msg) const {
   fail_at(k, node().name, node().label() + ": " + msg);
 }
 
-int InferCtx::axis(int64_t a, int rank, const char* what) const {
-  if (a < -rank || a >= rank)
-    error(ErrorKind::InvalidModel, std::string(what) + " " + std::to_string(a) +
-                                       " is out of range for rank " + std::to_string(rank));
-  return static_cast<int>(a < 0 ? a + rank : a);
+int normalize_axis(int64_t axis, int rank, const Node& n, const char* what) {
+  if (axis < -rank || axis >= rank)
+    fail_at(ErrorKind::InvalidModel, n.name,
+            n.label() + ": " + what + " " + std::to_string(axis) + " is out of range for rank " +
+                std::to_string(rank));
+  return static_cast<int>(axis < 0 ? axis + rank : axis);
 }
 
 void KernelCtx::error(ErrorKind k, const std::string& msg) const {

@@ -49,10 +49,8 @@ void infer_reshape(InferCtx& c) {
 void infer_flatten(InferCtx& c) {
   const Shape& s = c.shape(0);
   int r = static_cast<int>(s.size());
-  int64_t a = c.attr_int("axis", 1);
-  if (a < -r || a > r)
-    c.error(ErrorKind::InvalidModel, "axis " + std::to_string(a) + " out of range");
-  int ax = static_cast<int>(a < 0 ? a + r : a);
+  const int64_t a = c.attr_int("axis", 1);
+  const int ax = a == r ? r : normalize_axis(a, r, c.node());  // Flatten's axis may be the rank
   int64_t o = 1, i = 1;
   for (int k = 0; k < r; ++k) (k < ax ? o : i) *= s[k];
   c.set_out(0, c.dtype(0), {o, i});
@@ -63,7 +61,7 @@ void infer_squeeze(InferCtx& c) {
   std::vector<bool> drop(r, false);
   if (c.has_in(1)) {
     for (int64_t a : c.ints_in(1)) {
-      int ax = c.axis(a, r);
+      int ax = normalize_axis(a, r, c.node());
       c.check(s[ax] == 1,
               "cannot squeeze axis " + std::to_string(a) + " of size " + std::to_string(s[ax]));
       drop[ax] = true;
@@ -82,7 +80,7 @@ void infer_unsqueeze(InferCtx& c) {
   int r = static_cast<int>(s.size() + axes.size());
   std::vector<bool> ins(r, false);
   for (int64_t a : axes) {
-    int ax = c.axis(a, r);
+    int ax = normalize_axis(a, r, c.node());
     c.check(!ins[ax], "axis " + std::to_string(a) + " listed twice");
     ins[ax] = true;
   }
@@ -99,14 +97,15 @@ std::vector<int64_t> perm_of(const Node& n, int rank) {
   auto p = n.attrs.get_ints("perm", {}, n.label());
   if (p.empty())
     for (int i = rank - 1; i >= 0; --i) p.push_back(i);
-  GRAFT_CHECK(static_cast<int>(p.size()) == rank, ErrorKind::InvalidModel,
-              n.label() + ": perm has " + std::to_string(p.size()) + " entries for rank " +
-                  std::to_string(rank));
+  if (static_cast<int>(p.size()) != rank)
+    fail_at(ErrorKind::InvalidModel, n.name,
+            n.label() + ": perm has " + std::to_string(p.size()) + " entries for rank " +
+                std::to_string(rank));
   std::vector<bool> seen(rank, false);
   for (int64_t& a : p) {
-    if (a < 0) a += rank;
-    GRAFT_CHECK(a >= 0 && a < rank && !seen[a], ErrorKind::InvalidModel,
-                n.label() + ": perm is not a permutation");
+    a = normalize_axis(a, rank, n, "perm entry");
+    if (seen[a])
+      fail_at(ErrorKind::InvalidModel, n.name, n.label() + ": perm is not a permutation");
     seen[a] = true;
   }
   return p;
@@ -219,7 +218,7 @@ void grad_transpose(GradBuilder& g) {
 void infer_concat(InferCtx& c) {
   Shape out = c.shape(0);
   int r = static_cast<int>(out.size());
-  int ax = c.axis(c.attr_int("axis", 0), r);
+  int ax = normalize_axis(c.attr_int("axis", 0), r, c.node());
   for (int i = 1; i < c.n_in(); ++i) {
     const Shape& s = c.shape(i);
     c.check(c.dtype(i) == c.dtype(0), "inputs differ in dtype");
@@ -236,8 +235,7 @@ void infer_concat(InferCtx& c) {
 }
 void concat_kernel(KernelCtx& c) {
   const Tensor& y = c.out(0);
-  int ax = static_cast<int>(c.attr_int("axis", 0));
-  if (ax < 0) ax += y.rank();
+  const int ax = normalize_axis(c.attr_int("axis", 0), y.rank(), c.node);
   int64_t outer, mid, inner;
   split3(y.shape(), ax, ax + 1, outer, mid, inner);
   const size_t es = dtype_size(y.dtype());
@@ -254,9 +252,8 @@ void concat_kernel(KernelCtx& c) {
 }
 void grad_concat(GradBuilder& g) {
   const Node& n = g.node();
-  int r = static_cast<int>(g.shape(g.x(0)).size());
-  int64_t ax = n.attrs.get_int("axis", 0);
-  if (ax < 0) ax += r;
+  const int ax =
+      normalize_axis(n.attrs.get_int("axis", 0), static_cast<int>(g.shape(g.x(0)).size()), n);
   std::vector<int64_t> sizes;
   for (int v : n.inputs) sizes.push_back(g.shape(v)[ax]);
   Attrs a;
@@ -268,7 +265,7 @@ void grad_concat(GradBuilder& g) {
 
 std::vector<int64_t> split_sizes(InferCtx& c) {
   const Shape& s = c.shape(0);
-  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(s.size()), c.node());
   std::vector<int64_t> sz;
   if (c.has_in(1)) {
     sz = c.ints_in(1);
@@ -292,7 +289,7 @@ std::vector<int64_t> split_sizes(InferCtx& c) {
 }
 void infer_split(InferCtx& c) {
   auto sz = split_sizes(c);
-  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(c.shape(0).size()));
+  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(c.shape(0).size()), c.node());
   for (int i = 0; i < c.n_out(); ++i) {
     Shape s = c.shape(0);
     s[ax] = sz[i];
@@ -301,8 +298,7 @@ void infer_split(InferCtx& c) {
 }
 void split_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  int ax = static_cast<int>(c.attr_int("axis", 0));
-  if (ax < 0) ax += x.rank();
+  const int ax = normalize_axis(c.attr_int("axis", 0), x.rank(), c.node);
   int64_t outer, mid, inner;
   split3(x.shape(), ax, ax + 1, outer, mid, inner);
   const size_t es = dtype_size(x.dtype());
@@ -363,8 +359,9 @@ struct SliceSpec {
   std::vector<int64_t> start, step;
   Shape out;
 };
-SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<int64_t> ends,
-                     std::vector<int64_t> axes, std::vector<int64_t> steps,
+SliceSpec slice_spec(const Node& n, const Shape& s, std::vector<int64_t> starts,
+                     std::vector<int64_t> ends, std::vector<int64_t> axes,
+                     std::vector<int64_t> steps,
                      const std::function<void(const std::string&)>& err) {
   const int r = static_cast<int>(s.size());
   if (starts.size() != ends.size()) err("starts and ends differ in length");
@@ -379,9 +376,7 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
   sp.out = s;
   std::vector<bool> seen(r, false);
   for (size_t i = 0; i < axes.size(); ++i) {
-    int64_t a = axes[i];
-    if (a < -r || a >= r) err("axis " + std::to_string(a) + " out of range");
-    if (a < 0) a += r;
+    const int a = normalize_axis(axes[i], r, n);
     if (seen[a]) err("axis repeated");
     seen[a] = true;
     int64_t dim = s[a], st = steps[i], b = starts[i], e = ends[i];
@@ -411,7 +406,7 @@ SliceSpec slice_spec(const Shape& s, std::vector<int64_t> starts, std::vector<in
 }
 SliceSpec slice_spec_infer(InferCtx& c) {
   auto opt = [&](int i) { return c.has_in(i) ? c.ints_in(i) : std::vector<int64_t>{}; };
-  return slice_spec(c.shape(0), c.ints_in(1), c.ints_in(2), opt(3), opt(4),
+  return slice_spec(c.node(), c.shape(0), c.ints_in(1), c.ints_in(2), opt(3), opt(4),
                     [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
 }
 void infer_slice(InferCtx& c) { c.set_out(0, c.dtype(0), slice_spec_infer(c).out); }
@@ -444,8 +439,8 @@ std::vector<int64_t> tensor_ints(const Tensor& t) {
 }
 void slice_kernel(KernelCtx& c) {
   auto opt = [&](int i) { return c.has_in(i) ? tensor_ints(c.in(i)) : std::vector<int64_t>{}; };
-  auto sp = slice_spec(c.in(0).shape(), tensor_ints(c.in(1)), tensor_ints(c.in(2)), opt(3), opt(4),
-                       [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
+  auto sp = slice_spec(c.node, c.in(0).shape(), tensor_ints(c.in(1)), tensor_ints(c.in(2)), opt(3),
+                       opt(4), [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); });
   dispatch(c.in(0).dtype(), [&]<class T>() {
     window_copy<T>(c.in(0).data<T>(), c.in(0).shape(), c.out(0).data<T>(), sp.out, sp.start,
                    sp.step, true);
@@ -459,7 +454,7 @@ void grad_slice(GradBuilder& g) {
                : std::vector<int64_t>{};
   };
   auto sp = slice_spec(
-      g.shape(g.x(0)), ints_of(1), ints_of(2), ints_of(3), ints_of(4),
+      n, g.shape(g.x(0)), ints_of(1), ints_of(2), ints_of(3), ints_of(4),
       [&](const std::string& m) { fail(ErrorKind::InvalidModel, n.label() + ": " + m); });
   Attrs a;
   a.set_ints("shape", g.shape(g.x(0)));
@@ -482,7 +477,7 @@ void slice_grad_kernel(KernelCtx& c) {
 // ---- Gather -----------------------------------------------------------------------------------
 void infer_gather(InferCtx& c) {
   const Shape& s = c.shape(0);
-  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
+  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(s.size()), c.node());
   if (c.dtype(1) != DType::I64)
     c.error(ErrorKind::Unsupported,
             std::string("indices have dtype ") + dtype_name(c.dtype(1)) + "; graft supports int64");
@@ -531,17 +526,15 @@ void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds
 }
 void gather_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  int ax = static_cast<int>(c.attr_int("axis", 0));
-  if (ax < 0) ax += x.rank();
+  const int ax = normalize_axis(c.attr_int("axis", 0), x.rank(), c.node);
   dispatch(x.dtype(), [&]<class T>() {
     gather_impl<T, false>(c, c.in(1), x.data<T>(), x.shape(), c.out(0).data<T>(), ax);
   });
 }
 void grad_gather(GradBuilder& g) {
   Attrs a;
-  int64_t ax = g.node().attrs.get_int("axis", 0);
-  if (ax < 0) ax += static_cast<int64_t>(g.shape(g.x(0)).size());
-  a.set_int("axis", ax);
+  a.set_int("axis", normalize_axis(g.node().attrs.get_int("axis", 0),
+                                   static_cast<int>(g.shape(g.x(0)).size()), g.node()));
   a.set_ints("shape", g.shape(g.x(0)));
   // graft's own attribute, set by the PyTorch front end on an nn.Embedding's lookup (the exporter
   // drops padding_idx): that row gets no gradient from the lookup, as in eager.

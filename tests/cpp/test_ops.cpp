@@ -1,5 +1,5 @@
 // The op table's own API: the properties the graph passes read from OpDef (random, copy_like,
-// recompute, flops) and node_flops.
+// recompute, flops) and node_flops; normalize_axis.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -81,5 +81,27 @@ TEST(OpDef, NodeFlopsFromShapes) {
   unknown.op = "NoSuchOp";
   EXPECT_EQ(op_def(unknown), nullptr);
   EXPECT_EQ(node_flops(g, unknown), 0.0);
+}
+
+TEST(Axes, NormalizeAxisCountsFromTheEndAndNamesTheNode) {
+  Node n;
+  n.op = "Softmax";
+  n.name = "sm";
+  EXPECT_EQ(normalize_axis(0, 3, n), 0);
+  EXPECT_EQ(normalize_axis(2, 3, n), 2);
+  EXPECT_EQ(normalize_axis(-1, 3, n), 2);
+  EXPECT_EQ(normalize_axis(-3, 3, n), 0);
+  for (int64_t bad : {int64_t{3}, int64_t{-4}, int64_t{0} /* rank 0 */}) {
+    const int rank = bad == 0 ? 0 : 3;
+    try {
+      normalize_axis(bad, rank, n);
+      ADD_FAILURE() << "axis " << bad << " of rank " << rank << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::InvalidModel);
+      EXPECT_EQ(e.node(), "sm");
+      EXPECT_EQ(e.message(), "node 'sm' (Softmax): axis " + std::to_string(bad) +
+                                 " is out of range for rank " + std::to_string(rank));
+    }
+  }
 }
 
