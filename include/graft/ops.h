@@ -14,6 +14,7 @@
 
 #include "graft/core.h"
 #include "graft/ir.h"
+#include "graft/parallel.h"  // the thread pool: parallel_ranges, set_num_threads, ...
 
 namespace graft {
 
@@ -185,17 +186,6 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
 // dst[i] += src[i] over two float32 or float64 tensors of one dtype and element count (the
 // accumulation into .grad), on the op families' threads.
 void add_elements(Tensor& dst, const Tensor& src);
-
-// Runs fn(ctx, begin, end) over contiguous ranges covering [0, n), on the op families' threads
-// when n * work_per_item is worth waking them for (each range starts at a multiple of 64): for
-// flat elementwise loops outside the kernels, such as the optimizers' updates. Ranges must be
-// independent; results do not depend on the thread count.
-void parallel_ranges(int64_t n, int64_t work_per_item, void (*fn)(void*, int64_t, int64_t),
-                     void* ctx);
-
-// Threads used by GEMMs (OpenBLAS); <= 0 leaves the library default.
-void set_num_threads(int n);
-int num_threads();
 
 // Mixed precision for matrix products (Note [bf16 GEMMs], src/ops/linalg.cpp): while a scope with
 // bf16 = true is alive on a thread, the float32 GEMMs that thread runs (MatMul, Gemm, FusedMatMul,

@@ -8,10 +8,6 @@
 
 #include "util.h"
 
-// libgomp's (the threads of Debian's oneDNN, which graft links): declared here rather than through
-// <omp.h>, which a compiler without its OpenMP headers (clang without libomp-dev) lacks.
-extern "C" void omp_set_num_threads(int);
-
 namespace graft {
 namespace opsutil {
 // C(M,N) = alpha * op(A) op(B) + beta * C, row-major, explicit leading dimensions.
@@ -822,16 +818,6 @@ const OpDef kOps[] = {
 };
 
 }  // namespace
-
-extern "C" void openblas_set_num_threads(int);
-extern "C" int openblas_get_num_threads(void);
-void set_num_threads(int n) {
-  if (n > 0) {
-    openblas_set_num_threads(n);
-    omp_set_num_threads(n);  // oneDNN's threads (float32 and bf16 GEMMs, convolutions)
-  }
-}
-int num_threads() { return openblas_get_num_threads(); }
 
 void register_linalg_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);

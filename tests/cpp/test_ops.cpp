@@ -1,5 +1,5 @@
 // The op table's own API: the properties the graph passes read from OpDef (random, copy_like,
-// recompute, flops) and node_flops; normalize_axis.
+// recompute, flops) and node_flops; normalize_axis; the thread pool (graft/parallel.h).
 #include <gtest/gtest.h>
 
 #include <set>
@@ -105,3 +105,31 @@ TEST(Axes, NormalizeAxisCountsFromTheEndAndNamesTheNode) {
   }
 }
 
+TEST(Threads, ParallelForCoversEveryItemOnce) {
+  const int before = num_threads();
+  for (int threads : {1, 2, 4}) {
+    set_num_threads(threads);
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+      std::vector<int> hits(static_cast<size_t>(n), 0);
+      parallel_for(n, 1, [&](int slot, int64_t b, int64_t e) {
+        EXPECT_GE(slot, 0);
+        EXPECT_LT(slot, max_threads());
+        for (int64_t i = b; i < e; ++i) ++hits[static_cast<size_t>(i)];
+      });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << i;
+      std::vector<int64_t> got(static_cast<size_t>(n), 0);
+      struct Ctx {
+        std::vector<int64_t>* got;
+      } ctx{&got};
+      parallel_ranges(
+          n, 1,
+          [](void* p, int64_t b, int64_t e) {
+            EXPECT_EQ(b % 64, 0);
+            for (int64_t i = b; i < e; ++i) (*static_cast<Ctx*>(p)->got)[i] += i;
+          },
+          &ctx);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], i);
+    }
+  }
+  set_num_threads(before);
+}
