@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,21 @@ class InferCtx {
 };
 using InferFn = void (*)(InferCtx&);
 
+// --- prepared attributes ------------------------------------------------------------------------
+// Note [prepared attributes]
+// A node's attributes are a string-keyed map. An op whose kernel reads attributes has a prepare
+// function (OpDef::prepare) that parses them once per node into a plain struct of its own (e.g.
+// ConvAttrs: group, strides, pads, auto_pad as an enum); the kernel reads that struct with
+// KernelCtx::attrs<ConvAttrs>() instead of looking keys up on every call. The executor prepares
+// every node of its plan when it is built (before any kernel runs), run_node just before the
+// kernel. A bad attribute is the same typed error, naming the node, as when kernels parsed it.
+using PrepareFn = std::shared_ptr<const void> (*)(const Node&);
+// A prepare function's result: the parsed struct, shared by every run of the node.
+template <class A>
+std::shared_ptr<const void> prepared(A attrs) {
+  return std::make_shared<const A>(std::move(attrs));
+}
+
 // --- kernels ------------------------------------------------------------------------------------
 // Outputs are allocated by the executor from the statically inferred shapes before the kernel
 // runs (or alias an input when the planner chose in-place), so kernels only compute.
@@ -69,21 +85,21 @@ struct KernelCtx {
   // Output 0 already holds values to add to (a parameter's .grad): the kernel adds its result
   // into it instead of overwriting (only for ops with OpDef::accumulate_out).
   bool accumulate = false;
+  const void* prepared = nullptr;  // what OpDef::prepare made of the node (nullptr: no prepare)
   const Tensor& in(int i) const { return *ins[i]; }
   bool has_in(int i) const { return i < static_cast<int>(ins.size()) && ins[i]; }
   Tensor& out(int i) const { return *outs[i]; }
   bool has_out(int i) const { return i < static_cast<int>(outs.size()) && outs[i]; }
+  // The node's attributes as its OpDef::prepare parsed them: c.attrs<ConvAttrs>().
+  template <class A>
+  const A& attrs() const {
+    if (!prepared) not_prepared();
+    return *static_cast<const A*>(prepared);
+  }
+  // The raw attribute map (kernels read attrs<T>(); this is for ops folded at plan time).
   const Attrs& attrs() const { return node.attrs; }
-  int64_t attr_int(const std::string& k, int64_t d) const {
-    return node.attrs.get_int(k, d, node.label());
-  }
-  double attr_float(const std::string& k, double d) const {
-    return node.attrs.get_float(k, d, node.label());
-  }
-  std::vector<int64_t> attr_ints(const std::string& k) const {
-    return node.attrs.get_ints(k, {}, node.label());
-  }
   [[noreturn]] void error(ErrorKind k, const std::string& msg) const;
+  [[noreturn]] void not_prepared() const;  // an Internal error: attrs<T>() without a prepare
 };
 using KernelFn = void (*)(KernelCtx&);
 
@@ -132,11 +148,12 @@ struct OpDef {
   int min_in = 1, max_in = 1;
   int min_out = 1, max_out = 1;
   InferFn infer = nullptr;
-  KernelFn kernel = nullptr;  // nullptr for alias ops and sinks
-  GradFn grad = nullptr;      // nullptr: not differentiable (an error if a gradient must pass)
-  int inplace_input = -1;     // output 0 may overwrite this input's buffer (-1: never)
-  bool alias = false;         // output 0 is input 0's storage reshaped; no kernel runs
-  bool foldable = true;       // may be evaluated at plan time when all inputs are constant
+  PrepareFn prepare = nullptr;  // parses the attributes its kernel reads (Note [prepared ...])
+  KernelFn kernel = nullptr;    // nullptr for alias ops and sinks
+  GradFn grad = nullptr;        // nullptr: not differentiable (an error if a gradient must pass)
+  int inplace_input = -1;       // output 0 may overwrite this input's buffer (-1: never)
+  bool alias = false;           // output 0 is input 0's storage reshaped; no kernel runs
+  bool foldable = true;         // may be evaluated at plan time when all inputs are constant
   std::vector<int> nondiff_inputs = {};  // inputs that never get a gradient (indices, shapes)
   bool sink = false;  // a gradient sink: no kernel; the executor hands input 0 to the run's SinkFn
   bool shape_only = false;  // reads only its input's shape (Shape): folded once shapes are known
@@ -179,7 +196,10 @@ void infer_shapes(Graph& g, const std::map<std::string, Shape>& shapes = {},
                   Allocator* alloc = nullptr);
 // Infers one node (used by the autodiff driver for nodes it emits).
 void infer_node(Graph& g, int node);
-// Runs one node's kernel on concrete tensors (tests, folding).
+// The node's prepared attributes (OpDef::prepare; nullptr for an op without one). Errors name
+// the node.
+std::shared_ptr<const void> prepare_node(const Node& n);
+// Runs one node's kernel on concrete tensors (tests, folding); prepares the node first.
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
               Allocator& alloc);
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "conv_dnnl.h"
@@ -33,41 +34,90 @@ struct Window {
   }
 };
 
-// An ints attribute of a window (strides, pads, ...) of `len` entries, each `dflt` when absent.
-std::vector<int64_t> window_ints(const Node& n, const char* name, int64_t dflt, size_t len,
-                                 const std::function<void(const std::string&)>& err) {
-  auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
-  if (v.size() != len) err(std::string(name) + " has the wrong length");
-  return v;
+// The attributes of a convolution or pooling node (Conv, ConvTranspose, ConvGrad, MaxPool,
+// AveragePool, PoolGrad), read once (Note [prepared attributes], ops.h); window() and
+// conv_transpose_out() check them against the input's shape.
+enum class AutoPad { NotSet, Valid, SameUpper, SameLower, Other };
+struct ConvAttrs {
+  // Absent: the default for the input's rank (kernel_shape: the weight's spatial dims).
+  std::optional<std::vector<int64_t>> kernel_shape, strides, dilations, pads, output_padding;
+  AutoPad auto_pad = AutoPad::NotSet;
+  std::string auto_pad_name = "NOTSET";  // as given, for messages
+  bool output_shape = false;             // ConvTranspose's output_shape is given (unsupported)
+  int64_t group = 1;
+  bool max = false;  // MaxPool, or the PoolGrad of one (its attribute op)
+  bool ceil_mode = false, count_include_pad = false;
+  int64_t storage_order = 0;  // MaxPool
+  bool argmax = false;        // PoolGrad through the argmax the forward saved; x_shape: X's shape
+  Shape x_shape;
+};
+ConvAttrs conv_attrs(const Node& n) {
+  const std::string where = n.label();
+  auto ints = [&](const char* k) -> std::optional<std::vector<int64_t>> {
+    if (!n.attrs.has(k)) return std::nullopt;
+    return n.attrs.get_ints(k, {}, where);
+  };
+  ConvAttrs a;
+  a.kernel_shape = ints("kernel_shape");
+  a.strides = ints("strides");
+  a.dilations = ints("dilations");
+  a.pads = ints("pads");
+  a.output_padding = ints("output_padding");
+  a.auto_pad_name = n.attrs.get_string("auto_pad", "NOTSET", where);
+  a.auto_pad = a.auto_pad_name == "NOTSET"       ? AutoPad::NotSet
+               : a.auto_pad_name == "VALID"      ? AutoPad::Valid
+               : a.auto_pad_name == "SAME_UPPER" ? AutoPad::SameUpper
+               : a.auto_pad_name == "SAME_LOWER" ? AutoPad::SameLower
+                                                 : AutoPad::Other;
+  a.output_shape = n.attrs.has("output_shape");
+  a.group = n.attrs.get_int("group", 1, where);
+  a.max = n.op == "PoolGrad" ? n.attrs.get_string("op", "MaxPool", where) == "MaxPool"
+                             : n.op == "MaxPool";
+  a.ceil_mode = n.attrs.get_int("ceil_mode", 0, where) != 0;
+  a.count_include_pad = n.attrs.get_int("count_include_pad", 0, where) != 0;
+  a.storage_order = n.attrs.get_int("storage_order", 0, where);
+  a.argmax = n.attrs.get_int("argmax", 0, where) != 0;
+  a.x_shape = n.attrs.get_ints("x_shape", {}, where);
+  return a;
 }
-// Reads kernel_shape (or the weight's spatial dims), strides, dilations, pads and auto_pad.
-Window window(const Node& n, const Shape& x, const std::vector<int64_t>& kernel, bool ceil_mode,
-              const std::function<void(const std::string&)>& err) {
+std::shared_ptr<const void> prepare_conv(const Node& n) { return prepared(conv_attrs(n)); }
+
+// An ints attribute of a window (strides, pads, ...) of `len` entries, each `dflt` when absent.
+std::vector<int64_t> window_ints(const std::optional<std::vector<int64_t>>& v, const char* name,
+                                 int64_t dflt, size_t len,
+                                 const std::function<void(const std::string&)>& err) {
+  std::vector<int64_t> r = v ? *v : std::vector<int64_t>(len, dflt);
+  if (r.size() != len) err(std::string(name) + " has the wrong length");
+  return r;
+}
+// The window over x: kernel_shape (or `kernel`, the weight's spatial dims), strides, dilations,
+// pads and auto_pad.
+Window window(const ConvAttrs& a, const Shape& x, const std::vector<int64_t>& kernel,
+              bool ceil_mode, const std::function<void(const std::string&)>& err) {
   Window w;
   if (x.size() < 3) err("the input must be [N, C, D1, ...] with at least one spatial dim");
   w.nd = static_cast<int>(x.size()) - 2;
   w.in.assign(x.begin() + 2, x.end());
-  w.k = n.attrs.get_ints("kernel_shape", kernel, n.label());
+  w.k = a.kernel_shape ? *a.kernel_shape : kernel;
   if (static_cast<int>(w.k.size()) != w.nd) err("kernel_shape has the wrong rank");
-  w.stride = window_ints(n, "strides", 1, w.nd, err);
-  w.dil = window_ints(n, "dilations", 1, w.nd, err);
-  auto pads = window_ints(n, "pads", 0, 2 * w.nd, err);
+  w.stride = window_ints(a.strides, "strides", 1, w.nd, err);
+  w.dil = window_ints(a.dilations, "dilations", 1, w.nd, err);
+  auto pads = window_ints(a.pads, "pads", 0, 2 * w.nd, err);
   w.pad_begin.assign(pads.begin(), pads.begin() + w.nd);
   w.pad_end.assign(pads.begin() + w.nd, pads.end());
-  std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
   for (int i = 0; i < w.nd; ++i) {
     if (w.k[i] < 1 || w.stride[i] < 1 || w.dil[i] < 1 || w.pad_begin[i] < 0 || w.pad_end[i] < 0)
       err("kernel, strides and dilations must be >= 1 and pads >= 0");
     const int64_t ek = w.dil[i] * (w.k[i] - 1) + 1;
-    if (auto_pad == "VALID") {
+    if (a.auto_pad == AutoPad::Valid) {
       w.pad_begin[i] = w.pad_end[i] = 0;
-    } else if (auto_pad == "SAME_UPPER" || auto_pad == "SAME_LOWER") {
+    } else if (a.auto_pad == AutoPad::SameUpper || a.auto_pad == AutoPad::SameLower) {
       int64_t o = (w.in[i] + w.stride[i] - 1) / w.stride[i];
       int64_t total = std::max<int64_t>(0, (o - 1) * w.stride[i] + ek - w.in[i]);
-      w.pad_begin[i] = auto_pad == "SAME_UPPER" ? total / 2 : total - total / 2;
+      w.pad_begin[i] = a.auto_pad == AutoPad::SameUpper ? total / 2 : total - total / 2;
       w.pad_end[i] = total - w.pad_begin[i];
-    } else if (auto_pad != "NOTSET") {
-      err("auto_pad '" + auto_pad + "' is not supported");
+    } else if (a.auto_pad != AutoPad::NotSet) {
+      err("auto_pad '" + a.auto_pad_name + "' is not supported");
     }
     int64_t span = w.in[i] + w.pad_begin[i] + w.pad_end[i] - ek;
     if (span < 0) err("the window is larger than the padded input");
@@ -114,20 +164,21 @@ void for_each_tap(const Window& w, F&& f) {
 
 // ---- Conv(X, W, B?)
 // -------------------------------------------------------------------------------
-Window conv_window(const Node& n, const Shape& x, const Shape& wt,
+Window conv_window(const ConvAttrs& a, const Shape& x, const Shape& wt,
                    const std::function<void(const std::string&)>& err) {
   if (wt.size() != x.size()) err("X and W differ in rank");
   if (x.size() < 3)
     err("X has rank " + std::to_string(x.size()) + "; Conv needs (N, C, spatial...)");
-  return window(n, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
+  return window(a, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
 }
 void infer_conv(InferCtx& c) {
   require_float(c, 0);
   if (c.dtype(1) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
   const Shape &x = c.shape(0), &wt = c.shape(1);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-  Window w = conv_window(c.node(), x, wt, err);
-  int64_t g = c.attr_int("group", 1);
+  const ConvAttrs a = conv_attrs(c.node());
+  Window w = conv_window(a, x, wt, err);
+  const int64_t g = a.group;
   if (g < 1 || x[1] % g || wt[0] % g || wt[1] * g != x[1])
     err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
         std::to_string(g) + " do not fit");
@@ -489,8 +540,9 @@ void conv_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &x = c.in(0), &wt = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = conv_window(c.node, x.shape(), wt.shape(), err);
-    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = a.group;
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
     const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
@@ -583,8 +635,9 @@ void conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor
                    Tensor* dwt, Tensor* dbt) {
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = conv_window(c.node, x.shape(), wt.shape(), err);
-    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = a.group;
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
     T* dx = dxt ? dxt->data<T>() : nullptr;
     T* dw = dwt ? dwt->data<T>() : nullptr;
@@ -794,29 +847,30 @@ double conv_flops(const Graph& g, const Node& n) {
 // The transpose of the Conv (same window attributes, weight [C_in, C_out / group, k...]) that maps
 // Y's shape to X's: Y = that Conv's dX with dY := X, plus the bias. ONNX's output size per spatial
 // dim: stride * (in - 1) + output_padding + dilation * (k - 1) + 1 - pad_begin - pad_end.
-Shape conv_transpose_out(const Node& n, const Shape& x, const Shape& wt, int64_t g,
+Shape conv_transpose_out(const ConvAttrs& a, const Shape& x, const Shape& wt,
                          const std::function<void(const std::string&)>& err,
                          const std::function<void(const std::string&)>& unsupported) {
   if (wt.size() != x.size()) err("X and W differ in rank");
   if (x.size() < 3) err("X has rank " + std::to_string(x.size()) + "; needs (N, C, spatial...)");
   const size_t nd = x.size() - 2;
-  const std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
-  if (auto_pad != "NOTSET" && auto_pad != "VALID")
-    unsupported("auto_pad '" + auto_pad + "' is not supported for ConvTranspose (give pads)");
-  if (n.attrs.has("output_shape"))
+  const int64_t g = a.group;
+  if (a.auto_pad != AutoPad::NotSet && a.auto_pad != AutoPad::Valid)
+    unsupported("auto_pad '" + a.auto_pad_name +
+                "' is not supported for ConvTranspose (give pads)");
+  if (a.output_shape)
     unsupported("the output_shape attribute is not supported (give pads and output_padding)");
-  const auto k = window_ints(n, "kernel_shape", 0, nd, err),
-             stride = window_ints(n, "strides", 1, nd, err),
-             dil = window_ints(n, "dilations", 1, nd, err),
-             opad = window_ints(n, "output_padding", 0, nd, err);
-  auto pads = window_ints(n, "pads", 0, 2 * nd, err);
-  if (auto_pad == "VALID") pads.assign(2 * nd, 0);
+  const auto k = window_ints(a.kernel_shape, "kernel_shape", 0, nd, err),
+             stride = window_ints(a.strides, "strides", 1, nd, err),
+             dil = window_ints(a.dilations, "dilations", 1, nd, err),
+             opad = window_ints(a.output_padding, "output_padding", 0, nd, err);
+  auto pads = window_ints(a.pads, "pads", 0, 2 * nd, err);
+  if (a.auto_pad == AutoPad::Valid) pads.assign(2 * nd, 0);
   if (g < 1 || x[1] != wt[0] || wt[0] % g)
     err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
         std::to_string(g) + " do not fit (W is [C_in, C_out / group, k...])");
   Shape out{x[0], wt[1] * g};
   for (size_t i = 0; i < nd; ++i) {
-    if (n.attrs.has("kernel_shape") && k[i] != wt[2 + i]) err("kernel_shape differs from W's");
+    if (a.kernel_shape && k[i] != wt[2 + i]) err("kernel_shape differs from W's");
     if (stride[i] < 1 || dil[i] < 1 || pads[i] < 0 || pads[nd + i] < 0 || opad[i] < 0)
       err("strides and dilations must be >= 1, pads and output_padding >= 0");
     if (opad[i] >= stride[i]) err("output_padding must be smaller than the stride");
@@ -833,7 +887,7 @@ void infer_conv_transpose(InferCtx& c) {
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
   auto unsupported = [&](const std::string& m) { c.error(ErrorKind::Unsupported, m); };
   const Shape &x = c.shape(0), &wt = c.shape(1);
-  const Shape y = conv_transpose_out(c.node(), x, wt, c.attr_int("group", 1), err, unsupported);
+  const Shape y = conv_transpose_out(conv_attrs(c.node()), x, wt, err, unsupported);
   if (c.has_in(2)) c.check(c.shape(2) == Shape{y[1]}, "B must have shape [C_out]");
   c.set_out(0, c.dtype(0), y);
 }
@@ -881,16 +935,17 @@ void grad_conv_transpose(GradBuilder& g) {
 
 // ---- MaxPool / AveragePool (and graft's PoolGrad)
 // -------------------------------------------------
-Window pool_window(const Node& n, const Shape& x,
+Window pool_window(const ConvAttrs& a, const Shape& x,
                    const std::function<void(const std::string&)>& err) {
-  if (!n.attrs.has("kernel_shape")) err("kernel_shape is required");
-  return window(n, x, {}, n.attrs.get_int("ceil_mode", 0, n.label()) != 0, err);
+  if (!a.kernel_shape) err("kernel_shape is required");
+  return window(a, x, {}, a.ceil_mode, err);
 }
 void infer_pool(InferCtx& c) {
   require_float(c, 0);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-  Window w = pool_window(c.node(), c.shape(0), err);
-  if (c.node().op == "MaxPool" && c.attr_int("storage_order", 0) != 0)
+  const ConvAttrs a = conv_attrs(c.node());
+  Window w = pool_window(a, c.shape(0), err);
+  if (a.max && a.storage_order != 0)
     c.error(ErrorKind::Unsupported, "storage_order 1 is not supported");
   if (c.has_out(1))
     c.error(ErrorKind::Unsupported, "the Indices output of MaxPool is not supported");
@@ -901,7 +956,7 @@ void infer_pool(InferCtx& c) {
   // the int32 index within its input plane, which the backward scatters through (as PyTorch's
   // max_pool2d saves int64 indices) instead of searching every window again.
   if (c.has_out(2)) {
-    c.check(c.node().op == "MaxPool" && w.nd == 2 && w.in_size() <= INT32_MAX,
+    c.check(a.max && w.nd == 2 && w.in_size() <= INT32_MAX,
             "output 2 (graft's argmax) needs a 2-D MaxPool with planes under 2^31 elements");
     c.set_out(2, DType::I32, out);
   }
@@ -987,9 +1042,9 @@ void pool_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = pool_window(c.node, x.shape(), err);
-    const bool is_max = c.node.op == "MaxPool";
-    const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = pool_window(a, x.shape(), err);
+    const bool is_max = a.max, count_pad = a.count_include_pad;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
     int32_t* arg = c.has_out(2) ? c.out(2).data<int32_t>() : nullptr;
     parallel_for(planes, O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
@@ -1008,12 +1063,13 @@ void pool_kernel(KernelCtx& c) {
 // With argmax = 1: PoolGrad(dY, argmax; x_shape) -> dX, the argmax the 2-D MaxPool saved (its
 // output 2): each dY element added at its index in its plane; X itself is not kept for this.
 void infer_pool_grad(InferCtx& c) {
-  if (c.node().attrs.get_int("argmax", 0, c.node().label()) == 0) {
+  const ConvAttrs a = conv_attrs(c.node());
+  if (!a.argmax) {
     c.set_out(0, c.dtype(1), c.shape(1));
     return;
   }
   c.check(c.dtype(1) == DType::I32, "the argmax input must be int32");
-  c.set_out(0, c.dtype(0), c.node().attrs.get_ints("x_shape", {}, c.node().label()));
+  c.set_out(0, c.dtype(0), a.x_shape);
 }
 void pool_grad_argmax(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
@@ -1036,13 +1092,13 @@ void pool_grad_argmax(KernelCtx& c) {
   });
 }
 void pool_grad_kernel(KernelCtx& c) {
-  if (c.attr_int("argmax", 0) != 0) return pool_grad_argmax(c);
+  const ConvAttrs& a = c.attrs<ConvAttrs>();
+  if (a.argmax) return pool_grad_argmax(c);
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &dy = c.in(0), &x = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = pool_window(c.node, x.shape(), err);
-    const bool is_max = c.node.attrs.get_string("op", "MaxPool", c.node.label()) == "MaxPool";
-    const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
+    Window w = pool_window(a, x.shape(), err);
+    const bool is_max = a.max, count_pad = a.count_include_pad;
     const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
     T* dx = c.out(0).data<T>();
     const std::vector<T> ones(is_max ? 0 : I, T(1));
@@ -1136,6 +1192,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 3,
      .infer = infer_conv,
+     .prepare = prepare_conv,
      .kernel = conv_kernel,
      .grad = grad_conv,
      .flops = conv_flops},
@@ -1143,14 +1200,20 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 3,
      .infer = infer_conv_transpose,
+     .prepare = prepare_conv,
      .kernel = conv_transpose_kernel,
      .grad = grad_conv_transpose},
     {.name = "MaxPool",
      .max_out = 3,
      .infer = infer_pool,
+     .prepare = prepare_conv,
      .kernel = pool_kernel,
      .grad = grad_pool},
-    {.name = "AveragePool", .infer = infer_pool, .kernel = pool_kernel, .grad = grad_pool},
+    {.name = "AveragePool",
+     .infer = infer_pool,
+     .prepare = prepare_conv,
+     .kernel = pool_kernel,
+     .grad = grad_pool},
     {.name = "GlobalAveragePool",
      .infer = infer_global_pool,
      .kernel = global_pool_kernel<false>,
@@ -1165,12 +1228,14 @@ const OpDef kOps[] = {
      .max_in = 3,
      .max_out = 3,
      .infer = infer_conv_grad,
+     .prepare = prepare_conv,
      .kernel = conv_grad_kernel},
     {.name = "PoolGrad",
      .domain = "graft",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_pool_grad,
+     .prepare = prepare_conv,
      .kernel = pool_grad_kernel},
 };
 

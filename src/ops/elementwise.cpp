@@ -550,11 +550,19 @@ void minmax_kernel(KernelCtx& c) {
 // is the extreme, split evenly between the inputs that tie (PyTorch's maximum / minimum). The
 // extreme is recomputed from the inputs, so the forward's output is not kept (as in PyTorch).
 void infer_minmax_grad(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
+struct MinMaxGradAttrs {
+  int index = 0;  // the input whose gradient this is
+  bool is_min = false;
+};
+std::shared_ptr<const void> prepare_minmax_grad(const Node& n) {
+  return prepared(MinMaxGradAttrs{static_cast<int>(n.attrs.get_int("index", 0, n.label())),
+                                  n.attrs.get_int("is_min", 0, n.label()) != 0});
+}
 void minmax_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const int idx = static_cast<int>(c.attr_int("index", 0));
+    const int idx = c.attrs<MinMaxGradAttrs>().index;
     const Shape& os = c.out(0).shape();
-    const bool is_min = c.attr_int("is_min", 0) != 0;
+    const bool is_min = c.attrs<MinMaxGradAttrs>().is_min;
     const int n = static_cast<int>(c.ins.size()) - 1;
     std::vector<std::vector<int64_t>> st(n);
     for (int k = 0; k < n; ++k) st[k] = bcast_strides(c.in(1 + k).shape(), os);
@@ -596,12 +604,22 @@ void grad_minmax(GradBuilder& g) {
   }
 }
 
-// ---- HardSigmoid / HardSwish
-// ----------------------------------------------------------------------
+// ---- HardSigmoid / HardSwish ------------------------------------------------------------------
+// HardSigmoid's and HardGrad's attributes.
+struct HardAttrs {
+  double alpha = 0.2, beta = 0.5;  // HardSigmoid: max(0, min(1, alpha * x + beta))
+  bool swish = false;              // HardGrad: kind = 1 (HardSwish's), else HardSigmoid's
+};
+HardAttrs hard_attrs(const Node& n) {
+  const std::string where = n.label();
+  return {n.attrs.get_float("alpha", 0.2, where), n.attrs.get_float("beta", 0.5, where),
+          n.attrs.get_int("kind", 0, where) == 1};
+}
+std::shared_ptr<const void> prepare_hard(const Node& n) { return prepared(hard_attrs(n)); }
 void hard_sigmoid_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const T a = static_cast<T>(c.attr_float("alpha", 0.2)),
-            b = static_cast<T>(c.attr_float("beta", 0.5));
+    const T a = static_cast<T>(c.attrs<HardAttrs>().alpha),
+            b = static_cast<T>(c.attrs<HardAttrs>().beta);
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
     map1(x, y, c.in(0).numel(), kCheap,
@@ -619,9 +637,9 @@ void hard_swish_kernel(KernelCtx& c) {
 // HardGrad(dy, x; kind = 0 sigmoid (alpha, beta) | 1 swish) -> dx, as PyTorch's backward.
 void hard_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const bool swish = c.attr_int("kind", 0) == 1;
-    const T a = static_cast<T>(c.attr_float("alpha", 0.2)),
-            b = static_cast<T>(c.attr_float("beta", 0.5));
+    const HardAttrs& ha = c.attrs<HardAttrs>();
+    const bool swish = ha.swish;
+    const T a = static_cast<T>(ha.alpha), b = static_cast<T>(ha.beta);
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
     if (swish)
@@ -638,8 +656,9 @@ void hard_grad_kernel(KernelCtx& c) {
 void grad_hard_sigmoid(GradBuilder& g) {
   Attrs a;
   a.set_int("kind", 0);
-  a.set_float("alpha", g.node().attrs.get_float("alpha", 0.2));
-  a.set_float("beta", g.node().attrs.get_float("beta", 0.5));
+  const HardAttrs h = hard_attrs(g.node());
+  a.set_float("alpha", h.alpha);
+  a.set_float("beta", h.beta);
   g.set_dx(0, g.emit1("HardGrad", {g.dy(0), g.x(0)}, a, "graft"));
 }
 void grad_hard_swish(GradBuilder& g) {
@@ -663,9 +682,15 @@ bool gelu_tanh(const Node& n) {
     fail_at(ErrorKind::InvalidModel, n.name, n.label() + ": approximate must be none or tanh");
   return a == "tanh";
 }
+struct GeluAttrs {
+  bool tanh = false;  // approximate = "tanh" (else "none": erf)
+};
+std::shared_ptr<const void> prepare_gelu(const Node& n) {
+  return prepared(GeluAttrs{gelu_tanh(n)});
+}
 constexpr double kSqrt2Pi = 0.7978845608028654;  // sqrt(2 / pi)
 void gelu_kernel(KernelCtx& c) {
-  const bool th = gelu_tanh(c.node);
+  const bool th = c.attrs<GeluAttrs>().tanh;
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
@@ -681,7 +706,7 @@ void gelu_kernel(KernelCtx& c) {
 }
 // GeluGrad(dy, x) -> dx (the Gelu's approximate attribute).
 void gelu_grad_kernel(KernelCtx& c) {
-  const bool th = gelu_tanh(c.node);
+  const bool th = c.attrs<GeluAttrs>().tanh;
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
@@ -1029,6 +1054,7 @@ const OpDef kOps[] = {
      .grad = grad_minmax},
     {.name = "HardSigmoid",
      .infer = infer_unary_float,
+     .prepare = prepare_hard,
      .kernel = hard_sigmoid_kernel,
      .grad = grad_hard_sigmoid,
      .inplace_input = 0},
@@ -1049,12 +1075,14 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 1 << 20,
      .infer = infer_minmax_grad,
+     .prepare = prepare_minmax_grad,
      .kernel = minmax_grad_kernel},
     {.name = "HardGrad",
      .domain = "graft",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_grad_same1,
+     .prepare = prepare_hard,
      .kernel = hard_grad_kernel,
      .inplace_input = 0},
     // graft's fused gradient kernels: (dy, saved) -> dx
@@ -1072,12 +1100,17 @@ const OpDef kOps[] = {
      .infer = infer_grad2,
      .kernel = grad2_kernel<SigmoidGradF>,
      .inplace_input = 0},
-    {.name = "Gelu", .infer = infer_unary_float, .kernel = gelu_kernel, .grad = grad_gelu},
+    {.name = "Gelu",
+     .infer = infer_unary_float,
+     .prepare = prepare_gelu,
+     .kernel = gelu_kernel,
+     .grad = grad_gelu},
     {.name = "GeluGrad",
      .domain = "graft",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_grad2,
+     .prepare = prepare_gelu,
      .kernel = gelu_grad_kernel,
      .inplace_input = 0},
     {.name = "Silu",

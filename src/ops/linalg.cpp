@@ -50,12 +50,25 @@ template void gemm_ld<double>(bool, bool, int64_t, int64_t, int64_t, double, con
 namespace {
 using namespace opsutil;
 
+// Gemm's, MatMul's and FusedMatMul's attributes (MatMul has none: the defaults).
+struct GemmAttrs {
+  bool ta = false, tb = false;     // transA, transB
+  double alpha = 1.0, beta = 1.0;  // Gemm only
+};
+GemmAttrs gemm_attrs(const Node& n) {
+  const std::string where = n.label();
+  return {n.attrs.get_int("transA", 0, where) != 0, n.attrs.get_int("transB", 0, where) != 0,
+          n.attrs.get_float("alpha", 1.0, where), n.attrs.get_float("beta", 1.0, where)};
+}
+std::shared_ptr<const void> prepare_gemm(const Node& n) { return prepared(gemm_attrs(n)); }
+
 // ---- Gemm ---------------------------------------------------------------------------------------
 void infer_gemm(InferCtx& c) {
   require_float(c, 0);
   c.check(c.dtype(1) == c.dtype(0), "A and B differ in dtype");
   c.check(c.shape(0).size() == 2 && c.shape(1).size() == 2, "A and B must be 2-D");
-  bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
+  const GemmAttrs a = gemm_attrs(c.node());
+  const bool ta = a.ta, tb = a.tb;
   int64_t M = c.shape(0)[ta ? 1 : 0], K = c.shape(0)[ta ? 0 : 1];
   int64_t K2 = c.shape(1)[tb ? 1 : 0], N = c.shape(1)[tb ? 0 : 1];
   c.check(K == K2, "inner dimensions differ: A " + shape_str(c.shape(0)) + ", B " +
@@ -72,9 +85,9 @@ void infer_gemm(InferCtx& c) {
 
 void gemm_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
-    T alpha = static_cast<T>(c.attr_float("alpha", 1.0)),
-      beta = static_cast<T>(c.attr_float("beta", 1.0));
+    const GemmAttrs& a = c.attrs<GemmAttrs>();
+    const bool ta = a.ta, tb = a.tb;
+    const T alpha = static_cast<T>(a.alpha), beta = static_cast<T>(a.beta);
     const Tensor &A = c.in(0), &B = c.in(1);
     Tensor& Y = c.out(0);
     int64_t M = Y.dim(0), N = Y.dim(1), K = A.dim(ta ? 0 : 1);
@@ -98,9 +111,9 @@ void gemm_kernel(KernelCtx& c) {
 }
 
 void grad_gemm(GradBuilder& g) {
-  const Attrs& at = g.node().attrs;
-  bool ta = at.get_int("transA", 0), tb = at.get_int("transB", 0);
-  double alpha = at.get_float("alpha", 1.0), beta = at.get_float("beta", 1.0);
+  const GemmAttrs at = gemm_attrs(g.node());
+  const bool ta = at.ta, tb = at.tb;
+  const double alpha = at.alpha, beta = at.beta;
   int dy = g.dy(0), A = g.x(0), B = g.x(1);
   auto gemm_node = [&](int a, int b, bool t1, bool t2) {
     Attrs x;
@@ -152,14 +165,15 @@ MMShapes mm_shapes(const Shape& sa0, const Shape& sb0, bool ta, bool tb,
 void infer_matmul(InferCtx& c) {
   require_float(c, 0);
   c.check(c.dtype(1) == c.dtype(0), "inputs differ in dtype");
-  auto r = mm_shapes(c.shape(0), c.shape(1), c.attr_int("transA", 0), c.attr_int("transB", 0),
+  const GemmAttrs a = gemm_attrs(c.node());
+  auto r = mm_shapes(c.shape(0), c.shape(1), a.ta, a.tb,
                      [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
   c.set_out(0, c.dtype(0), r.out);
 }
 
 void matmul_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    bool ta = c.attr_int("transA", 0), tb = c.attr_int("transB", 0);
+    const bool ta = c.attrs<GemmAttrs>().ta, tb = c.attrs<GemmAttrs>().tb;
     const Tensor &A = c.in(0), &B = c.in(1);
     auto r = mm_shapes(A.shape(), B.shape(), ta, tb,
                        [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
@@ -190,8 +204,8 @@ void matmul_kernel(KernelCtx& c) {
 // Y = A B with broadcasting. dA = dY B^T summed to A's shape; dB = A^T dY likewise. 1-D operands
 // are promoted to 2-D first (numpy rules) and the results reshaped back.
 void grad_matmul(GradBuilder& g) {
-  const Attrs& at = g.node().attrs;
-  bool ta = at.get_int("transA", 0), tb = at.get_int("transB", 0);
+  const GemmAttrs at = gemm_attrs(g.node());
+  const bool ta = at.ta, tb = at.tb;
   int A = g.x(0), B = g.x(1), dy = g.dy(0);
   Shape sa = g.shape(A), sb = g.shape(B);
   bool a1 = sa.size() == 1, b1 = sb.size() == 1;
@@ -787,6 +801,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 3,
      .infer = infer_gemm,
+     .prepare = prepare_gemm,
      .kernel = gemm_kernel,
      .grad = grad_gemm,
      .inplace_input = 2,
@@ -796,6 +811,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_matmul,
+     .prepare = prepare_gemm,
      .kernel = matmul_kernel,
      .grad = grad_matmul,
      .accumulate_out = true,
@@ -805,6 +821,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_matmul,
+     .prepare = prepare_gemm,
      .kernel = matmul_kernel,
      .grad = grad_matmul,
      .accumulate_out = true,

@@ -15,21 +15,28 @@ namespace {
 using namespace opsutil;
 
 // ---- Softmax / LogSoftmax (opset 13: one axis) --------------------------------------------------
-// The node's axis attribute (default -1) normalized for an input of rank `rank`; a scalar's axis 0
-// is accepted (the one element).
-int norm_axis(const Node& n, int rank) {
-  const int64_t a = n.attrs.get_int("axis", -1, n.label());
-  return rank == 0 && a == 0 ? 0 : normalize_axis(a, rank, n);
+// The attributes of Softmax, LogSoftmax, LayerNormalization and their gradients.
+struct NormAttrs {
+  int64_t axis = -1;      // as given: norm_axis normalizes it for the input's rank
+  double epsilon = 1e-5;  // LayerNormalization
+};
+NormAttrs norm_attrs(const Node& n) {
+  return {n.attrs.get_int("axis", -1, n.label()), n.attrs.get_float("epsilon", 1e-5, n.label())};
+}
+std::shared_ptr<const void> prepare_norm(const Node& n) { return prepared(norm_attrs(n)); }
+// `axis` normalized for an input of rank `rank`; a scalar's axis 0 is accepted (the one element).
+int norm_axis(int64_t axis, int rank, const Node& n) {
+  return rank == 0 && axis == 0 ? 0 : normalize_axis(axis, rank, n);
 }
 void infer_softmax(InferCtx& c) {
   require_float(c, 0);
-  norm_axis(c.node(), static_cast<int>(c.shape(0).size()));
+  norm_axis(norm_attrs(c.node()).axis, static_cast<int>(c.shape(0).size()), c.node());
   infer_same(c);
 }
 template <bool kLog>
 void softmax_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  int ax = norm_axis(c.node, x.rank());
+  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, ax + 1, outer, n, inner);
   dispatch_float(x.dtype(), c, [&]<class T>() {
@@ -88,7 +95,7 @@ void softmax_kernel(KernelCtx& c) {
 template <bool kLog>
 void softmax_grad_kernel(KernelCtx& c) {
   const Tensor& dy = c.in(0);
-  int ax = norm_axis(c.node, dy.rank());
+  const int ax = norm_axis(c.attrs<NormAttrs>().axis, dy.rank(), c.node);
   int64_t outer, n, inner;
   split3(dy.shape(), ax, ax + 1, outer, n, inner);
   dispatch_float(dy.dtype(), c, [&]<class T>() {
@@ -138,12 +145,14 @@ void infer_softmax_grad(InferCtx& c) {
 }
 void grad_softmax(GradBuilder& g) {
   Attrs a;
-  a.set_int("axis", norm_axis(g.node(), static_cast<int>(g.shape(g.x(0)).size())));
+  a.set_int("axis", norm_axis(norm_attrs(g.node()).axis, static_cast<int>(g.shape(g.x(0)).size()),
+                              g.node()));
   g.set_dx(0, g.emit1("SoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
 }
 void grad_log_softmax(GradBuilder& g) {
   Attrs a;
-  a.set_int("axis", norm_axis(g.node(), static_cast<int>(g.shape(g.x(0)).size())));
+  a.set_int("axis", norm_axis(norm_attrs(g.node()).axis, static_cast<int>(g.shape(g.x(0)).size()),
+                              g.node()));
   g.set_dx(0, g.emit1("LogSoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
 }
 
@@ -153,7 +162,7 @@ void grad_log_softmax(GradBuilder& g) {
 void infer_layernorm(InferCtx& c) {
   require_float(c, 0);
   const Shape& s = c.shape(0);
-  int ax = norm_axis(c.node(), static_cast<int>(s.size()));
+  const int ax = norm_axis(norm_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
   int64_t outer, n, inner;
   split3(s, ax, static_cast<int>(s.size()), outer, n, inner);
   c.check(numel(c.shape(1)) == n, "Scale has " + std::to_string(numel(c.shape(1))) +
@@ -187,10 +196,10 @@ void ln_stats(const T* x, int64_t n, double eps, double& mean, double& inv) {
 }
 void layernorm_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  int ax = norm_axis(c.node, x.rank());
+  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, x.rank(), outer, n, inner);
-  double eps = c.attr_float("epsilon", 1e-5);
+  const double eps = c.attrs<NormAttrs>().epsilon;
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T* px = x.data<T>();
     const T* sc = c.in(1).data<T>();
@@ -229,10 +238,10 @@ void infer_layernorm_grad(InferCtx& c) {
 }
 void layernorm_grad_kernel(KernelCtx& c) {
   const Tensor& x = c.in(1);
-  int ax = norm_axis(c.node, x.rank());
+  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, x.rank(), outer, n, inner);
-  double eps = c.attr_float("epsilon", 1e-5);
+  const double eps = c.attrs<NormAttrs>().epsilon;
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T *pd = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
     T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
@@ -290,8 +299,9 @@ void layernorm_grad_kernel(KernelCtx& c) {
 void grad_layernorm(GradBuilder& g) {
   const Node& n = g.node();
   Attrs a;
-  a.set_int("axis", norm_axis(n, static_cast<int>(g.shape(g.x(0)).size())));
-  a.set_float("epsilon", n.attrs.get_float("epsilon", 1e-5));
+  const NormAttrs na = norm_attrs(n);
+  a.set_int("axis", norm_axis(na.axis, static_cast<int>(g.shape(g.x(0)).size()), n));
+  a.set_float("epsilon", na.epsilon);
   auto outs = g.emit("LayerNormGrad", {g.dy(0), g.x(0), g.x(1)}, a, 3, "graft");
   if (g.needs(0)) g.set_dx(0, outs[0]);
   if (g.needs(1)) g.set_dx(1, outs[1]);
@@ -300,6 +310,25 @@ void grad_layernorm(GradBuilder& g) {
 
 // ---- SoftmaxCrossEntropyLoss ------------------------------------------------------------------
 // scores [N, C, d...], labels [N, d...]; loss over the class axis 1.
+enum class Reduction { Mean, Sum, None, Other };
+struct SceAttrs {
+  Reduction reduction = Reduction::Mean;
+  std::string reduction_name = "mean";  // as given (for the error on an unknown one)
+  bool has_ignore = false;
+  int64_t ignore_index = 0;
+};
+SceAttrs sce_attrs(const Node& n) {
+  SceAttrs a;
+  a.reduction_name = n.attrs.get_string("reduction", "mean", n.label());
+  a.reduction = a.reduction_name == "mean"   ? Reduction::Mean
+                : a.reduction_name == "sum"  ? Reduction::Sum
+                : a.reduction_name == "none" ? Reduction::None
+                                             : Reduction::Other;
+  a.has_ignore = n.attrs.has("ignore_index");
+  a.ignore_index = n.attrs.get_int("ignore_index", 0, n.label());
+  return a;
+}
+std::shared_ptr<const void> prepare_sce(const Node& n) { return prepared(sce_attrs(n)); }
 void infer_sce(InferCtx& c) {
   require_float(c, 0);
   const Shape& s = c.shape(0);
@@ -314,10 +343,11 @@ void infer_sce(InferCtx& c) {
     if (c.dtype(2) != c.dtype(0))
       c.error(ErrorKind::InvalidModel, "weights and scores differ in dtype");
   }
-  std::string red = c.attrs().get_string("reduction", "mean", c.node().label());
-  if (red != "mean" && red != "sum" && red != "none")
-    c.error(ErrorKind::Unsupported, "reduction '" + red + "' (expected mean, sum or none)");
-  c.set_out(0, c.dtype(0), red == "none" ? ls : Shape{});
+  const SceAttrs a = sce_attrs(c.node());
+  if (a.reduction == Reduction::Other)
+    c.error(ErrorKind::Unsupported,
+            "reduction '" + a.reduction_name + "' (expected mean, sum or none)");
+  c.set_out(0, c.dtype(0), a.reduction == Reduction::None ? ls : Shape{});
   c.set_out(1, c.dtype(0), s);
 }
 struct SceView {
@@ -359,16 +389,17 @@ void sce_forward(const KernelCtx& c, const T* x, const int64_t* lab, const T* w,
 void sce_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   SceView v = sce_view(x.shape());
-  bool has_ignore = c.node.attrs.has("ignore_index");
-  int64_t ignore = c.attr_int("ignore_index", 0);
-  std::string red = c.node.attrs.get_string("reduction", "mean");
+  const SceAttrs& a = c.attrs<SceAttrs>();
+  const bool has_ignore = a.has_ignore;
+  const int64_t ignore = a.ignore_index;
+  const Reduction red = a.reduction;
   dispatch_float(x.dtype(), c, [&]<class T>() {
     std::vector<double> term, wt;
     sce_forward<T>(c, x.data<T>(), c.in(1).data<int64_t>(),
                    c.has_in(2) ? c.in(2).data<T>() : nullptr, v, ignore, has_ignore,
                    c.has_out(1) ? c.out(1).data<T>() : nullptr, term, wt);
     T* loss = c.out(0).data<T>();
-    if (red == "none") {
+    if (red == Reduction::None) {
       for (size_t i = 0; i < term.size(); ++i) loss[i] = static_cast<T>(term[i]);
       return;
     }
@@ -377,7 +408,7 @@ void sce_kernel(KernelCtx& c) {
       s += term[i];
       sw += wt[i];
     }
-    loss[0] = static_cast<T>(red == "sum" ? s : (sw != 0 ? s / sw : 0.0));
+    loss[0] = static_cast<T>(red == Reduction::Sum ? s : (sw != 0 ? s / sw : 0.0));
   });
 }
 // SoftmaxCrossEntropyLossGrad(dloss, scores, labels[, weights]) -> dscores.
@@ -385,9 +416,10 @@ void infer_sce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
 void sce_grad_kernel(KernelCtx& c) {
   const Tensor& x = c.in(1);
   SceView v = sce_view(x.shape());
-  bool has_ignore = c.node.attrs.has("ignore_index");
-  int64_t ignore = c.attr_int("ignore_index", 0);
-  std::string red = c.node.attrs.get_string("reduction", "mean");
+  const SceAttrs& a = c.attrs<SceAttrs>();
+  const bool has_ignore = a.has_ignore;
+  const int64_t ignore = a.ignore_index;
+  const Reduction red = a.reduction;
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const T* px = x.data<T>();
     const int64_t* lab = c.in(2).data<int64_t>();
@@ -403,7 +435,9 @@ void sce_grad_kernel(KernelCtx& c) {
         const int64_t pos = nn * v.D + d;
         const T* p = px + nn * v.C * v.D + d;
         T* q = dx + nn * v.C * v.D + d;
-        double coef = red == "none" ? dl[pos] : red == "sum" ? dl[0] : (sw != 0 ? dl[0] / sw : 0.0);
+        double coef = red == Reduction::None  ? dl[pos]
+                      : red == Reduction::Sum ? dl[0]
+                                              : (sw != 0 ? dl[0] / sw : 0.0);
         coef *= wt[pos];
         if (coef == 0) {
           for (int64_t k = 0; k < v.C; ++k) q[k * v.D] = T(0);
@@ -456,6 +490,12 @@ void infer_dropout(InferCtx& c) {
   if (p < 0 || p >= 1)
     c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
 }
+struct DropoutAttrs {
+  int64_t seed = 0;  // mixed into the generator's seed with the run's seed and the node's name
+};
+std::shared_ptr<const void> prepare_dropout(const Node& n) {
+  return prepared(DropoutAttrs{n.attrs.get_int("seed", 0, n.label())});
+}
 std::atomic<uint64_t>& dropout_counter() {
   static std::atomic<uint64_t> n{0};
   return n;
@@ -476,8 +516,8 @@ void dropout_kernel(KernelCtx& c) {
       if (mask) std::fill(mask, mask + x.numel(), true);
       return;
     }
-    std::mt19937_64 rng(static_cast<uint64_t>(c.attr_int("seed", 0)) * 1000003u + c.seed * 7919u +
-                        std::hash<std::string>{}(c.node.name));
+    std::mt19937_64 rng(static_cast<uint64_t>(c.attrs<DropoutAttrs>().seed) * 1000003u +
+                        c.seed * 7919u + std::hash<std::string>{}(c.node.name));
     std::bernoulli_distribution keep(1.0 - p);
     const T scale = static_cast<T>(1.0 / (1.0 - p));
     for (int64_t i = 0; i < x.numel(); ++i) {
@@ -519,6 +559,18 @@ void grad_dropout(GradBuilder& g) {
 // variance (ONNX's momentum is 1 - PyTorch's). Outputs 3 and 4 are graft's own, training mode
 // only: the batch mean and biased variance, [C], which the gradient reads instead of recomputing
 // them from X (as PyTorch saves save_mean / save_invstd); the gradient rule adds them.
+struct BnAttrs {
+  double epsilon = 1e-5, momentum = 0.9;
+  bool training = false;     // training_mode
+  bool batch_stats = false;  // BatchNormGrad: mean and var are the batch's (the forward's 3, 4)
+};
+BnAttrs bn_attrs(const Node& n) {
+  const std::string where = n.label();
+  return {n.attrs.get_float("epsilon", 1e-5, where), n.attrs.get_float("momentum", 0.9, where),
+          n.attrs.get_int("training_mode", 0, where) != 0,
+          n.attrs.get_int("batch_stats", 0, where) != 0};
+}
+std::shared_ptr<const void> prepare_bn(const Node& n) { return prepared(bn_attrs(n)); }
 void infer_batchnorm(InferCtx& c) {
   require_float(c, 0);
   const Shape& s = c.shape(0);
@@ -527,7 +579,7 @@ void infer_batchnorm(InferCtx& c) {
     c.check(c.shape(i) == Shape{s[1]}, "scale, B, mean and var must have shape [C]");
     if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
   }
-  const bool train = c.attr_int("training_mode", 0) != 0;
+  const bool train = bn_attrs(c.node()).training;
   if (!train && (c.has_out(1) || c.has_out(2) || c.has_out(3) || c.has_out(4)))
     c.error(ErrorKind::InvalidModel, "running statistics are outputs in training mode only");
   c.set_out(0, c.dtype(0), s);
@@ -573,8 +625,9 @@ void batchnorm_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
     BnView v = bn_view(x.shape());
-    const double eps = c.attr_float("epsilon", 1e-5), mom = c.attr_float("momentum", 0.9);
-    const bool train = c.attr_int("training_mode", 0) != 0;
+    const BnAttrs& ba = c.attrs<BnAttrs>();
+    const double eps = ba.epsilon, mom = ba.momentum;
+    const bool train = ba.training;
     const T *px = x.data<T>(), *sc = c.in(1).data<T>(), *bi = c.in(2).data<T>();
     const T *rm = c.in(3).data<T>(), *rv = c.in(4).data<T>();
     std::vector<double> mean(v.C), var(v.C);
@@ -664,11 +717,12 @@ void batchnorm_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(1);
     BnView v = bn_view(x.shape());
-    const double eps = c.attr_float("epsilon", 1e-5);
-    const bool train = c.attr_int("training_mode", 0) != 0;
+    const BnAttrs& ba = c.attrs<BnAttrs>();
+    const double eps = ba.epsilon;
+    const bool train = ba.training;
     const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
     std::vector<double> mean(v.C), var(v.C);
-    if (train && c.attr_int("batch_stats", 0) == 0) {
+    if (train && !ba.batch_stats) {
       bn_batch_stats(px, v, mean, var);
     } else {
       for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -703,8 +757,9 @@ void grad_batchnorm(GradBuilder& g) {
     fail(ErrorKind::Unsupported,
          n.label() + ": a gradient through the running statistics is not supported");
   Attrs a;
-  a.set_float("epsilon", n.attrs.get_float("epsilon", 1e-5));
-  const bool train = n.attrs.get_int("training_mode", 0) != 0;
+  const BnAttrs na = bn_attrs(n);
+  a.set_float("epsilon", na.epsilon);
+  const bool train = na.training;
   a.set_int("training_mode", train);
   a.set_int("batch_stats", train);
   // Training: the batch statistics the forward computed (its outputs 3, 4), not the running ones.
@@ -721,6 +776,7 @@ const OpDef kOps[] = {
      .max_in = 5,
      .max_out = 5,
      .infer = infer_batchnorm,
+     .prepare = prepare_bn,
      .kernel = batchnorm_kernel,
      .grad = grad_batchnorm,
      .nondiff_inputs = {3, 4}},
@@ -730,16 +786,19 @@ const OpDef kOps[] = {
      .max_in = 5,
      .max_out = 3,
      .infer = infer_batchnorm_grad,
+     .prepare = prepare_bn,
      .kernel = batchnorm_grad_kernel,
      .nondiff_inputs = {3, 4}},
     // In place: the kernel reads a whole line before writing it.
     {.name = "Softmax",
      .infer = infer_softmax,
+     .prepare = prepare_norm,
      .kernel = softmax_kernel<false>,
      .grad = grad_softmax,
      .inplace_input = 0},
     {.name = "LogSoftmax",
      .infer = infer_softmax,
+     .prepare = prepare_norm,
      .kernel = softmax_kernel<true>,
      .grad = grad_log_softmax,
      .inplace_input = 0},
@@ -748,6 +807,7 @@ const OpDef kOps[] = {
      .max_in = 3,
      .max_out = 3,
      .infer = infer_layernorm,
+     .prepare = prepare_norm,
      .kernel = layernorm_kernel,
      .grad = grad_layernorm},
     {.name = "SoftmaxCrossEntropyLoss",
@@ -755,6 +815,7 @@ const OpDef kOps[] = {
      .max_in = 3,
      .max_out = 2,
      .infer = infer_sce,
+     .prepare = prepare_sce,
      .kernel = sce_kernel,
      .grad = grad_sce,
      .nondiff_inputs = {1, 2}},
@@ -762,6 +823,7 @@ const OpDef kOps[] = {
      .max_in = 3,
      .max_out = 2,
      .infer = infer_dropout,
+     .prepare = prepare_dropout,
      .kernel = dropout_kernel,
      .grad = grad_dropout,
      .foldable = false,
@@ -773,6 +835,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_softmax_grad,
+     .prepare = prepare_norm,
      .kernel = softmax_grad_kernel<false>,
      .inplace_input = 0},
     {.name = "LogSoftmaxGrad",
@@ -780,6 +843,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_softmax_grad,
+     .prepare = prepare_norm,
      .kernel = softmax_grad_kernel<true>,
      .inplace_input = 0},
     {.name = "LayerNormGrad",
@@ -788,12 +852,14 @@ const OpDef kOps[] = {
      .max_in = 3,
      .max_out = 3,
      .infer = infer_layernorm_grad,
+     .prepare = prepare_norm,
      .kernel = layernorm_grad_kernel},
     {.name = "SoftmaxCrossEntropyLossGrad",
      .domain = "graft",
      .min_in = 3,
      .max_in = 4,
      .infer = infer_sce_grad,
+     .prepare = prepare_sce,
      .kernel = sce_grad_kernel,
      .nondiff_inputs = {2}},
 };

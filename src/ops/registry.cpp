@@ -142,6 +142,10 @@ void KernelCtx::error(ErrorKind k, const std::string& msg) const {
   fail_at(k, node.name, node.label() + ": " + msg);
 }
 
+void KernelCtx::not_prepared() const {
+  error(ErrorKind::Internal, "the kernel reads prepared attributes but the node was not prepared");
+}
+
 // --- inference and folding ---------------------------------------------------------------------
 void infer_node(Graph& g, int ni) {
   Node& n = g.nodes[ni];
@@ -159,6 +163,11 @@ void infer_node(Graph& g, int ni) {
            n.label() + ": shape function left '" + g.values[o].name + "' unset");
 }
 
+std::shared_ptr<const void> prepare_node(const Node& n) {
+  const OpDef& d = op_for(n);
+  return d.prepare ? d.prepare(n) : nullptr;
+}
+
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
               Allocator& alloc) {
   const OpDef& d = op_for(n);
@@ -166,7 +175,9 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
     *outs[0] = ins[0]->reshaped(outs[0]->shape());
     return;
   }
+  const std::shared_ptr<const void> attrs = prepare_node(n);
   KernelCtx ctx{n, ins, outs, alloc};
+  ctx.prepared = attrs.get();
   d.kernel(ctx);
 }
 

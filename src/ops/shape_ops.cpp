@@ -4,6 +4,7 @@
 // PadGrad.
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "util.h"
 
@@ -93,8 +94,16 @@ void infer_unsqueeze(InferCtx& c) {
 void grad_alias(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
 
 // ---- Transpose --------------------------------------------------------------------------------
-std::vector<int64_t> perm_of(const Node& n, int rank) {
-  auto p = n.attrs.get_ints("perm", {}, n.label());
+struct TransposeAttrs {
+  std::vector<int64_t> perm;  // as given (empty: reverse the dims); perm_of checks it for a rank
+};
+TransposeAttrs transpose_attrs(const Node& n) { return {n.attrs.get_ints("perm", {}, n.label())}; }
+std::shared_ptr<const void> prepare_transpose(const Node& n) {
+  return prepared(transpose_attrs(n));
+}
+// The permutation for an input of rank `rank`, normalized and checked.
+std::vector<int64_t> perm_of(const TransposeAttrs& a, int rank, const Node& n) {
+  std::vector<int64_t> p = a.perm;
   if (p.empty())
     for (int i = rank - 1; i >= 0; --i) p.push_back(i);
   if (static_cast<int>(p.size()) != rank)
@@ -112,7 +121,7 @@ std::vector<int64_t> perm_of(const Node& n, int rank) {
 }
 void infer_transpose(InferCtx& c) {
   const Shape& s = c.shape(0);
-  auto p = perm_of(c.node(), static_cast<int>(s.size()));
+  auto p = perm_of(transpose_attrs(c.node()), static_cast<int>(s.size()), c.node());
   Shape out;
   for (int64_t a : p) out.push_back(s[a]);
   c.set_out(0, c.dtype(0), out);
@@ -193,7 +202,7 @@ void transpose_copy(const T* x, T* y, const Shape& ys, const std::vector<int64_t
 }
 void transpose_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  auto p = perm_of(c.node, x.rank());
+  auto p = perm_of(c.attrs<TransposeAttrs>(), x.rank(), c.node);
   std::vector<int64_t> st(x.rank()), pst(x.rank());
   int64_t s = 1;
   for (int i = x.rank() - 1; i >= 0; --i) {
@@ -206,7 +215,7 @@ void transpose_kernel(KernelCtx& c) {
   });
 }
 void grad_transpose(GradBuilder& g) {
-  auto p = perm_of(g.node(), static_cast<int>(g.shape(g.x(0)).size()));
+  auto p = perm_of(transpose_attrs(g.node()), static_cast<int>(g.shape(g.x(0)).size()), g.node());
   std::vector<int64_t> inv(p.size());
   for (size_t i = 0; i < p.size(); ++i) inv[p[i]] = static_cast<int64_t>(i);
   Attrs a;
@@ -215,10 +224,23 @@ void grad_transpose(GradBuilder& g) {
 }
 
 // ---- Concat / Split ---------------------------------------------------------------------------
+// The axis of Concat, Split, Gather and GatherGrad (as given: normalized for a rank where used),
+// and GatherGrad's padding_idx.
+struct AxisAttrs {
+  int64_t axis = 0;
+  std::optional<int64_t> padding_idx;
+};
+AxisAttrs axis_attrs(const Node& n) {
+  AxisAttrs a;
+  a.axis = n.attrs.get_int("axis", 0, n.label());
+  if (n.attrs.has("padding_idx")) a.padding_idx = n.attrs.get_int("padding_idx", 0, n.label());
+  return a;
+}
+std::shared_ptr<const void> prepare_axis(const Node& n) { return prepared(axis_attrs(n)); }
 void infer_concat(InferCtx& c) {
   Shape out = c.shape(0);
   int r = static_cast<int>(out.size());
-  int ax = normalize_axis(c.attr_int("axis", 0), r, c.node());
+  int ax = normalize_axis(axis_attrs(c.node()).axis, r, c.node());
   for (int i = 1; i < c.n_in(); ++i) {
     const Shape& s = c.shape(i);
     c.check(c.dtype(i) == c.dtype(0), "inputs differ in dtype");
@@ -235,7 +257,7 @@ void infer_concat(InferCtx& c) {
 }
 void concat_kernel(KernelCtx& c) {
   const Tensor& y = c.out(0);
-  const int ax = normalize_axis(c.attr_int("axis", 0), y.rank(), c.node);
+  const int ax = normalize_axis(c.attrs<AxisAttrs>().axis, y.rank(), c.node);
   int64_t outer, mid, inner;
   split3(y.shape(), ax, ax + 1, outer, mid, inner);
   const size_t es = dtype_size(y.dtype());
@@ -252,8 +274,7 @@ void concat_kernel(KernelCtx& c) {
 }
 void grad_concat(GradBuilder& g) {
   const Node& n = g.node();
-  const int ax =
-      normalize_axis(n.attrs.get_int("axis", 0), static_cast<int>(g.shape(g.x(0)).size()), n);
+  const int ax = normalize_axis(axis_attrs(n).axis, static_cast<int>(g.shape(g.x(0)).size()), n);
   std::vector<int64_t> sizes;
   for (int v : n.inputs) sizes.push_back(g.shape(v)[ax]);
   Attrs a;
@@ -265,7 +286,7 @@ void grad_concat(GradBuilder& g) {
 
 std::vector<int64_t> split_sizes(InferCtx& c) {
   const Shape& s = c.shape(0);
-  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(s.size()), c.node());
+  int ax = normalize_axis(axis_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
   std::vector<int64_t> sz;
   if (c.has_in(1)) {
     sz = c.ints_in(1);
@@ -289,7 +310,7 @@ std::vector<int64_t> split_sizes(InferCtx& c) {
 }
 void infer_split(InferCtx& c) {
   auto sz = split_sizes(c);
-  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(c.shape(0).size()), c.node());
+  int ax = normalize_axis(axis_attrs(c.node()).axis, static_cast<int>(c.shape(0).size()), c.node());
   for (int i = 0; i < c.n_out(); ++i) {
     Shape s = c.shape(0);
     s[ax] = sz[i];
@@ -298,7 +319,7 @@ void infer_split(InferCtx& c) {
 }
 void split_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  const int ax = normalize_axis(c.attr_int("axis", 0), x.rank(), c.node);
+  const int ax = normalize_axis(c.attrs<AxisAttrs>().axis, x.rank(), c.node);
   int64_t outer, mid, inner;
   split3(x.shape(), ax, ax + 1, outer, mid, inner);
   const size_t es = dtype_size(x.dtype());
@@ -465,19 +486,26 @@ void grad_slice(GradBuilder& g) {
 void infer_slice_grad(InferCtx& c) {
   c.set_out(0, c.dtype(0), c.attrs().get_ints("shape", {}, c.node().label()));
 }
+struct SliceGradAttrs {
+  std::vector<int64_t> starts, steps;  // per dim of dx, normalized by grad_slice
+};
+std::shared_ptr<const void> prepare_slice_grad(const Node& n) {
+  return prepared(SliceGradAttrs{n.attrs.get_ints("starts", {}, n.label()),
+                                 n.attrs.get_ints("steps", {}, n.label())});
+}
 void slice_grad_kernel(KernelCtx& c) {
   Tensor& dx = c.out(0);
   std::memset(dx.raw(), 0, dx.nbytes());
   dispatch_float(dx.dtype(), c, [&]<class T>() {
     window_copy<T>(dx.data<T>(), dx.shape(), c.in(0).data<T>(), c.in(0).shape(),
-                   c.attr_ints("starts"), c.attr_ints("steps"), false);
+                   c.attrs<SliceGradAttrs>().starts, c.attrs<SliceGradAttrs>().steps, false);
   });
 }
 
 // ---- Gather -----------------------------------------------------------------------------------
 void infer_gather(InferCtx& c) {
   const Shape& s = c.shape(0);
-  int ax = normalize_axis(c.attr_int("axis", 0), static_cast<int>(s.size()), c.node());
+  int ax = normalize_axis(axis_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
   if (c.dtype(1) != DType::I64)
     c.error(ErrorKind::Unsupported,
             std::string("indices have dtype ") + dtype_name(c.dtype(1)) + "; graft supports int64");
@@ -526,14 +554,14 @@ void gather_impl(const KernelCtx& c, const Tensor& idx, T* data, const Shape& ds
 }
 void gather_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  const int ax = normalize_axis(c.attr_int("axis", 0), x.rank(), c.node);
+  const int ax = normalize_axis(c.attrs<AxisAttrs>().axis, x.rank(), c.node);
   dispatch(x.dtype(), [&]<class T>() {
     gather_impl<T, false>(c, c.in(1), x.data<T>(), x.shape(), c.out(0).data<T>(), ax);
   });
 }
 void grad_gather(GradBuilder& g) {
   Attrs a;
-  a.set_int("axis", normalize_axis(g.node().attrs.get_int("axis", 0),
+  a.set_int("axis", normalize_axis(axis_attrs(g.node()).axis,
                                    static_cast<int>(g.shape(g.x(0)).size()), g.node()));
   a.set_ints("shape", g.shape(g.x(0)));
   // graft's own attribute, set by the PyTorch front end on an nn.Embedding's lookup (the exporter
@@ -552,10 +580,11 @@ void gather_grad_kernel(KernelCtx& c) {
       static_cast<int64_t>(dx.nbytes()), 1,
       [&](int, int64_t b, int64_t e) { std::memset(raw + b, 0, e - b); }, 4096);
   dispatch_float(dx.dtype(), c, [&]<class T>() {
-    const int axis = static_cast<int>(c.attr_int("axis", 0));
+    const AxisAttrs& a = c.attrs<AxisAttrs>();
+    const int axis = static_cast<int>(a.axis);  // non-negative: grad_gather normalized it
     gather_impl<T, true>(c, c.in(1), dx.data<T>(), dx.shape(), c.in(0).data<T>(), axis);
-    if (c.node.attrs.has("padding_idx") && axis == 0 && dx.rank() >= 1) {
-      int64_t p = c.attr_int("padding_idx", 0), rows = dx.dim(0);
+    if (a.padding_idx && axis == 0 && dx.rank() >= 1) {
+      int64_t p = *a.padding_idx, rows = dx.dim(0);
       if (p < 0) p += rows;
       if (p >= 0 && p < rows) {
         const int64_t row = dx.numel() / std::max<int64_t>(rows, 1);
@@ -620,10 +649,16 @@ void infer_trilu(InferCtx& c) {
   }
   infer_same(c);
 }
+struct TriluAttrs {
+  bool upper = true;
+};
+std::shared_ptr<const void> prepare_trilu(const Node& n) {
+  return prepared(TriluAttrs{n.attrs.get_int("upper", 1, n.label()) != 0});
+}
 void trilu_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   int64_t k = c.has_in(1) ? c.in(1).data<int64_t>()[0] : 0;
-  bool upper = c.attr_int("upper", 1);
+  const bool upper = c.attrs<TriluAttrs>().upper;
   const int64_t R = x.dim(-2), C = x.dim(-1), nb = R * C != 0 ? x.numel() / (R * C) : 0;
   dispatch(x.dtype(), [&]<class T>() {
     const T* px = x.data<T>();
@@ -910,19 +945,28 @@ int64_t pad_source(int64_t o, const Shape& out, const Shape& in, const std::vect
   }
   return src;
 }
-int pad_mode(const Node& n, const std::function<void(const std::string&)>& err) {
-  std::string m = n.attrs.get_string("mode", "constant", n.label());
-  if (m == "constant") return 0;
-  if (m == "reflect") return 1;
-  if (m == "edge") return 2;
-  err("mode '" + m + "' is not supported (constant, reflect, edge)");
+struct PadAttrs {
+  std::string mode = "constant";  // pad_mode checks it
+  std::vector<int64_t> pads;      // PadGrad (Pad's pads are its input 1)
+};
+PadAttrs pad_attrs(const Node& n) {
+  return {n.attrs.get_string("mode", "constant", n.label()),
+          n.attrs.get_ints("pads", {}, n.label())};
+}
+std::shared_ptr<const void> prepare_pad(const Node& n) { return prepared(pad_attrs(n)); }
+// 0 constant, 1 reflect, 2 edge.
+int pad_mode(const PadAttrs& a, const std::function<void(const std::string&)>& err) {
+  if (a.mode == "constant") return 0;
+  if (a.mode == "reflect") return 1;
+  if (a.mode == "edge") return 2;
+  err("mode '" + a.mode + "' is not supported (constant, reflect, edge)");
   return 0;
 }
 void infer_pad(InferCtx& c) {
   auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
   const Shape& s = c.shape(0);
   auto pads = pad_amounts(c.ints_in(1), static_cast<int>(s.size()), err);
-  int mode = pad_mode(c.node(), err);
+  int mode = pad_mode(pad_attrs(c.node()), err);
   Shape out(s.size());
   for (size_t d = 0; d < s.size(); ++d) {
     out[d] = s[d] + pads[d] + pads[d + s.size()];
@@ -944,7 +988,7 @@ void pad_kernel(KernelCtx& c) {
   auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
   std::vector<int64_t> pads(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
   pads = pad_amounts(pads, x.rank(), err);
-  const int mode = pad_mode(c.node, err);
+  const int mode = pad_mode(c.attrs<PadAttrs>(), err);
   dispatch(x.dtype(), [&]<class T>() {
     const T v = c.has_in(2) ? c.in(2).data<T>()[0] : T(0);
     const T* px = x.data<T>();
@@ -964,8 +1008,8 @@ void pad_grad_kernel(KernelCtx& c) {
   const Tensor& dy = c.in(0);
   Tensor& dx = c.out(0);
   auto err = [&](const std::string& m) { c.error(ErrorKind::InvalidModel, m); };
-  std::vector<int64_t> pads = pad_amounts(c.attr_ints("pads"), dx.rank(), err);
-  const int mode = pad_mode(c.node, err);
+  std::vector<int64_t> pads = pad_amounts(c.attrs<PadAttrs>().pads, dx.rank(), err);
+  const int mode = pad_mode(c.attrs<PadAttrs>(), err);
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     T* px = dx.data<T>();
     std::fill(px, px + dx.numel(), T(0));
@@ -983,7 +1027,7 @@ void grad_pad(GradBuilder& g) {
   Attrs a;
   a.set_ints("pads", std::vector<int64_t>(pv.data.data<int64_t>(),
                                           pv.data.data<int64_t>() + pv.data.numel()));
-  a.set_string("mode", g.node().attrs.get_string("mode", "constant"));
+  a.set_string("mode", pad_attrs(g.node()).mode);
   a.set_ints("shape", g.shape(g.x(0)));
   g.set_dx(0, g.emit1("PadGrad", {g.dy(0)}, a, "graft"));
 }
@@ -993,10 +1037,15 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 3,
      .infer = infer_pad,
+     .prepare = prepare_pad,
      .kernel = pad_kernel,
      .grad = grad_pad,
      .nondiff_inputs = {1, 2}},
-    {.name = "PadGrad", .domain = "graft", .infer = infer_pad_grad, .kernel = pad_grad_kernel},
+    {.name = "PadGrad",
+     .domain = "graft",
+     .infer = infer_pad_grad,
+     .prepare = prepare_pad,
+     .kernel = pad_grad_kernel},
     {.name = "ConstantOfShape",
      .infer = infer_constant_of_shape,
      .kernel = constant_of_shape_kernel},
@@ -1061,12 +1110,14 @@ const OpDef kOps[] = {
      .copy_like = true},
     {.name = "Transpose",
      .infer = infer_transpose,
+     .prepare = prepare_transpose,
      .kernel = transpose_kernel,
      .grad = grad_transpose,
      .copy_like = true},
     {.name = "Concat",
      .max_in = 1 << 20,
      .infer = infer_concat,
+     .prepare = prepare_axis,
      .kernel = concat_kernel,
      .grad = grad_concat,
      .copy_like = true},
@@ -1074,6 +1125,7 @@ const OpDef kOps[] = {
      .max_in = 2,
      .max_out = 1 << 20,
      .infer = infer_split,
+     .prepare = prepare_axis,
      .kernel = split_kernel,
      .grad = grad_split,
      .nondiff_inputs = {1},
@@ -1090,6 +1142,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_gather,
+     .prepare = prepare_axis,
      .kernel = gather_kernel,
      .grad = grad_gather,
      .nondiff_inputs = {1}},
@@ -1105,6 +1158,7 @@ const OpDef kOps[] = {
     {.name = "Trilu",
      .max_in = 2,
      .infer = infer_trilu,
+     .prepare = prepare_trilu,
      .kernel = trilu_kernel,
      .grad = grad_trilu,
      .inplace_input = 0,
@@ -1118,12 +1172,14 @@ const OpDef kOps[] = {
     {.name = "SliceGrad",
      .domain = "graft",
      .infer = infer_slice_grad,
+     .prepare = prepare_slice_grad,
      .kernel = slice_grad_kernel},
     {.name = "GatherGrad",
      .domain = "graft",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_gather_grad,
+     .prepare = prepare_axis,
      .kernel = gather_grad_kernel,
      .nondiff_inputs = {1}},
 };

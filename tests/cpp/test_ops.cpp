@@ -1,11 +1,13 @@
 // The op table's own API: the properties the graph passes read from OpDef (random, copy_like,
-// recompute, flops) and node_flops; normalize_axis; the thread pool (graft/parallel.h).
+// recompute, flops) and node_flops; normalize_axis; prepared attributes (OpDef::prepare,
+// KernelCtx::attrs<T>()); the thread pool (graft/parallel.h).
 #include <gtest/gtest.h>
 
 #include <set>
 #include <string>
 #include <vector>
 
+#include "graft/exec.h"
 #include "graft/ops.h"
 
 using namespace graft;
@@ -132,4 +134,60 @@ TEST(Threads, ParallelForCoversEveryItemOnce) {
     }
   }
   set_num_threads(before);
+}
+
+TEST(PreparedAttrs, EveryPrepareAcceptsAnAttributelessNode) {
+  Node n;
+  n.name = "n";
+  for (const OpDef* d : all_ops()) {
+    if (!d->prepare) continue;
+    n.op = d->name;
+    n.domain = d->domain;
+    EXPECT_NE(d->prepare(n), nullptr) << d->name;
+  }
+}
+
+TEST(PreparedAttrs, KernelsReadTheParsedAttributes) {
+  // Gemm(A, B; transA = 1, alpha = 2) through run_node, which prepares the node first.
+  Node gemm;
+  gemm.op = "Gemm";
+  gemm.name = "g";
+  gemm.inputs = {0, 1};
+  gemm.outputs = {2};
+  gemm.attrs.set_int("transA", 1);
+  gemm.attrs.set_float("alpha", 2.0);
+  Allocator& al = Allocator::global();
+  Tensor a = Tensor::empty({3, 2}, DType::F32, al, Category::Workspace);  // A^T is [2, 3]
+  Tensor b = Tensor::empty({3, 4}, DType::F32, al, Category::Workspace);
+  Tensor y = Tensor::empty({2, 4}, DType::F32, al, Category::Workspace);
+  for (int64_t i = 0; i < a.numel(); ++i) a.data<float>()[i] = static_cast<float>(i + 1);
+  for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = static_cast<float>(i % 5 - 2);
+  std::vector<Tensor*> outs{&y};
+  run_node(gemm, {&a, &b}, outs, al);
+  for (int64_t m = 0; m < 2; ++m)
+    for (int64_t n = 0; n < 4; ++n) {
+      float want = 0;
+      for (int64_t k = 0; k < 3; ++k)
+        want += a.data<float>()[k * 2 + m] * b.data<float>()[k * 4 + n];
+      EXPECT_EQ(y.data<float>()[m * 4 + n], 2 * want) << m << ", " << n;
+    }
+}
+
+TEST(PreparedAttrs, ABadAttributeIsTheNodesTypedError) {
+  // Gelu's shape function does not read `approximate`; its prepare does, before any kernel runs.
+  Graph g;
+  const int x = g.add_input("x", DType::F32, {4});
+  Attrs bad;
+  bad.set_string("approximate", "cubic");
+  g.outputs = {g.add_op1("Gelu", {x}, bad, "", "gelu")};
+  Allocator al;
+  std::map<std::string, Tensor> in{{"x", Tensor::zeros({4}, DType::F32, al, Category::Workspace)}};
+  try {
+    run_inference(g, in, al);
+    ADD_FAILURE() << "a Gelu with approximate = cubic ran";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::InvalidModel);
+    EXPECT_EQ(e.node(), "gelu");
+    EXPECT_EQ(e.message(), "node 'gelu' (Gelu): approximate must be none or tanh");
+  }
 }
