@@ -17,26 +17,23 @@ using namespace opsutil;
 // ---- Softmax / LogSoftmax (opset 13: one axis) --------------------------------------------------
 // The attributes of Softmax, LogSoftmax, LayerNormalization and their gradients.
 struct NormAttrs {
-  int64_t axis = -1;      // as given: norm_axis normalizes it for the input's rank
+  int64_t axis = -1;      // as given (normalize_axis_scalar_ok for the input's rank)
   double epsilon = 1e-5;  // LayerNormalization
 };
 NormAttrs norm_attrs(const Node& n) {
   return {n.attrs.get_int("axis", -1, n.label()), n.attrs.get_float("epsilon", 1e-5, n.label())};
 }
 std::shared_ptr<const void> prepare_norm(const Node& n) { return prepared(norm_attrs(n)); }
-// `axis` normalized for an input of rank `rank`; a scalar's axis 0 is accepted (the one element).
-int norm_axis(int64_t axis, int rank, const Node& n) {
-  return rank == 0 && axis == 0 ? 0 : normalize_axis(axis, rank, n);
-}
 void infer_softmax(InferCtx& c) {
   require_float(c, 0);
-  norm_axis(norm_attrs(c.node()).axis, static_cast<int>(c.shape(0).size()), c.node());
+  normalize_axis_scalar_ok(norm_attrs(c.node()).axis, static_cast<int>(c.shape(0).size()),
+                           c.node());
   infer_same(c);
 }
 template <bool kLog>
 void softmax_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
+  const int ax = normalize_axis_scalar_ok(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, ax + 1, outer, n, inner);
   dispatch_float(x.dtype(), c, [&]<class T>() {
@@ -95,7 +92,7 @@ void softmax_kernel(KernelCtx& c) {
 template <bool kLog>
 void softmax_grad_kernel(KernelCtx& c) {
   const Tensor& dy = c.in(0);
-  const int ax = norm_axis(c.attrs<NormAttrs>().axis, dy.rank(), c.node);
+  const int ax = normalize_axis_scalar_ok(c.attrs<NormAttrs>().axis, dy.rank(), c.node);
   int64_t outer, n, inner;
   split3(dy.shape(), ax, ax + 1, outer, n, inner);
   dispatch_float(dy.dtype(), c, [&]<class T>() {
@@ -145,14 +142,14 @@ void infer_softmax_grad(InferCtx& c) {
 }
 void grad_softmax(GradBuilder& g) {
   Attrs a;
-  a.set_int("axis", norm_axis(norm_attrs(g.node()).axis, static_cast<int>(g.shape(g.x(0)).size()),
-                              g.node()));
+  a.set_int("axis", normalize_axis_scalar_ok(norm_attrs(g.node()).axis,
+                                             static_cast<int>(g.shape(g.x(0)).size()), g.node()));
   g.set_dx(0, g.emit1("SoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
 }
 void grad_log_softmax(GradBuilder& g) {
   Attrs a;
-  a.set_int("axis", norm_axis(norm_attrs(g.node()).axis, static_cast<int>(g.shape(g.x(0)).size()),
-                              g.node()));
+  a.set_int("axis", normalize_axis_scalar_ok(norm_attrs(g.node()).axis,
+                                             static_cast<int>(g.shape(g.x(0)).size()), g.node()));
   g.set_dx(0, g.emit1("LogSoftmaxGrad", {g.dy(0), g.y(0)}, a, "graft"));
 }
 
@@ -162,7 +159,8 @@ void grad_log_softmax(GradBuilder& g) {
 void infer_layernorm(InferCtx& c) {
   require_float(c, 0);
   const Shape& s = c.shape(0);
-  const int ax = norm_axis(norm_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
+  const int ax =
+      normalize_axis_scalar_ok(norm_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
   int64_t outer, n, inner;
   split3(s, ax, static_cast<int>(s.size()), outer, n, inner);
   c.check(numel(c.shape(1)) == n, "Scale has " + std::to_string(numel(c.shape(1))) +
@@ -196,7 +194,7 @@ void ln_stats(const T* x, int64_t n, double eps, double& mean, double& inv) {
 }
 void layernorm_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
+  const int ax = normalize_axis_scalar_ok(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, x.rank(), outer, n, inner);
   const double eps = c.attrs<NormAttrs>().epsilon;
@@ -238,7 +236,7 @@ void infer_layernorm_grad(InferCtx& c) {
 }
 void layernorm_grad_kernel(KernelCtx& c) {
   const Tensor& x = c.in(1);
-  const int ax = norm_axis(c.attrs<NormAttrs>().axis, x.rank(), c.node);
+  const int ax = normalize_axis_scalar_ok(c.attrs<NormAttrs>().axis, x.rank(), c.node);
   int64_t outer, n, inner;
   split3(x.shape(), ax, x.rank(), outer, n, inner);
   const double eps = c.attrs<NormAttrs>().epsilon;
@@ -300,7 +298,7 @@ void grad_layernorm(GradBuilder& g) {
   const Node& n = g.node();
   Attrs a;
   const NormAttrs na = norm_attrs(n);
-  a.set_int("axis", norm_axis(na.axis, static_cast<int>(g.shape(g.x(0)).size()), n));
+  a.set_int("axis", normalize_axis_scalar_ok(na.axis, static_cast<int>(g.shape(g.x(0)).size()), n));
   a.set_float("epsilon", na.epsilon);
   auto outs = g.emit("LayerNormGrad", {g.dy(0), g.x(0), g.x(1)}, a, 3, "graft");
   if (g.needs(0)) g.set_dx(0, outs[0]);

@@ -46,7 +46,7 @@ std::vector<int> reduce_axes(const Node& n, const ReduceAttrs& a,
     return axes;
   }
   for (int64_t a : axes_in) {
-    const int ax = rank == 0 && a == 0 ? 0 : normalize_axis(a, rank, n);  // a scalar's axis 0
+    const int ax = normalize_axis_scalar_ok(a, rank, n);
     GRAFT_CHECK(std::find(axes.begin(), axes.end(), ax) == axes.end(), ErrorKind::InvalidModel,
                 n.label() + ": axis " + std::to_string(a) + " is listed twice");
     axes.push_back(ax);

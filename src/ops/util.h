@@ -243,6 +243,12 @@ void dispatch_numeric(DType dt, const KernelCtx& c, F&& f) {
   if (!dispatch_int(dt, f)) dispatch_float(dt, c, f);
 }
 
+// normalize_axis (graft/ops.h), except that a scalar's axis 0 is accepted too, as its one element
+// (Softmax, LogSoftmax, LayerNormalization and the reductions take it).
+inline int normalize_axis_scalar_ok(int64_t axis, int rank, const Node& n) {
+  return rank == 0 && axis == 0 ? 0 : normalize_axis(axis, rank, n);
+}
+
 // Shape check helper for the shape functions.
 inline void require_float(InferCtx& c, int i) {
   if (!is_float(c.dtype(i)))
