@@ -1,10 +1,10 @@
 // graft op table: one OpDef per op holds its schema, shape function, CPU kernel and gradient rule.
 //
-// Ops are grouped by family in src/ops/*.cpp; each family file lists its OpDefs in one table, so
-// an op's schema, kernel and gradient rule sit side by side. Gradient rules emit ordinary graph
-// nodes through GradBuilder (implemented by the autodiff driver), so the planner sees every saved
-// tensor. Shared gradient work (summing contributions, un-broadcasting, skipping unneeded
-// gradients) lives once, in the driver.
+// Ops are grouped by family in src/ops/*.cpp (listed with the register_* functions at the end);
+// each family file lists its OpDefs in one table, so an op's schema, kernel and gradient rule sit
+// side by side. Gradient rules emit ordinary graph nodes through GradBuilder (implemented by the
+// autodiff driver), so the planner sees every saved tensor. Shared gradient work (summing
+// contributions, un-broadcasting, skipping unneeded gradients) lives once, in the driver.
 #pragma once
 
 #include <functional>
@@ -241,17 +241,18 @@ uint64_t next_dropout_seed();  // returns the counter and advances it (thread-sa
 using PythonOpRunner = std::function<void(KernelCtx& c, int64_t fn, bool backward)>;
 void set_python_op_runner(PythonOpRunner r);
 
-// Family registration (each src/ops/*.cpp file).
-void register_elementwise_ops(std::vector<const OpDef*>& t);
-void register_linalg_ops(std::vector<const OpDef*>& t);
-void register_reduce_ops(std::vector<const OpDef*>& t);
-void register_shape_ops(std::vector<const OpDef*>& t);
-void register_nn_ops(std::vector<const OpDef*>& t);
-void register_conv_ops(std::vector<const OpDef*>& t);
-void register_resize_ops(std::vector<const OpDef*>& t);
-void register_rnn_ops(std::vector<const OpDef*>& t);
-void register_math_ops(std::vector<const OpDef*>& t);
-void register_python_ops(std::vector<const OpDef*>& t);
-void register_ctc_ops(std::vector<const OpDef*>& t);
+// Family registration: each op file src/ops/<family>.cpp adds its table's rows.
+void register_elementwise_ops(std::vector<const OpDef*>& t);  // elementwise.cpp
+void register_math_ops(std::vector<const OpDef*>& t);         // math.cpp
+void register_linalg_ops(std::vector<const OpDef*>& t);       // linalg.cpp
+void register_einsum_ops(std::vector<const OpDef*>& t);       // einsum.cpp
+void register_reduce_ops(std::vector<const OpDef*>& t);       // reduce.cpp
+void register_shape_ops(std::vector<const OpDef*>& t);        // shape_ops.cpp
+void register_nn_ops(std::vector<const OpDef*>& t);           // nn.cpp
+void register_conv_ops(std::vector<const OpDef*>& t);         // conv.cpp
+void register_resize_ops(std::vector<const OpDef*>& t);       // resize.cpp
+void register_rnn_ops(std::vector<const OpDef*>& t);          // rnn.cpp
+void register_ctc_ops(std::vector<const OpDef*>& t);          // ctc.cpp
+void register_python_ops(std::vector<const OpDef*>& t);       // python_op.cpp
 
 }  // namespace graft

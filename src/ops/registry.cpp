@@ -21,6 +21,7 @@ const std::vector<const OpDef*>& all_ops() {
     std::vector<const OpDef*> t;
     register_elementwise_ops(t);
     register_linalg_ops(t);
+    register_einsum_ops(t);
     register_reduce_ops(t);
     register_shape_ops(t);
     register_nn_ops(t);
