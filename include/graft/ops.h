@@ -248,7 +248,9 @@ void register_linalg_ops(std::vector<const OpDef*>& t);       // linalg.cpp
 void register_einsum_ops(std::vector<const OpDef*>& t);       // einsum.cpp
 void register_reduce_ops(std::vector<const OpDef*>& t);       // reduce.cpp
 void register_shape_ops(std::vector<const OpDef*>& t);        // shape_ops.cpp
-void register_nn_ops(std::vector<const OpDef*>& t);           // nn.cpp
+void register_softmax_ops(std::vector<const OpDef*>& t);      // softmax.cpp
+void register_norm_ops(std::vector<const OpDef*>& t);         // norm.cpp
+void register_dropout_ops(std::vector<const OpDef*>& t);      // dropout.cpp
 void register_conv_ops(std::vector<const OpDef*>& t);         // conv.cpp
 void register_resize_ops(std::vector<const OpDef*>& t);       // resize.cpp
 void register_rnn_ops(std::vector<const OpDef*>& t);          // rnn.cpp

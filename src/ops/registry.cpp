@@ -24,7 +24,9 @@ const std::vector<const OpDef*>& all_ops() {
     register_einsum_ops(t);
     register_reduce_ops(t);
     register_shape_ops(t);
-    register_nn_ops(t);
+    register_softmax_ops(t);
+    register_norm_ops(t);
+    register_dropout_ops(t);
     register_conv_ops(t);
     register_resize_ops(t);
     register_rnn_ops(t);
