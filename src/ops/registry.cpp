@@ -19,7 +19,8 @@ void infer_sink(InferCtx& c) { require_float_sink(c); }
 const std::vector<const OpDef*>& all_ops() {
   static const std::vector<const OpDef*> table = [] {
     std::vector<const OpDef*> t;
-    register_elementwise_ops(t);
+    register_unary_ops(t);
+    register_binary_ops(t);
     register_linalg_ops(t);
     register_einsum_ops(t);
     register_reduce_ops(t);

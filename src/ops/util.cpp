@@ -90,6 +90,8 @@ void add_n(T* d, const T* s, int64_t n) {
 
 void infer_same(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
 
+int onnx_dtype_code_of(DType d) { return onnx_elem_type(d); }
+
 double output_elements(const Graph& g, const Node& n) {
   double out = 0;
   for (int v : n.outputs)
