@@ -249,6 +249,7 @@ void register_linalg_ops(std::vector<const OpDef*>& t);   // linalg.cpp
 void register_einsum_ops(std::vector<const OpDef*>& t);   // einsum.cpp
 void register_reduce_ops(std::vector<const OpDef*>& t);   // reduce.cpp
 void register_shape_ops(std::vector<const OpDef*>& t);    // shape_ops.cpp
+void register_index_ops(std::vector<const OpDef*>& t);    // index_ops.cpp
 void register_softmax_ops(std::vector<const OpDef*>& t);  // softmax.cpp
 void register_norm_ops(std::vector<const OpDef*>& t);     // norm.cpp
 void register_dropout_ops(std::vector<const OpDef*>& t);  // dropout.cpp

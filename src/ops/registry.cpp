@@ -25,6 +25,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_einsum_ops(t);
     register_reduce_ops(t);
     register_shape_ops(t);
+    register_index_ops(t);
     register_softmax_ops(t);
     register_norm_ops(t);
     register_dropout_ops(t);
