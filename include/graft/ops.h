@@ -242,21 +242,23 @@ using PythonOpRunner = std::function<void(KernelCtx& c, int64_t fn, bool backwar
 void set_python_op_runner(PythonOpRunner r);
 
 // Family registration: each op file src/ops/<family>.cpp adds its table's rows.
-void register_unary_ops(std::vector<const OpDef*>& t);    // unary.cpp
-void register_binary_ops(std::vector<const OpDef*>& t);   // binary.cpp
-void register_math_ops(std::vector<const OpDef*>& t);     // math.cpp
-void register_linalg_ops(std::vector<const OpDef*>& t);   // linalg.cpp
-void register_einsum_ops(std::vector<const OpDef*>& t);   // einsum.cpp
-void register_reduce_ops(std::vector<const OpDef*>& t);   // reduce.cpp
-void register_shape_ops(std::vector<const OpDef*>& t);    // shape_ops.cpp
-void register_index_ops(std::vector<const OpDef*>& t);    // index_ops.cpp
-void register_softmax_ops(std::vector<const OpDef*>& t);  // softmax.cpp
-void register_norm_ops(std::vector<const OpDef*>& t);     // norm.cpp
-void register_dropout_ops(std::vector<const OpDef*>& t);  // dropout.cpp
-void register_conv_ops(std::vector<const OpDef*>& t);     // conv.cpp
-void register_resize_ops(std::vector<const OpDef*>& t);   // resize.cpp
-void register_rnn_ops(std::vector<const OpDef*>& t);      // rnn.cpp
-void register_ctc_ops(std::vector<const OpDef*>& t);      // ctc.cpp
-void register_python_ops(std::vector<const OpDef*>& t);   // python_op.cpp
+void register_unary_ops(std::vector<const OpDef*>& t);           // unary.cpp
+void register_binary_ops(std::vector<const OpDef*>& t);          // binary.cpp
+void register_math_ops(std::vector<const OpDef*>& t);            // math.cpp
+void register_linalg_ops(std::vector<const OpDef*>& t);          // linalg.cpp
+void register_einsum_ops(std::vector<const OpDef*>& t);          // einsum.cpp
+void register_reduce_ops(std::vector<const OpDef*>& t);          // reduce.cpp
+void register_shape_ops(std::vector<const OpDef*>& t);           // shape_ops.cpp
+void register_index_ops(std::vector<const OpDef*>& t);           // index_ops.cpp
+void register_softmax_ops(std::vector<const OpDef*>& t);         // softmax.cpp
+void register_norm_ops(std::vector<const OpDef*>& t);            // norm.cpp
+void register_dropout_ops(std::vector<const OpDef*>& t);         // dropout.cpp
+void register_conv_ops(std::vector<const OpDef*>& t);            // conv.cpp
+void register_conv_transpose_ops(std::vector<const OpDef*>& t);  // conv_transpose.cpp
+void register_pool_ops(std::vector<const OpDef*>& t);            // pool.cpp
+void register_resize_ops(std::vector<const OpDef*>& t);          // resize.cpp
+void register_rnn_ops(std::vector<const OpDef*>& t);             // rnn.cpp
+void register_ctc_ops(std::vector<const OpDef*>& t);             // ctc.cpp
+void register_python_ops(std::vector<const OpDef*>& t);          // python_op.cpp
 
 }  // namespace graft

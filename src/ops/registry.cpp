@@ -30,6 +30,8 @@ const std::vector<const OpDef*>& all_ops() {
     register_norm_ops(t);
     register_dropout_ops(t);
     register_conv_ops(t);
+    register_conv_transpose_ops(t);
+    register_pool_ops(t);
     register_resize_ops(t);
     register_rnn_ops(t);
     register_math_ops(t);
