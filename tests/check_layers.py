@@ -10,7 +10,8 @@ import re
 import sys
 
 ORDER = ["core", "ir", "ops", "autodiff", "plan", "exec", "train", "dist", "cli", "python"]
-HEADER_LAYER = {"core.h": "core", "ir.h": "ir", "ops.h": "ops", "autodiff.h": "autodiff", "plan.h": "plan", "compile.h": "plan",
+HEADER_LAYER = {"core.h": "core", "parallel.h": "core", "ir.h": "ir", "ops.h": "ops", "autodiff.h": "autodiff", "plan.h": "plan",
+                "compile.h": "plan",
                 "exec.h": "exec", "train.h": "train", "checkpoint.h": "train", "models.h": "train",
                 "distributed.h": "dist"}
 

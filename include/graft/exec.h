@@ -91,6 +91,8 @@ class Executor {
   Plan plan_;
   Allocator& alloc_;
   std::vector<const OpDef*> defs_;  // per node, resolved once
+  // Per node: its prepared attributes (OpDef::prepare), parsed once when the executor is built.
+  std::vector<std::shared_ptr<const void>> prepared_;
   // Per node: the sink its output 0 feeds when it may accumulate straight into that sink's
   // target (an accumulate_out op whose output 0 is read by that sink alone), else -1.
   std::vector<int> feeds_sink_;

@@ -64,12 +64,11 @@ int transposed_2d(const Graph& g, int v) {
   return perm == std::vector<int64_t>{1, 0} ? t.inputs[0] : -1;
 }
 
-// Ops that only move or copy data: recomputing them costs a copy, never arithmetic.
+// Ops that only move or copy data (OpDef::copy_like): recomputing them costs a copy, never
+// arithmetic.
 bool copy_like(const Node& n) {
-  static const std::set<std::string> ops = {"Transpose", "Reshape", "Unsqueeze", "Squeeze",
-                                            "Flatten",   "Concat",  "Slice",     "Split",
-                                            "Identity",  "Cast",    "Expand",    "Tile"};
-  return n.domain.empty() && ops.count(n.op);
+  const OpDef* d = op_def(n);
+  return d && d->copy_like;
 }
 
 // The producer of v if it is the ONNX op `op` and v is read once (and is no graph output).

@@ -1,8 +1,8 @@
 // The executor (see include/graft/exec.h).
 //
-// An Executor is the immutable part of execution: the graph, the plan and each node's resolved
-// op. Everything a run changes lives in its Run, so runs may overlap (several forwards in flight)
-// and run on several threads; the shared Allocator is thread-safe.
+// An Executor is the immutable part of execution: the graph, the plan, each node's resolved
+// op and its prepared attributes. Everything a run changes lives in its Run, so runs may overlap
+// (several forwards in flight) and run on several threads; the shared Allocator is thread-safe.
 #include <chrono>
 #include <cmath>
 
@@ -14,7 +14,11 @@ namespace graft {
 Executor::Executor(const Graph& g, Plan plan, Allocator& alloc)
     : g_(g), plan_(std::move(plan)), alloc_(alloc) {
   defs_.assign(g_.nodes.size(), nullptr);
-  for (const PlanStep& st : plan_.steps) defs_[st.node] = &op_for(g_.nodes[st.node]);
+  prepared_.assign(g_.nodes.size(), nullptr);
+  for (const PlanStep& st : plan_.steps) {
+    defs_[st.node] = &op_for(g_.nodes[st.node]);
+    prepared_[st.node] = prepare_node(g_.nodes[st.node]);  // Note [prepared attributes] (ops.h)
+  }
   feeds_sink_.assign(g_.nodes.size(), -1);
   auto cons = g_.consumers();
   std::vector<bool> kept(g_.values.size(), false);
@@ -172,7 +176,7 @@ void Executor::run_to(Run& r, int end_step) const {
           outs[i] = &vals[o];
         }
         if (!d.alias) {
-          KernelCtx ctx{n, ins, outs, alloc_, r.opt_.seed, accumulate};
+          KernelCtx ctx{n, ins, outs, alloc_, r.opt_.seed, accumulate, prepared_[st.node].get()};
           d.kernel(ctx);
         }
         if (r.opt_.check_finite)

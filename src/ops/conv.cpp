@@ -1,133 +1,41 @@
-// Convolution and pooling: Conv (1-D, 2-D, 3-D; groups, depthwise, strides, pads, dilations),
-// ConvTranspose (the same, as Conv's backward-data), MaxPool, AveragePool, GlobalAveragePool,
-// GlobalMaxPool, and graft's ConvGrad, PoolGrad.
+// Conv (1-D, 2-D, 3-D; groups, depthwise, strides, pads, dilations) and graft's ConvGrad, its
+// backward (dX, dW, dB). ConvTranspose is in conv_transpose.cpp, the pools in pool.cpp; what they
+// share (attributes, window geometry) in conv.h.
 //
 // Conv is im2col + GEMM (the one GEMM entry point, opsutil::gemm_ld): per image (or a few images
 // side by side when an image has few outputs) and group,
 //   col[(c, k), o] = x[c, o * stride + k * dilation - pad]   (0 outside)     // (C/g * K, O)
 //   y[m, o] = W[m, (c, k)] @ col                                               // (M/g, O)
-// and its gradient dW += dy @ col^T, dcol = W^T @ dy then col2im (scatter-add) into dx.
+// and its gradient dW += dy @ col^T, dcol = W^T @ dy then col2im (scatter-add) into dx. Dense
+// float32 convolutions run on oneDNN (conv_dnnl.cpp), depthwise ones on the direct kernels below.
+#include "conv.h"
+
 #include <cmath>
-#include <functional>
-#include <limits>
 #include <type_traits>
 
 #include "conv_dnnl.h"
-#include "util.h"
 
 namespace graft {
 namespace {
 using namespace opsutil;
 
-// The geometry of a convolution or pooling window over the spatial dims of x [N, C, D...].
-struct Window {
-  int nd = 0;  // spatial dims
-  std::vector<int64_t> in, out, k, stride, dil, pad_begin, pad_end;
-  int64_t in_size() const { return prod(in); }
-  int64_t out_size() const { return prod(out); }
-  int64_t k_size() const { return prod(k); }
-  static int64_t prod(const std::vector<int64_t>& v) {
-    int64_t p = 1;
-    for (int64_t d : v) p *= d;
-    return p;
-  }
-};
-
-// An ints attribute of a window (strides, pads, ...) of `len` entries, each `dflt` when absent.
-std::vector<int64_t> window_ints(const Node& n, const char* name, int64_t dflt, size_t len,
-                                 const std::function<void(const std::string&)>& err) {
-  auto v = n.attrs.get_ints(name, std::vector<int64_t>(len, dflt), n.label());
-  if (v.size() != len) err(std::string(name) + " has the wrong length");
-  return v;
-}
-// Reads kernel_shape (or the weight's spatial dims), strides, dilations, pads and auto_pad.
-Window window(const Node& n, const Shape& x, const std::vector<int64_t>& kernel, bool ceil_mode,
-              const std::function<void(const std::string&)>& err) {
-  Window w;
-  if (x.size() < 3) err("the input must be [N, C, D1, ...] with at least one spatial dim");
-  w.nd = static_cast<int>(x.size()) - 2;
-  w.in.assign(x.begin() + 2, x.end());
-  w.k = n.attrs.get_ints("kernel_shape", kernel, n.label());
-  if (static_cast<int>(w.k.size()) != w.nd) err("kernel_shape has the wrong rank");
-  w.stride = window_ints(n, "strides", 1, w.nd, err);
-  w.dil = window_ints(n, "dilations", 1, w.nd, err);
-  auto pads = window_ints(n, "pads", 0, 2 * w.nd, err);
-  w.pad_begin.assign(pads.begin(), pads.begin() + w.nd);
-  w.pad_end.assign(pads.begin() + w.nd, pads.end());
-  std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
-  for (int i = 0; i < w.nd; ++i) {
-    if (w.k[i] < 1 || w.stride[i] < 1 || w.dil[i] < 1 || w.pad_begin[i] < 0 || w.pad_end[i] < 0)
-      err("kernel, strides and dilations must be >= 1 and pads >= 0");
-    const int64_t ek = w.dil[i] * (w.k[i] - 1) + 1;
-    if (auto_pad == "VALID") {
-      w.pad_begin[i] = w.pad_end[i] = 0;
-    } else if (auto_pad == "SAME_UPPER" || auto_pad == "SAME_LOWER") {
-      int64_t o = (w.in[i] + w.stride[i] - 1) / w.stride[i];
-      int64_t total = std::max<int64_t>(0, (o - 1) * w.stride[i] + ek - w.in[i]);
-      w.pad_begin[i] = auto_pad == "SAME_UPPER" ? total / 2 : total - total / 2;
-      w.pad_end[i] = total - w.pad_begin[i];
-    } else if (auto_pad != "NOTSET") {
-      err("auto_pad '" + auto_pad + "' is not supported");
-    }
-    int64_t span = w.in[i] + w.pad_begin[i] + w.pad_end[i] - ek;
-    if (span < 0) err("the window is larger than the padded input");
-    int64_t o = (ceil_mode ? (span + w.stride[i] - 1) / w.stride[i] : span / w.stride[i]) + 1;
-    // With ceil_mode, a last window that starts in the end padding is dropped (as PyTorch does).
-    if (ceil_mode && (o - 1) * w.stride[i] >= w.in[i] + w.pad_begin[i]) --o;
-    w.out.push_back(o);
-  }
-  return w;
-}
-
-// Calls f(out_index, k_index, in_index) for every (output position, kernel offset) pair whose
-// input position is inside the image (in_index: flat spatial index into x's spatial dims).
-template <class F>
-void for_each_tap(const Window& w, F&& f) {
-  const int nd = w.nd;
-  std::vector<int64_t> o(nd, 0), k(nd, 0);
-  const int64_t O = w.out_size(), K = w.k_size();
-  for (int64_t oi = 0; oi < O; ++oi) {
-    std::fill(k.begin(), k.end(), 0);
-    for (int64_t ki = 0; ki < K; ++ki) {
-      int64_t in_idx = 0;
-      bool inside = true;
-      for (int d = 0; d < nd; ++d) {
-        int64_t p = o[d] * w.stride[d] + k[d] * w.dil[d] - w.pad_begin[d];
-        if (p < 0 || p >= w.in[d]) {
-          inside = false;
-          break;
-        }
-        in_idx = in_idx * w.in[d] + p;
-      }
-      if (inside) f(oi, ki, in_idx);
-      for (int d = nd - 1; d >= 0; --d) {
-        if (++k[d] < w.k[d]) break;
-        k[d] = 0;
-      }
-    }
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++o[d] < w.out[d]) break;
-      o[d] = 0;
-    }
-  }
-}
-
 // ---- Conv(X, W, B?)
 // -------------------------------------------------------------------------------
-Window conv_window(const Node& n, const Shape& x, const Shape& wt,
+Window conv_window(const ConvAttrs& a, const Shape& x, const Shape& wt,
                    const std::function<void(const std::string&)>& err) {
   if (wt.size() != x.size()) err("X and W differ in rank");
   if (x.size() < 3)
     err("X has rank " + std::to_string(x.size()) + "; Conv needs (N, C, spatial...)");
-  return window(n, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
+  return window(a, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
 }
 void infer_conv(InferCtx& c) {
   require_float(c, 0);
   if (c.dtype(1) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
   const Shape &x = c.shape(0), &wt = c.shape(1);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-  Window w = conv_window(c.node(), x, wt, err);
-  int64_t g = c.attr_int("group", 1);
+  const ConvAttrs a = conv_attrs(c.node());
+  Window w = conv_window(a, x, wt, err);
+  const int64_t g = a.group;
   if (g < 1 || x[1] % g || wt[0] % g || wt[1] * g != x[1])
     err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
         std::to_string(g) + " do not fit");
@@ -489,8 +397,9 @@ void conv_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor &x = c.in(0), &wt = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = conv_window(c.node, x.shape(), wt.shape(), err);
-    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = a.group;
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
     const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
@@ -577,14 +486,16 @@ void infer_conv_grad(InferCtx& c) {
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), {c.shape(2)[0]});
 }
-// The backward of the Conv of the node's window from x to dy's shape: dX (null: not wanted), dW,
-// dB. x's data is read only for dW, so ConvTranspose passes a shape-only x to get dX alone.
-void conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt, Tensor* dxt,
-                   Tensor* dwt, Tensor* dbt) {
+}  // namespace
+
+// The backward of the Conv of the node's window (conv.h).
+void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt,
+                            Tensor* dxt, Tensor* dwt, Tensor* dbt) {
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = conv_window(c.node, x.shape(), wt.shape(), err);
-    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = c.attr_int("group", 1);
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), g = a.group;
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
     T* dx = dxt ? dxt->data<T>() : nullptr;
     T* dw = dwt ? dwt->data<T>() : nullptr;
@@ -765,6 +676,8 @@ void conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor
     }
   });
 }
+
+namespace {
 void conv_grad_kernel(KernelCtx& c) {
   conv_backward(c, c.in(0), c.in(1), c.in(2), c.has_out(0) ? &c.out(0) : nullptr,
                 c.has_out(1) ? &c.out(1) : nullptr, c.has_out(2) ? &c.out(2) : nullptr);
@@ -782,346 +695,11 @@ void grad_conv(GradBuilder& g) {
   }
 }
 
-// ---- ConvTranspose(X, W, B?)
-// ------------------------------------------------------------------------
-// The transpose of the Conv (same window attributes, weight [C_in, C_out / group, k...]) that maps
-// Y's shape to X's: Y = that Conv's dX with dY := X, plus the bias. ONNX's output size per spatial
-// dim: stride * (in - 1) + output_padding + dilation * (k - 1) + 1 - pad_begin - pad_end.
-Shape conv_transpose_out(const Node& n, const Shape& x, const Shape& wt, int64_t g,
-                         const std::function<void(const std::string&)>& err,
-                         const std::function<void(const std::string&)>& unsupported) {
-  if (wt.size() != x.size()) err("X and W differ in rank");
-  if (x.size() < 3) err("X has rank " + std::to_string(x.size()) + "; needs (N, C, spatial...)");
-  const size_t nd = x.size() - 2;
-  const std::string auto_pad = n.attrs.get_string("auto_pad", "NOTSET", n.label());
-  if (auto_pad != "NOTSET" && auto_pad != "VALID")
-    unsupported("auto_pad '" + auto_pad + "' is not supported for ConvTranspose (give pads)");
-  if (n.attrs.has("output_shape"))
-    unsupported("the output_shape attribute is not supported (give pads and output_padding)");
-  const auto k = window_ints(n, "kernel_shape", 0, nd, err),
-             stride = window_ints(n, "strides", 1, nd, err),
-             dil = window_ints(n, "dilations", 1, nd, err),
-             opad = window_ints(n, "output_padding", 0, nd, err);
-  auto pads = window_ints(n, "pads", 0, 2 * nd, err);
-  if (auto_pad == "VALID") pads.assign(2 * nd, 0);
-  if (g < 1 || x[1] != wt[0] || wt[0] % g)
-    err("channels " + std::to_string(x[1]) + ", weight " + shape_str(wt) + " and group " +
-        std::to_string(g) + " do not fit (W is [C_in, C_out / group, k...])");
-  Shape out{x[0], wt[1] * g};
-  for (size_t i = 0; i < nd; ++i) {
-    if (n.attrs.has("kernel_shape") && k[i] != wt[2 + i]) err("kernel_shape differs from W's");
-    if (stride[i] < 1 || dil[i] < 1 || pads[i] < 0 || pads[nd + i] < 0 || opad[i] < 0)
-      err("strides and dilations must be >= 1, pads and output_padding >= 0");
-    if (opad[i] >= stride[i]) err("output_padding must be smaller than the stride");
-    const int64_t o = stride[i] * (x[2 + i] - 1) + opad[i] + dil[i] * (wt[2 + i] - 1) + 1 -
-                      pads[i] - pads[nd + i];
-    if (o < 1) err("the output would be empty (pads too large)");
-    out.push_back(o);
-  }
-  return out;
-}
-void infer_conv_transpose(InferCtx& c) {
-  require_float(c, 0);
-  if (c.dtype(1) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
-  auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-  auto unsupported = [&](const std::string& m) { c.error(ErrorKind::Unsupported, m); };
-  const Shape &x = c.shape(0), &wt = c.shape(1);
-  const Shape y = conv_transpose_out(c.node(), x, wt, c.attr_int("group", 1), err, unsupported);
-  if (c.has_in(2)) c.check(c.shape(2) == Shape{y[1]}, "B must have shape [C_out]");
-  c.set_out(0, c.dtype(0), y);
-}
-void conv_transpose_kernel(KernelCtx& c) {
-  const Tensor &x = c.in(0), &wt = c.in(1);
-  Tensor& y = c.out(0);
-  const Tensor y_shape = Tensor::external(nullptr, y.shape(), y.dtype(), nullptr);
-  conv_backward(c, x, y_shape, wt, &y, nullptr, nullptr);
-  if (!c.has_in(2)) return;
-  dispatch_float(y.dtype(), c, [&]<class T>() {
-    const int64_t N = y.dim(0), C = y.dim(1), S = y.numel() / std::max<int64_t>(1, N * C);
-    const T* b = c.in(2).data<T>();
-    T* py = y.data<T>();
-    parallel_for(N * C, y.numel(), [&](int, int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const T v = b[r % C];
-        for (int64_t i = 0; i < S; ++i) py[r * S + i] += v;
-      }
-    });
-  });
-}
-// Y = C^T(X, W) with C the Conv from Y's shape to X's: <dY, C^T(X)> = <C(dY), X>, so
-// dX = C(dY), a Conv with the same window; dW = C's weight gradient with C's input dY and its
-// output gradient X (ConvGrad(X, dY, W), output 1); dB = dY summed over images and positions.
-void grad_conv_transpose(GradBuilder& g) {
-  const Node& n = g.node();
-  Attrs a;  // the Conv's window: the node's attributes but output_padding (shape only)
-  for (const auto& [k, v] : n.attrs.all())
-    if (k != "output_padding") a.set(k, v);
-  if (g.needs(0)) g.set_dx(0, g.emit1("Conv", {g.dy(0), g.x(1)}, a));
-  if (g.needs(1)) {
-    auto outs = g.emit("ConvGrad", {g.x(0), g.dy(0), g.x(1)}, a, 3, "graft");
-    g.drop_output(outs[0]);
-    g.drop_output(outs[2]);
-    g.set_dx(1, outs[1]);
-  }
-  if (n.inputs.size() > 2 && n.inputs[2] >= 0 && g.needs(2)) {
-    std::vector<int64_t> axes{0};
-    for (size_t i = 2; i < g.shape(g.x(0)).size(); ++i) axes.push_back(static_cast<int64_t>(i));
-    Attrs r;
-    r.set_int("keepdims", 0);
-    g.set_dx(2, g.emit1("ReduceSum", {g.dy(0), g.ints(axes)}, r));
-  }
-}
-
-// ---- MaxPool / AveragePool (and graft's PoolGrad)
-// -------------------------------------------------
-Window pool_window(const Node& n, const Shape& x,
-                   const std::function<void(const std::string&)>& err) {
-  if (!n.attrs.has("kernel_shape")) err("kernel_shape is required");
-  return window(n, x, {}, n.attrs.get_int("ceil_mode", 0, n.label()) != 0, err);
-}
-void infer_pool(InferCtx& c) {
-  require_float(c, 0);
-  auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-  Window w = pool_window(c.node(), c.shape(0), err);
-  if (c.node().op == "MaxPool" && c.attr_int("storage_order", 0) != 0)
-    c.error(ErrorKind::Unsupported, "storage_order 1 is not supported");
-  if (c.has_out(1))
-    c.error(ErrorKind::Unsupported, "the Indices output of MaxPool is not supported");
-  Shape out{c.shape(0)[0], c.shape(0)[1]};
-  out.insert(out.end(), w.out.begin(), w.out.end());
-  c.set_out(0, c.dtype(0), out);
-  // graft's own output 2 of a 2-D MaxPool (added by its gradient rule): each output's argmax,
-  // the int32 index within its input plane, which the backward scatters through (as PyTorch's
-  // max_pool2d saves int64 indices) instead of searching every window again.
-  if (c.has_out(2)) {
-    c.check(c.node().op == "MaxPool" && w.nd == 2 && w.in_size() <= INT32_MAX,
-            "output 2 (graft's argmax) needs a 2-D MaxPool with planes under 2^31 elements");
-    c.set_out(2, DType::I32, out);
-  }
-}
-// Per (image, channel) plane: max or average over each window. For MaxPool `arg` receives the flat
-// input index of each output's maximum (the first one on ties, as PyTorch).
-template <class T>
-void pool_plane(const Window& w, bool is_max, bool count_pad, const T* x, T* y, int64_t* arg) {
-  const int64_t O = w.out_size();
-  std::vector<double> acc(O, is_max ? -std::numeric_limits<double>::infinity() : 0.0);
-  std::vector<int64_t> cnt(O, 0);
-  for_each_tap(w, [&](int64_t o, int64_t, int64_t i) {
-    double v = x[i];
-    if (is_max) {
-      if (v > acc[o] || cnt[o] == 0 || std::isnan(v)) {
-        if (!(cnt[o] > 0 && std::isnan(acc[o]))) {
-          acc[o] = v;
-          if (arg) arg[o] = i;
-        }
-      }
-    } else {
-      acc[o] += v;
-    }
-    ++cnt[o];
-  });
-  for (int64_t o = 0; o < O; ++o) {
-    if (is_max)
-      y[o] = static_cast<T>(acc[o]);
-    else {
-      int64_t div = count_pad ? w.k_size() : cnt[o];
-      if (count_pad) {  // the window clipped to the padded input (ceil_mode windows may overhang)
-        div = 1;
-        // windows are never past the padded extent except with ceil_mode; PyTorch clips those
-        int64_t rem = o;
-        for (int d = w.nd - 1; d >= 0; --d) {
-          int64_t od = rem % w.out[d];
-          rem /= w.out[d];
-          int64_t start = od * w.stride[d] - w.pad_begin[d];
-          int64_t end = std::min(start + (w.k[d] - 1) * w.dil[d] + 1, w.in[d] + w.pad_end[d]);
-          div *= (end - start + w.dil[d] - 1) / w.dil[d];
-        }
-      }
-      y[o] = static_cast<T>(div ? acc[o] / static_cast<double>(div) : 0.0);
-    }
-  }
-}
-// MaxPool over one 2-D plane without the generic tap walker: per output, the window clipped to
-// the image once, taps visited in the same order (rows, then columns) with the same rule (first
-// tap taken, then a larger value or a NaN, which then stays), so y and arg equal pool_plane's.
-template <class T, class Idx>
-void max_plane_2d(const Window& w, const T* x, T* y, Idx* arg) {
-  const int64_t H = w.in[0], W = w.in[1], OH = w.out[0], OW = w.out[1];
-  const int64_t sh = w.stride[0], sw = w.stride[1], dh = w.dil[0], dw = w.dil[1];
-  auto range = [](int64_t start, int64_t k, int64_t d, int64_t n, int64_t& lo, int64_t& hi) {
-    lo = start >= 0 ? 0 : (-start + d - 1) / d;                              // first tap inside
-    hi = std::min<int64_t>(k, n - start > 0 ? (n - start + d - 1) / d : 0);  // one past the last
-  };
-  for (int64_t oh = 0; oh < OH; ++oh) {
-    const int64_t h0 = oh * sh - w.pad_begin[0];
-    int64_t kh0, kh1;
-    range(h0, w.k[0], dh, H, kh0, kh1);
-    for (int64_t ow = 0; ow < OW; ++ow) {
-      const int64_t w0 = ow * sw - w.pad_begin[1];
-      int64_t kw0, kw1;
-      range(w0, w.k[1], dw, W, kw0, kw1);
-      T best = -std::numeric_limits<T>::infinity();
-      int64_t bi = -1;
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        const int64_t row = (h0 + kh * dh) * W;
-        for (int64_t kw = kw0; kw < kw1; ++kw) {
-          const int64_t i = row + w0 + kw * dw;
-          const T v = x[i];
-          if (bi < 0 || ((v > best || std::isnan(v)) && !std::isnan(best))) best = v, bi = i;
-        }
-      }
-      y[oh * OW + ow] = best;
-      if (arg) arg[oh * OW + ow] = static_cast<Idx>(bi);
-    }
-  }
-}
-
-void pool_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor& x = c.in(0);
-    auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = pool_window(c.node, x.shape(), err);
-    const bool is_max = c.node.op == "MaxPool";
-    const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
-    const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
-    int32_t* arg = c.has_out(2) ? c.out(2).data<int32_t>() : nullptr;
-    parallel_for(planes, O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        if (is_max && w.nd == 2)
-          max_plane_2d<T>(w, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
-                          arg ? arg + p * O : nullptr);
-        else
-          pool_plane<T>(w, is_max, count_pad, x.data<T>() + p * I, c.out(0).data<T>() + p * O,
-                        nullptr);
-      }
-    });
-  });
-}
-// PoolGrad(dY, X; the pool's attributes, op = MaxPool | AveragePool) -> dX.
-// With argmax = 1: PoolGrad(dY, argmax; x_shape) -> dX, the argmax the 2-D MaxPool saved (its
-// output 2): each dY element added at its index in its plane; X itself is not kept for this.
-void infer_pool_grad(InferCtx& c) {
-  if (c.node().attrs.get_int("argmax", 0, c.node().label()) == 0) {
-    c.set_out(0, c.dtype(1), c.shape(1));
-    return;
-  }
-  c.check(c.dtype(1) == DType::I32, "the argmax input must be int32");
-  c.set_out(0, c.dtype(0), c.node().attrs.get_ints("x_shape", {}, c.node().label()));
-}
-void pool_grad_argmax(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor &dy = c.in(0), &arg = c.in(1);
-    Tensor& dx = c.out(0);
-    const int64_t planes = dx.dim(0) * dx.dim(1), I = dx.numel() / std::max<int64_t>(1, planes),
-                  O = dy.numel() / std::max<int64_t>(1, planes);
-    const T* pdy = dy.data<T>();
-    const int32_t* pa = arg.data<int32_t>();
-    T* pdx = dx.data<T>();
-    parallel_for(planes, I + O, [&](int, int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        T* d = pdx + p * I;
-        std::fill(d, d + I, T(0));
-        const T* g = pdy + p * O;
-        const int32_t* a = pa + p * O;
-        for (int64_t o = 0; o < O; ++o) d[a[o]] += g[o];
-      }
-    });
-  });
-}
-void pool_grad_kernel(KernelCtx& c) {
-  if (c.attr_int("argmax", 0) != 0) return pool_grad_argmax(c);
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor &dy = c.in(0), &x = c.in(1);
-    auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    Window w = pool_window(c.node, x.shape(), err);
-    const bool is_max = c.node.attrs.get_string("op", "MaxPool", c.node.label()) == "MaxPool";
-    const bool count_pad = c.attr_int("count_include_pad", 0) != 0;
-    const int64_t planes = x.dim(0) * x.dim(1), I = w.in_size(), O = w.out_size();
-    T* dx = c.out(0).data<T>();
-    const std::vector<T> ones(is_max ? 0 : I, T(1));
-    std::vector<int64_t> cnt(is_max ? 0 : O, 0);
-    if (!is_max) for_each_tap(w, [&](int64_t o, int64_t, int64_t) { ++cnt[o]; });
-    parallel_for(planes, 2 * O * w.k_size(), [&](int, int64_t p0, int64_t p1) {
-      std::vector<int64_t> arg(O, -1);
-      std::vector<T> y(O);
-      if (!is_max)  // each output's divisor, from pooling ones: y[o] = cnt / divisor
-        pool_plane<T>(w, false, count_pad, ones.data(), y.data(), nullptr);
-      for (int64_t p = p0; p < p1; ++p) {
-        const T* dyp = dy.data<T>() + p * O;
-        T* dxp = dx + p * I;
-        std::fill(dxp, dxp + I, T(0));  // per plane, on its thread, just before the plane's adds
-        if (is_max) {
-          if (w.nd == 2)
-            max_plane_2d<T, int64_t>(w, x.data<T>() + p * I, y.data(), arg.data());
-          else
-            pool_plane<T>(w, true, false, x.data<T>() + p * I, y.data(), arg.data());
-          for (int64_t o = 0; o < O; ++o)
-            if (arg[o] >= 0) dxp[arg[o]] += dyp[o];
-        } else {
-          // y[o] = cnt / divisor when pooling ones, so 1 / divisor = y[o] / cnt.
-          for_each_tap(w, [&](int64_t o, int64_t, int64_t i) {
-            dxp[i] += dyp[o] * y[o] / static_cast<T>(cnt[o]);
-          });
-        }
-      }
-    });
-  });
-}
-void grad_pool(GradBuilder& g) {
-  Attrs a = g.node().attrs;
-  a.set_string("op", g.node().op);
-  const Shape& xs = g.shape(g.x(0));
-  const bool two_d = xs.size() == 4 && a.get_ints("kernel_shape", {}, g.node().label()).size() == 2;
-  if (g.node().op == "MaxPool" && two_d && xs[0] > 0 && xs[1] > 0 && xs[2] > 0 && xs[3] > 0 &&
-      xs[2] * xs[3] <= INT32_MAX) {
-    // Scatter through the argmax the forward saves (its output 2, int32): PyTorch's max_pool2d
-    // saves its input and int64 indices; graft keeps half those index bytes and not the input.
-    a.set_int("argmax", 1);
-    a.set_ints("x_shape", xs);
-    g.set_dx(0, g.emit1("PoolGrad", {g.dy(0), g.y(2)}, a, "graft"));
-    return;
-  }
-  g.set_dx(0, g.emit1("PoolGrad", {g.dy(0), g.x(0)}, a, "graft"));
-}
-
-// ---- GlobalAveragePool / GlobalMaxPool
-// --------------------------------------------------------------
-void infer_global_pool(InferCtx& c) {
-  require_float(c, 0);
-  Shape s = c.shape(0);
-  c.check(s.size() >= 3, "the input must be [N, C, D1, ...]");
-  for (size_t i = 2; i < s.size(); ++i) s[i] = 1;
-  c.set_out(0, c.dtype(0), s);
-}
-template <bool kMax>
-void global_pool_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor& x = c.in(0);
-    const int64_t planes = x.dim(0) * x.dim(1), I = x.numel() / std::max<int64_t>(planes, 1);
-    for (int64_t p = 0; p < planes; ++p) {
-      const T* xp = x.data<T>() + p * I;
-      double acc = kMax ? -std::numeric_limits<double>::infinity() : 0.0;
-      for (int64_t i = 0; i < I; ++i) acc = kMax ? std::max<double>(acc, xp[i]) : acc + xp[i];
-      c.out(0).data<T>()[p] = static_cast<T>(kMax ? acc : acc / static_cast<double>(I ? I : 1));
-    }
-  });
-}
-void grad_global_average_pool(GradBuilder& g) {
-  const Shape& xs = g.shape(g.x(0));
-  int64_t count = 1;
-  for (size_t i = 2; i < xs.size(); ++i) count *= xs[i];
-  int d = g.emit1("Expand", {g.dy(0), g.ints(xs)});
-  g.set_dx(0, g.emit1("Mul", {d, g.scalar(1.0 / static_cast<double>(count), g.val(d).dtype)}));
-}
-void grad_global_max_pool(GradBuilder& g) {
-  // As ReduceMax over the spatial axes: split evenly between ties.
-  const Shape& xs = g.shape(g.x(0));
-  Attrs a;
-  std::vector<int64_t> axes;
-  for (size_t i = 2; i < xs.size(); ++i) axes.push_back(static_cast<int64_t>(i));
-  a.set_ints("axes", axes);
-  a.set_int("kind", 0);
-  g.set_dx(0, g.emit1("ReduceGrad", {g.dy(0), g.x(0), g.y(0)}, a, "graft"));
+// 2 * out * (C / group * kernel): each output element is a multiply-add over that many weights.
+double conv_flops(const Graph& g, const Node& n) {
+  if (n.inputs.size() < 2 || input_shape(g, n, 1).empty()) return 0;
+  const Shape& w = input_shape(g, n, 1);
+  return 2 * output_elements(g, n) * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
 }
 
 const OpDef kOps[] = {
@@ -1129,41 +707,18 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 3,
      .infer = infer_conv,
+     .prepare = prepare_conv,
      .kernel = conv_kernel,
-     .grad = grad_conv},
-    {.name = "ConvTranspose",
-     .min_in = 2,
-     .max_in = 3,
-     .infer = infer_conv_transpose,
-     .kernel = conv_transpose_kernel,
-     .grad = grad_conv_transpose},
-    {.name = "MaxPool",
-     .max_out = 3,
-     .infer = infer_pool,
-     .kernel = pool_kernel,
-     .grad = grad_pool},
-    {.name = "AveragePool", .infer = infer_pool, .kernel = pool_kernel, .grad = grad_pool},
-    {.name = "GlobalAveragePool",
-     .infer = infer_global_pool,
-     .kernel = global_pool_kernel<false>,
-     .grad = grad_global_average_pool},
-    {.name = "GlobalMaxPool",
-     .infer = infer_global_pool,
-     .kernel = global_pool_kernel<true>,
-     .grad = grad_global_max_pool},
+     .grad = grad_conv,
+     .flops = conv_flops},
     {.name = "ConvGrad",
      .domain = "graft",
      .min_in = 3,
      .max_in = 3,
      .max_out = 3,
      .infer = infer_conv_grad,
+     .prepare = prepare_conv,
      .kernel = conv_grad_kernel},
-    {.name = "PoolGrad",
-     .domain = "graft",
-     .min_in = 2,
-     .max_in = 2,
-     .infer = infer_pool_grad,
-     .kernel = pool_grad_kernel},
 };
 
 }  // namespace

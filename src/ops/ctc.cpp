@@ -43,13 +43,23 @@ struct CtcSeq {
   int64_t ext(int64_t i) const { return i % 2 == 0 ? blank : labels[i / 2]; }  // l'(i)
 };
 
+struct CtcAttrs {
+  int64_t blank = 0;           // the blank class (checked against C by ctc_seqs)
+  bool zero_infinity = false;  // an infinite loss (an impossible target) counts as 0
+};
+CtcAttrs ctc_attrs(const Node& n) {
+  return {n.attrs.get_int("blank", 0, n.label()),
+          n.attrs.get_int("zero_infinity", 0, n.label()) != 0};
+}
+std::shared_ptr<const void> prepare_ctc(const Node& n) { return prepared(ctc_attrs(n)); }
+
 // Each sequence's input length and target, checked (an error names the node and the value), from
 // the node's inputs first .. first + 3: log_probs, targets, input_lengths, target_lengths.
 std::vector<CtcSeq> ctc_seqs(const KernelCtx& c, int first) {
   const Tensor &lp = c.in(first), &tg = c.in(first + 1), &il = c.in(first + 2),
                &tl = c.in(first + 3);
   const int64_t Tmax = lp.dim(0), N = lp.dim(1), C = lp.dim(2);
-  const int64_t blank = c.attr_int("blank", 0);
+  const int64_t blank = c.attrs<CtcAttrs>().blank;
   if (blank < 0 || blank >= C) c.error(ErrorKind::InvalidArgument, "blank is outside [0, C)");
   const bool padded = tg.rank() == 2;
   std::vector<CtcSeq> seqs(N);
@@ -119,7 +129,7 @@ void ctc_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& lp = c.in(0);
     const int64_t N = lp.dim(1), C = lp.dim(2);
-    const bool zero_inf = c.attr_int("zero_infinity", 0) != 0;
+    const bool zero_inf = c.attrs<CtcAttrs>().zero_infinity;
     const std::vector<CtcSeq> seqs = ctc_seqs(c, 0);
     T* out = c.out(0).data<T>();
     parallel_for(N, lp.dim(0) * 8, [&](int, int64_t n0, int64_t n1) {
@@ -137,7 +147,7 @@ void ctc_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor &dl = c.in(0), &lpt = c.in(1);
     const int64_t Tmax = lpt.dim(0), N = lpt.dim(1), C = lpt.dim(2);
-    const bool zero_inf = c.attr_int("zero_infinity", 0) != 0;
+    const bool zero_inf = c.attrs<CtcAttrs>().zero_infinity;
     const std::vector<CtcSeq> seqs = ctc_seqs(c, 1);  // dnll comes first
     const T* lp = lpt.data<T>();
     T* dx = c.out(0).data<T>();
@@ -189,8 +199,9 @@ void ctc_grad_kernel(KernelCtx& c) {
 // dlog_probs = CTCLossGrad(dnll, log_probs, targets, lengths): no gradient to the integers.
 void grad_ctc(GradBuilder& g) {
   Attrs a;
-  a.set_int("blank", g.node().attrs.get_int("blank", 0, g.node().label()));
-  a.set_int("zero_infinity", g.node().attrs.get_int("zero_infinity", 0, g.node().label()));
+  const CtcAttrs ca = ctc_attrs(g.node());
+  a.set_int("blank", ca.blank);
+  a.set_int("zero_infinity", ca.zero_infinity);
   g.set_dx(0, g.emit1("CTCLossGrad", {g.dy(0), g.x(0), g.x(1), g.x(2), g.x(3)}, a, "graft"));
 }
 
@@ -200,6 +211,7 @@ const OpDef kOps[] = {
      .min_in = 4,
      .max_in = 4,
      .infer = infer_ctc,
+     .prepare = prepare_ctc,
      .kernel = ctc_kernel,
      .grad = grad_ctc,
      .nondiff_inputs = {1, 2, 3}},
@@ -208,6 +220,7 @@ const OpDef kOps[] = {
      .min_in = 5,
      .max_in = 5,
      .infer = infer_ctc_grad,
+     .prepare = prepare_ctc,
      .kernel = ctc_grad_kernel},
 };
 

@@ -101,7 +101,7 @@ __attribute__((target("avx512f,avx512bf16"))) void row_to_bf16_avx(const float* 
 // `rows` x `cols` from a row stride of `ld` into a dense buffer.
 void to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
   static const bool avx = __builtin_cpu_supports("avx512bf16");
-  opsutil::parallel_for(rows, 2 * cols, [&](int, int64_t r0, int64_t r1) {
+  parallel_for(rows, 2 * cols, [&](int, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (avx)
         row_to_bf16_avx(src + r * ld, cols, dst + r * cols);

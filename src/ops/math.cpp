@@ -1,4 +1,4 @@
-// Unary math beyond elementwise.cpp's basics: the trigonometric and hyperbolic functions and their
+// Unary math beyond unary.cpp's basics: the trigonometric and hyperbolic functions and their
 // inverses (ONNX's Tan, Asin, Acos, Atan, Sinh, Cosh, Asinh, Acosh, Atanh), rounding (Floor,
 // Ceil, Round: half to even, as PyTorch; graft's Trunc), and graft's Expm1 and Log1p, which keep
 // their precision near 0 where exp(x) - 1 and log(1 + x) lose it. Scalar libm per element,

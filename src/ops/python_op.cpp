@@ -66,13 +66,25 @@ void infer_described(InferCtx& c, const std::string& prefix) {
 void infer_python_op(InferCtx& c) { infer_described(c, "out"); }
 void infer_python_op_grad(InferCtx& c) { infer_described(c, "in"); }
 
+struct PythonOpAttrs {
+  int64_t fn = -1;         // the Function's key in the runner's table
+  std::string name = "?";  // the Function's name, for messages
+};
+PythonOpAttrs python_op_attrs(const Node& n) {
+  return {n.attrs.get_int("fn", -1, n.label()), n.attrs.get_string("name", "?", n.label())};
+}
+std::shared_ptr<const void> prepare_python_op(const Node& n) {
+  return prepared(python_op_attrs(n));
+}
+
 void run(KernelCtx& c, bool backward) {
+  const PythonOpAttrs& a = c.attrs<PythonOpAttrs>();
   PythonOpRunner r = runner();
   if (!r)
     c.error(ErrorKind::Unsupported,
-            "the autograd.Function '" + c.node.attrs.get_string("name", "?", c.node.label()) +
+            "the autograd.Function '" + a.name +
                 "' runs in Python: this graph needs the PyTorch front end (graft.GraftModule)");
-  r(c, c.attr_int("fn", -1), backward);
+  r(c, a.fn, backward);
 }
 void python_op_kernel(KernelCtx& c) { run(c, false); }
 void python_op_grad_kernel(KernelCtx& c) { run(c, true); }
@@ -88,8 +100,9 @@ void grad_python_op(GradBuilder& g) {
   }
   if (!any) return;
   Attrs a;
-  a.set_int("fn", n.attrs.get_int("fn", -1, n.label()));
-  a.set_string("name", n.attrs.get_string("name", "?", n.label()));
+  const PythonOpAttrs pa = python_op_attrs(n);
+  a.set_int("fn", pa.fn);
+  a.set_string("name", pa.name);
   std::vector<int64_t> types, ranks, dims;
   for (int x : n.inputs) {
     const Value& v = g.val(x);
@@ -118,9 +131,12 @@ const OpDef kOps[] = {
      .min_out = 1,
      .max_out = 1 << 16,
      .infer = infer_python_op,
+     .prepare = prepare_python_op,
      .kernel = python_op_kernel,
      .grad = grad_python_op,
-     .foldable = false},
+     .foldable = false,
+     .random = true,
+     .recompute = false},
     {.name = "PythonOpGrad",
      .domain = "graft",
      .min_in = 0,
@@ -128,8 +144,11 @@ const OpDef kOps[] = {
      .min_out = 1,
      .max_out = 1 << 16,
      .infer = infer_python_op_grad,
+     .prepare = prepare_python_op,
      .kernel = python_op_grad_kernel,
-     .foldable = false},
+     .foldable = false,
+     .random = true,
+     .recompute = false},
 };
 
 }  // namespace

@@ -11,13 +11,34 @@ namespace graft {
 namespace {
 using namespace opsutil;
 
+// The attributes of the reductions (ReduceSum, ReduceMean, ReduceMax, ..., and ReduceGrad).
+struct ReduceAttrs {
+  std::vector<int64_t> axes;  // the attribute; ReduceSum (opset 13) takes its axes as input 1
+  bool axes_input = false;    // ReduceSum: axes from input 1
+  bool mean = false;          // ReduceMean
+  bool keepdims = true, noop_with_empty_axes = false;
+  int64_t kind = 0;  // ReduceGrad: 0 max / min, 1 L2
+};
+ReduceAttrs reduce_attrs(const Node& n) {
+  const std::string where = n.label();
+  ReduceAttrs a;
+  a.axes = n.attrs.get_ints("axes", {}, where);
+  a.axes_input = n.op == "ReduceSum";
+  a.mean = n.op == "ReduceMean";
+  a.keepdims = n.attrs.get_int("keepdims", 1, where) != 0;
+  a.noop_with_empty_axes = n.attrs.get_int("noop_with_empty_axes", 0, where) != 0;
+  a.kind = n.attrs.get_int("kind", 0, where);
+  return a;
+}
+std::shared_ptr<const void> prepare_reduce(const Node& n) { return prepared(reduce_attrs(n)); }
+
 // Which axes a Reduce* node reduces (sorted, unique); empty result with `noop` means identity.
-std::vector<int> reduce_axes(const Node& n, const std::vector<int64_t>& axes_in, int rank,
-                             bool& noop) {
+std::vector<int> reduce_axes(const Node& n, const ReduceAttrs& a,
+                             const std::vector<int64_t>& axes_in, int rank, bool& noop) {
   noop = false;
   std::vector<int> axes;
   if (axes_in.empty()) {
-    if (n.attrs.get_int("noop_with_empty_axes", 0, n.label())) {
+    if (a.noop_with_empty_axes) {
       noop = true;
       return axes;
     }
@@ -25,10 +46,7 @@ std::vector<int> reduce_axes(const Node& n, const std::vector<int64_t>& axes_in,
     return axes;
   }
   for (int64_t a : axes_in) {
-    GRAFT_CHECK(a >= -rank && a < std::max(rank, 1), ErrorKind::InvalidModel,
-                n.label() + ": axis " + std::to_string(a) + " is out of range for rank " +
-                    std::to_string(rank));
-    int ax = static_cast<int>(a < 0 ? a + rank : a);
+    const int ax = normalize_axis_scalar_ok(a, rank, n);
     GRAFT_CHECK(std::find(axes.begin(), axes.end(), ax) == axes.end(), ErrorKind::InvalidModel,
                 n.label() + ": axis " + std::to_string(a) + " is listed twice");
     axes.push_back(ax);
@@ -38,9 +56,9 @@ std::vector<int> reduce_axes(const Node& n, const std::vector<int64_t>& axes_in,
 }
 
 // Axes come from input 1 (ReduceSum-13) or the `axes` attribute (ReduceMean before opset 18).
-std::vector<int64_t> axes_of_infer(InferCtx& c) {
-  if (c.node().op == "ReduceSum") return c.has_in(1) ? c.ints_in(1) : std::vector<int64_t>{};
-  return c.attrs().get_ints("axes", {}, c.node().label());
+std::vector<int64_t> axes_of_infer(InferCtx& c, const ReduceAttrs& a) {
+  if (a.axes_input) return c.has_in(1) ? c.ints_in(1) : std::vector<int64_t>{};
+  return a.axes;
 }
 
 Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keep) {
@@ -57,10 +75,11 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keep) {
 
 void infer_reduce(InferCtx& c) {
   require_float(c, 0);
+  const ReduceAttrs a = reduce_attrs(c.node());
   bool noop;
-  auto axes = reduce_axes(c.node(), axes_of_infer(c), static_cast<int>(c.shape(0).size()), noop);
-  bool keep = c.attr_int("keepdims", 1);
-  c.set_out(0, c.dtype(0), noop ? c.shape(0) : reduced_shape(c.shape(0), axes, keep));
+  auto axes =
+      reduce_axes(c.node(), a, axes_of_infer(c, a), static_cast<int>(c.shape(0).size()), noop);
+  c.set_out(0, c.dtype(0), noop ? c.shape(0) : reduced_shape(c.shape(0), axes, a.keepdims));
 }
 
 template <class T>
@@ -115,20 +134,21 @@ void reduce_sum(const T* x, const Shape& s, const std::vector<int>& axes, T* y, 
 void reduce_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
+    const ReduceAttrs& a = c.attrs<ReduceAttrs>();
     std::vector<int64_t> ax;
-    if (c.node.op == "ReduceSum") {
+    if (a.axes_input) {
       if (c.has_in(1))
         ax.assign(c.in(1).data<int64_t>(), c.in(1).data<int64_t>() + c.in(1).numel());
     } else {
-      ax = c.attr_ints("axes");
+      ax = a.axes;
     }
     bool noop;
-    auto axes = reduce_axes(c.node, ax, x.rank(), noop);
+    auto axes = reduce_axes(c.node, a, ax, x.rank(), noop);
     if (noop) {
       std::copy(x.data<T>(), x.data<T>() + x.numel(), c.out(0).data<T>());
       return;
     }
-    reduce_sum<T>(x.data<T>(), x.shape(), axes, c.out(0).data<T>(), c.node.op == "ReduceMean");
+    reduce_sum<T>(x.data<T>(), x.shape(), axes, c.out(0).data<T>(), a.mean);
   });
 }
 
@@ -136,17 +156,18 @@ void reduce_kernel(KernelCtx& c) {
 void grad_reduce(GradBuilder& g) {
   const Node& n = g.node();
   const Shape& xs = g.shape(g.x(0));
+  const ReduceAttrs a = reduce_attrs(n);
   std::vector<int64_t> ax;
-  if (n.op == "ReduceSum") {
+  if (a.axes_input) {
     if (n.inputs.size() > 1 && n.inputs[1] >= 0) {
       const Tensor& t = g.val(n.inputs[1]).data;
       ax.assign(t.data<int64_t>(), t.data<int64_t>() + t.numel());
     }
   } else {
-    ax = n.attrs.get_ints("axes", {}, n.label());
+    ax = a.axes;
   }
   bool noop;
-  auto axes = reduce_axes(n, ax, static_cast<int>(xs.size()), noop);
+  auto axes = reduce_axes(n, a, ax, static_cast<int>(xs.size()), noop);
   if (noop) {
     g.set_dx(0, g.dy(0));
     return;
@@ -186,17 +207,19 @@ void grad_sum_to_shape(GradBuilder& g) {
 enum class Red { Max, Min, Prod, L2 };
 void infer_reduce_any(InferCtx& c) {
   require_numeric(c, 0);
+  const ReduceAttrs a = reduce_attrs(c.node());
   bool noop;
-  auto axes = reduce_axes(c.node(), axes_of_infer(c), static_cast<int>(c.shape(0).size()), noop);
-  bool keep = c.attr_int("keepdims", 1);
-  c.set_out(0, c.dtype(0), noop ? c.shape(0) : reduced_shape(c.shape(0), axes, keep));
+  auto axes =
+      reduce_axes(c.node(), a, axes_of_infer(c, a), static_cast<int>(c.shape(0).size()), noop);
+  c.set_out(0, c.dtype(0), noop ? c.shape(0) : reduced_shape(c.shape(0), axes, a.keepdims));
 }
 template <Red op>
 void reduce_any_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
+    const ReduceAttrs& a = c.attrs<ReduceAttrs>();
     bool noop;
-    auto axes = reduce_axes(c.node, c.attr_ints("axes"), x.rank(), noop);
+    auto axes = reduce_axes(c.node, a, a.axes, x.rank(), noop);
     T* y = c.out(0).data<T>();
     const T* px = x.data<T>();
     if (noop) {
@@ -241,13 +264,13 @@ void infer_reduce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
 void reduce_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(1);
-    std::vector<int64_t> ax = c.attr_ints("axes");
-    std::vector<int> axes(ax.begin(), ax.end());
+    const ReduceAttrs& a = c.attrs<ReduceAttrs>();
+    const std::vector<int> axes(a.axes.begin(), a.axes.end());
     Shape kept = reduced_shape(x.shape(), axes, true);
     auto st = bcast_strides(kept, x.shape());
     const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *y = c.in(2).data<T>();
     T* dx = c.out(0).data<T>();
-    if (c.attr_int("kind", 0) == 1) {
+    if (a.kind == 1) {
       for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
         dx[i] = y[o[0]] != T(0) ? dy[o[0]] * px[i] / y[o[0]] : T(0);
       });
@@ -265,9 +288,9 @@ void reduce_grad_kernel(KernelCtx& c) {
 void grad_reduce_any(GradBuilder& g) {
   const Node& n = g.node();
   const Shape& xs = g.shape(g.x(0));
+  const ReduceAttrs ra = reduce_attrs(n);
   bool noop;
-  auto axes =
-      reduce_axes(n, n.attrs.get_ints("axes", {}, n.label()), static_cast<int>(xs.size()), noop);
+  auto axes = reduce_axes(n, ra, ra.axes, static_cast<int>(xs.size()), noop);
   if (noop) {
     g.set_dx(0, g.dy(0));
     return;
@@ -283,11 +306,22 @@ void grad_reduce_any(GradBuilder& g) {
 
 // ---- ArgMax / ArgMin (int64 indices; not differentiable)
 // -----------------------------------------
+struct ArgAttrs {
+  int64_t axis = 0;
+  bool keepdims = true, select_last_index = false;
+};
+ArgAttrs arg_attrs(const Node& n) {
+  const std::string where = n.label();
+  return {n.attrs.get_int("axis", 0, where), n.attrs.get_int("keepdims", 1, where) != 0,
+          n.attrs.get_int("select_last_index", 0, where) != 0};
+}
+std::shared_ptr<const void> prepare_arg(const Node& n) { return prepared(arg_attrs(n)); }
 void infer_arg(InferCtx& c) {
   require_numeric(c, 0);
   Shape s = c.shape(0);
-  int ax = c.axis(c.attr_int("axis", 0), static_cast<int>(s.size()));
-  if (c.attr_int("keepdims", 1))
+  const ArgAttrs a = arg_attrs(c.node());
+  int ax = normalize_axis(a.axis, static_cast<int>(s.size()), c.node());
+  if (a.keepdims)
     s[ax] = 1;
   else
     s.erase(s.begin() + ax);
@@ -297,9 +331,9 @@ template <bool kMax>
 void arg_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
-    int ax = static_cast<int>(c.attr_int("axis", 0));
-    if (ax < 0) ax += x.rank();
-    const bool last = c.attr_int("select_last_index", 0);
+    const ArgAttrs& a = c.attrs<ArgAttrs>();
+    const int ax = normalize_axis(a.axis, x.rank(), c.node);
+    const bool last = a.select_last_index;
     int64_t outer, n, inner;
     split3(x.shape(), ax, ax + 1, outer, n, inner);
     const T* px = x.data<T>();
@@ -327,16 +361,23 @@ int64_t topk_k(const Tensor& k, const std::string& where) {
               where + ": K must be a one-element integer tensor");
   return static_cast<int64_t>(k.at(0));
 }
-// TopK's and TopKGrad's axis, non-negative (infer_topk checked its range).
+struct TopKAttrs {
+  int64_t axis = -1;
+  bool largest = true;
+};
+TopKAttrs topk_attrs(const Node& n) {
+  return {n.attrs.get_int("axis", -1, n.label()), n.attrs.get_int("largest", 1, n.label()) != 0};
+}
+std::shared_ptr<const void> prepare_topk(const Node& n) { return prepared(topk_attrs(n)); }
+// TopK's and TopKGrad's axis, non-negative.
 int topk_axis(const KernelCtx& c, int rank) {
-  const int64_t ax = c.attr_int("axis", -1);
-  return static_cast<int>(ax < 0 ? ax + rank : ax);
+  return normalize_axis(c.attrs<TopKAttrs>().axis, rank, c.node);
 }
 void infer_topk(InferCtx& c) {
   require_numeric(c, 0);
   Shape s = c.shape(0);
   if (s.empty()) c.error(ErrorKind::ShapeMismatch, "X must have at least one dim");
-  const int ax = c.axis(c.attr_int("axis", -1), static_cast<int>(s.size()));
+  const int ax = normalize_axis(topk_attrs(c.node()).axis, static_cast<int>(s.size()), c.node());
   const std::vector<int64_t> k = c.ints_in(1);
   c.check(k.size() == 1, "K must hold one value");
   if (k[0] < 0 || k[0] > s[ax])
@@ -351,7 +392,7 @@ void topk_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
     const int ax = topk_axis(c, x.rank());
-    const bool largest = c.attr_int("largest", 1) != 0;
+    const bool largest = c.attrs<TopKAttrs>().largest;
     const int64_t K = topk_k(c.in(1), c.node.label());
     int64_t outer, n, inner;
     split3(x.shape(), ax, ax + 1, outer, n, inner);
@@ -387,7 +428,7 @@ void topk_kernel(KernelCtx& c) {
 void grad_topk(GradBuilder& g) {
   if (g.dy(0) < 0 || !g.needs(0)) return;
   Attrs a;
-  a.set_int("axis", g.node().attrs.get_int("axis", -1, g.node().label()));
+  a.set_int("axis", topk_attrs(g.node()).axis);
   g.set_dx(0, g.emit1("TopKGrad", {g.dy(0), g.y(1), g.ints(g.shape(g.x(0)))}, a, "graft"));
 }
 // TopKGrad(dValues, Indices, X's shape; axis) -> dX: zeros, with dValues at the indices along
@@ -417,12 +458,18 @@ void topk_grad_kernel(KernelCtx& c) {
 
 // ---- CumSum(x, axis; exclusive, reverse)
 // ------------------------------------------------------------
-int cumsum_axis(const Tensor& t, int rank, const std::string& where) {
+// CumSum's axis: its input 1, read at run time (it may be a graph input).
+int cumsum_axis(const Tensor& t, int rank, const Node& n) {
   GRAFT_CHECK(t.numel() == 1 && is_int(t.dtype()), ErrorKind::InvalidModel,
-              where + ": axis must be an integer scalar");
-  int64_t a = static_cast<int64_t>(t.at(0));
-  GRAFT_CHECK(a >= -rank && a < rank, ErrorKind::InvalidModel, where + ": axis out of range");
-  return static_cast<int>(a < 0 ? a + rank : a);
+              n.label() + ": axis must be an integer scalar");
+  return normalize_axis(static_cast<int64_t>(t.at(0)), rank, n);
+}
+struct CumSumAttrs {
+  bool exclusive = false, reverse = false;
+};
+std::shared_ptr<const void> prepare_cumsum(const Node& n) {
+  return prepared(CumSumAttrs{n.attrs.get_int("exclusive", 0, n.label()) != 0,
+                              n.attrs.get_int("reverse", 0, n.label()) != 0});
 }
 void infer_cumsum(InferCtx& c) {
   require_numeric(c, 0);
@@ -433,8 +480,8 @@ void infer_cumsum(InferCtx& c) {
 void cumsum_kernel(KernelCtx& c) {
   auto run = [&]<class T>() {
     const Tensor& x = c.in(0);
-    int ax = cumsum_axis(c.in(1), x.rank(), c.node.label());
-    const bool excl = c.attr_int("exclusive", 0), rev = c.attr_int("reverse", 0);
+    int ax = cumsum_axis(c.in(1), x.rank(), c.node);
+    const bool excl = c.attrs<CumSumAttrs>().exclusive, rev = c.attrs<CumSumAttrs>().reverse;
     int64_t outer, n, inner;
     split3(x.shape(), ax, ax + 1, outer, n, inner);
     const T* px = x.data<T>();
@@ -467,24 +514,31 @@ void grad_cumsum(GradBuilder& g) {
 const OpDef kOps[] = {
     {.name = "ReduceMax",
      .infer = infer_reduce_any,
+     .prepare = prepare_reduce,
      .kernel = reduce_any_kernel<Red::Max>,
      .grad = grad_reduce_any},
     {.name = "ReduceMin",
      .infer = infer_reduce_any,
+     .prepare = prepare_reduce,
      .kernel = reduce_any_kernel<Red::Min>,
      .grad = grad_reduce_any},
-    {.name = "ReduceProd", .infer = infer_reduce_any, .kernel = reduce_any_kernel<Red::Prod>},
+    {.name = "ReduceProd",
+     .infer = infer_reduce_any,
+     .prepare = prepare_reduce,
+     .kernel = reduce_any_kernel<Red::Prod>},
     {.name = "ReduceL2",
      .infer = infer_reduce_any,
+     .prepare = prepare_reduce,
      .kernel = reduce_any_kernel<Red::L2>,
      .grad = grad_reduce_any},
-    {.name = "ArgMax", .infer = infer_arg, .kernel = arg_kernel<true>},
-    {.name = "ArgMin", .infer = infer_arg, .kernel = arg_kernel<false>},
+    {.name = "ArgMax", .infer = infer_arg, .prepare = prepare_arg, .kernel = arg_kernel<true>},
+    {.name = "ArgMin", .infer = infer_arg, .prepare = prepare_arg, .kernel = arg_kernel<false>},
     {.name = "TopK",
      .min_in = 2,
      .max_in = 2,
      .max_out = 2,
      .infer = infer_topk,
+     .prepare = prepare_topk,
      .kernel = topk_kernel,
      .grad = grad_topk,
      .nondiff_inputs = {1}},
@@ -493,11 +547,13 @@ const OpDef kOps[] = {
      .min_in = 3,
      .max_in = 3,
      .infer = infer_topk_grad,
+     .prepare = prepare_topk,
      .kernel = topk_grad_kernel},
     {.name = "CumSum",
      .min_in = 2,
      .max_in = 2,
      .infer = infer_cumsum,
+     .prepare = prepare_cumsum,
      .kernel = cumsum_kernel,
      .grad = grad_cumsum,
      .nondiff_inputs = {1}},
@@ -506,14 +562,20 @@ const OpDef kOps[] = {
      .min_in = 3,
      .max_in = 3,
      .infer = infer_reduce_grad,
+     .prepare = prepare_reduce,
      .kernel = reduce_grad_kernel},
     {.name = "ReduceSum",
      .max_in = 2,
      .infer = infer_reduce,
+     .prepare = prepare_reduce,
      .kernel = reduce_kernel,
      .grad = grad_reduce,
      .nondiff_inputs = {1}},
-    {.name = "ReduceMean", .infer = infer_reduce, .kernel = reduce_kernel, .grad = grad_reduce},
+    {.name = "ReduceMean",
+     .infer = infer_reduce,
+     .prepare = prepare_reduce,
+     .kernel = reduce_kernel,
+     .grad = grad_reduce},
     {.name = "SumToShape",
      .domain = "graft",
      .infer = infer_sum_to_shape,

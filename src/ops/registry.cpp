@@ -19,12 +19,19 @@ void infer_sink(InferCtx& c) { require_float_sink(c); }
 const std::vector<const OpDef*>& all_ops() {
   static const std::vector<const OpDef*> table = [] {
     std::vector<const OpDef*> t;
-    register_elementwise_ops(t);
+    register_unary_ops(t);
+    register_binary_ops(t);
     register_linalg_ops(t);
+    register_einsum_ops(t);
     register_reduce_ops(t);
     register_shape_ops(t);
-    register_nn_ops(t);
+    register_index_ops(t);
+    register_softmax_ops(t);
+    register_norm_ops(t);
+    register_dropout_ops(t);
     register_conv_ops(t);
+    register_conv_transpose_ops(t);
+    register_pool_ops(t);
     register_resize_ops(t);
     register_rnn_ops(t);
     register_math_ops(t);
@@ -78,6 +85,13 @@ const OpDef& op_for(const Node& n) {
   return *d;
 }
 
+const OpDef* op_def(const Node& n) { return n.def ? n.def : find_op(n.op, n.domain); }
+
+double node_flops(const Graph& g, const Node& n) {
+  const OpDef* d = op_def(n);
+  return d && d->flops ? d->flops(g, n) : 0.0;
+}
+
 // --- InferCtx / KernelCtx ----------------------------------------------------------------------
 const Value& InferCtx::in(int i) const {
   GRAFT_CHECK(has_in(i), ErrorKind::InvalidModel,
@@ -124,15 +138,20 @@ void InferCtx::error(ErrorKind k, const std::string& msg) const {
   fail_at(k, node().name, node().label() + ": " + msg);
 }
 
-int InferCtx::axis(int64_t a, int rank, const char* what) const {
-  if (a < -rank || a >= rank)
-    error(ErrorKind::InvalidModel, std::string(what) + " " + std::to_string(a) +
-                                       " is out of range for rank " + std::to_string(rank));
-  return static_cast<int>(a < 0 ? a + rank : a);
+int normalize_axis(int64_t axis, int rank, const Node& n, const char* what) {
+  if (axis < -rank || axis >= rank)
+    fail_at(ErrorKind::InvalidModel, n.name,
+            n.label() + ": " + what + " " + std::to_string(axis) + " is out of range for rank " +
+                std::to_string(rank));
+  return static_cast<int>(axis < 0 ? axis + rank : axis);
 }
 
 void KernelCtx::error(ErrorKind k, const std::string& msg) const {
   fail_at(k, node.name, node.label() + ": " + msg);
+}
+
+void KernelCtx::not_prepared() const {
+  error(ErrorKind::Internal, "the kernel reads prepared attributes but the node was not prepared");
 }
 
 // --- inference and folding ---------------------------------------------------------------------
@@ -152,6 +171,11 @@ void infer_node(Graph& g, int ni) {
            n.label() + ": shape function left '" + g.values[o].name + "' unset");
 }
 
+std::shared_ptr<const void> prepare_node(const Node& n) {
+  const OpDef& d = op_for(n);
+  return d.prepare ? d.prepare(n) : nullptr;
+}
+
 void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<Tensor*>& outs,
               Allocator& alloc) {
   const OpDef& d = op_for(n);
@@ -159,7 +183,9 @@ void run_node(const Node& n, const std::vector<const Tensor*>& ins, std::vector<
     *outs[0] = ins[0]->reshaped(outs[0]->shape());
     return;
   }
+  const std::shared_ptr<const void> attrs = prepare_node(n);
   KernelCtx ctx{n, ins, outs, alloc};
+  ctx.prepared = attrs.get();
   d.kernel(ctx);
 }
 

@@ -34,12 +34,16 @@ struct ResizeAxis {
   double out_len = 0;  // the resized length the transforms divide by (scale * in, or sizes)
   double roi0 = 0, roi1 = 1;
 };
-struct ResizeSpec {
+// The attributes of a Resize (or ResizeGrad) node, parsed and checked by resize_attrs.
+struct ResizeAttrs {
   Mode mode = Mode::Nearest;
   Coord coord = Coord::HalfPixel;
   Round round = Round::PreferFloor;
   double cubic_a = -0.75, extrapolation = 0;
   bool exclude_outside = false;
+};
+// The attributes with the constant roi / scales / sizes for one input shape.
+struct ResizeSpec : ResizeAttrs {
   std::vector<ResizeAxis> axes;
   Shape out_shape() const {
     Shape s;
@@ -55,11 +59,9 @@ struct ResizeSpec {
 // A present input with at least one element (an empty tensor stands for an absent input).
 const Tensor* present(const Tensor* t) { return t && t->numel() > 0 ? t : nullptr; }
 
-// Reads the attributes and the constant roi / scales / sizes of a Resize (or ResizeGrad) node
-// whose input has shape `x`.
-ResizeSpec resize_spec(const Node& n, const Shape& x, const Tensor* roi, const Tensor* scales,
-                       const Tensor* sizes) {
-  ResizeSpec s;
+// Reads a Resize's (or ResizeGrad's) attributes; an unsupported one is an Unsupported error.
+ResizeAttrs resize_attrs(const Node& n) {
+  ResizeAttrs s;
   const std::string where = n.label();
   const std::string mode = n.attrs.get_string("mode", "nearest", where);
   if (mode == "nearest")
@@ -105,7 +107,16 @@ ResizeSpec resize_spec(const Node& n, const Shape& x, const Tensor* roi, const T
   s.cubic_a = n.attrs.get_float("cubic_coeff_a", -0.75, where);
   s.exclude_outside = n.attrs.get_int("exclude_outside", 0, where) != 0;
   s.extrapolation = n.attrs.get_float("extrapolation_value", 0.0, where);
+  return s;
+}
+std::shared_ptr<const void> prepare_resize(const Node& n) { return prepared(resize_attrs(n)); }
 
+// The spec of a Resize (or ResizeGrad) node with attributes `a` whose input has shape `x`, from its
+// constant roi / scales / sizes.
+ResizeSpec resize_spec(const Node& n, const ResizeAttrs& a, const Shape& x, const Tensor* roi,
+                       const Tensor* scales, const Tensor* sizes) {
+  ResizeSpec s;
+  static_cast<ResizeAttrs&>(s) = a;
   const size_t r = x.size();
   roi = present(roi);
   scales = present(scales);
@@ -307,6 +318,12 @@ void resize_rows(const ResizeSpec& s, Row&& row) {
   }
 }
 
+// The same, reading the node's attributes (at shape inference).
+ResizeSpec resize_spec(const Node& n, const Shape& x, const Tensor* roi, const Tensor* scales,
+                       const Tensor* sizes) {
+  return resize_spec(n, resize_attrs(n), x, roi, scales, sizes);
+}
+
 // roi, scales and sizes of a Resize node at shape inference: constants, or refused.
 const Tensor* const_operand(InferCtx& c, int i, const char* what) {
   if (!c.has_in(i) || numel(c.shape(i)) == 0) return nullptr;
@@ -350,7 +367,7 @@ void infer_resize(InferCtx& c) {
 // The spec the kernel runs, checked against the output shape planned at shape inference.
 ResizeSpec kernel_spec(const KernelCtx& c, const Shape& x, const Shape& y) {
   auto in = [&](int i) { return c.has_in(i) ? &c.in(i) : nullptr; };
-  ResizeSpec s = resize_spec(c.node, x, in(1), in(2), in(3));
+  ResizeSpec s = resize_spec(c.node, c.attrs<ResizeAttrs>(), x, in(1), in(2), in(3));
   if (s.out_shape() != y)
     c.error(ErrorKind::InvalidArgument,
             "scales / sizes / roi now give shape " + shape_str(s.out_shape()) +
@@ -447,6 +464,7 @@ const OpDef kOps[] = {
     {.name = "Resize",
      .max_in = 4,
      .infer = infer_resize,
+     .prepare = prepare_resize,
      .kernel = resize_kernel,
      .grad = grad_resize,
      .nondiff_inputs = {1, 2, 3}},
@@ -454,6 +472,7 @@ const OpDef kOps[] = {
      .domain = "graft",
      .max_in = 4,
      .infer = infer_resize_grad,
+     .prepare = prepare_resize,
      .kernel = resize_grad_kernel,
      .nondiff_inputs = {1, 2, 3}},
 };

@@ -27,13 +27,43 @@ using namespace opsutil;
 enum class Cell { Lstm, Gru };
 int n_gates(Cell k) { return k == Cell::Lstm ? 4 : 3; }
 
+// The attributes of LSTM, GRU and their gradients (LSTMGrad and GRUGrad carry the forward's).
+enum class Dir { Forward, Reverse, Bidirectional, Other };
+struct RnnAttrs {
+  Dir dir = Dir::Forward;
+  std::string direction = "forward";  // as given (for the error on an unknown one)
+  int64_t hidden_size = -1;
+  int layout = 0;
+  bool linear_before_reset = false;  // GRU
+  bool has_activations = false, has_clip = false;
+  int64_t input_forget = 0;
+  // Does direction d run back in time?
+  bool reverse(int64_t d) const {
+    return dir == Dir::Reverse || (dir == Dir::Bidirectional && d == 1);
+  }
+};
+RnnAttrs rnn_attrs(const Node& n) {
+  const std::string where = n.label();
+  RnnAttrs a;
+  a.direction = n.attrs.get_string("direction", "forward", where);
+  a.dir = a.direction == "forward"         ? Dir::Forward
+          : a.direction == "reverse"       ? Dir::Reverse
+          : a.direction == "bidirectional" ? Dir::Bidirectional
+                                           : Dir::Other;
+  a.hidden_size = n.attrs.get_int("hidden_size", -1, where);
+  a.layout = static_cast<int>(n.attrs.get_int("layout", 0, where));
+  a.linear_before_reset = n.attrs.get_int("linear_before_reset", 0, where) != 0;
+  a.has_activations = n.attrs.has("activations");
+  a.has_clip = n.attrs.has("clip");
+  a.input_forget = n.attrs.get_int("input_forget", 0, where);
+  return a;
+}
+std::shared_ptr<const void> prepare_rnn(const Node& n) { return prepared(rnn_attrs(n)); }
+
 // The dimensions of one LSTM / GRU node.
 struct Dims {
   int64_t T = 0, B = 0, I = 0, H = 0, D = 1;
   int layout = 0;
-  bool reverse(int64_t d, const std::string& dir) const {
-    return dir == "reverse" || (dir == "bidirectional" && d == 1);
-  }
 };
 
 Dims dims_of(const Shape& x, const Shape& w, int64_t H, int layout) {
@@ -58,27 +88,25 @@ Shape y_shape(const Dims& m) {
 // sequence_lens, initial_h (and LSTM: initial_c, P).
 Dims infer_rnn(InferCtx& c, Cell kind) {
   require_float(c, 0);
-  const std::string dir = c.attrs().get_string("direction", "forward", c.node().label());
-  if (dir != "forward" && dir != "reverse" && dir != "bidirectional")
-    c.error(ErrorKind::InvalidModel, "direction '" + dir +
+  const RnnAttrs a = rnn_attrs(c.node());
+  if (a.dir == Dir::Other)
+    c.error(ErrorKind::InvalidModel, "direction '" + a.direction +
                                          "' is not one of forward, reverse, "
                                          "bidirectional");
-  if (c.attrs().has("activations"))
+  if (a.has_activations)
     c.error(ErrorKind::Unsupported, "custom activations are not supported (only the defaults)");
-  if (c.attrs().has("clip")) c.error(ErrorKind::Unsupported, "the clip attribute is not supported");
-  if (c.attr_int("input_forget", 0) != 0)
-    c.error(ErrorKind::Unsupported, "input_forget = 1 is not supported");
+  if (a.has_clip) c.error(ErrorKind::Unsupported, "the clip attribute is not supported");
+  if (a.input_forget != 0) c.error(ErrorKind::Unsupported, "input_forget = 1 is not supported");
   if (kind == Cell::Lstm && c.has_in(7))
     c.error(ErrorKind::Unsupported, "peephole weights (input P) are not supported");
-  const int64_t lbr = c.attr_int("linear_before_reset", 0);
-  if (kind == Cell::Lstm && lbr != 0)
+  if (kind == Cell::Lstm && a.linear_before_reset)
     c.error(ErrorKind::InvalidModel, "linear_before_reset is a GRU attribute");
-  const int layout = static_cast<int>(c.attr_int("layout", 0));
+  const int layout = a.layout;
   if (layout != 0 && layout != 1) c.error(ErrorKind::InvalidModel, "layout must be 0 or 1");
-  const int64_t H = c.attr_int("hidden_size", -1);
+  const int64_t H = a.hidden_size;
   const Shape &x = c.shape(0), &w = c.shape(1), &r = c.shape(2);
   c.check(x.size() == 3, "X must be 3-D, got " + shape_str(x));
-  const int64_t G = n_gates(kind), D = dir == "bidirectional" ? 2 : 1;
+  const int64_t G = n_gates(kind), D = a.dir == Dir::Bidirectional ? 2 : 1;
   c.check(H > 0, "hidden_size must be given and positive");
   for (int i = 1; i <= 2; ++i)
     if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
@@ -218,8 +246,8 @@ void col_sums(const T* a, int64_t rows, int64_t n, T* out) {
 }
 
 Dims kernel_dims(const KernelCtx& c) {
-  return dims_of(c.in(0).shape(), c.in(1).shape(), c.attr_int("hidden_size", 0),
-                 static_cast<int>(c.attr_int("layout", 0)));
+  const RnnAttrs& a = c.attrs<RnnAttrs>();
+  return dims_of(c.in(0).shape(), c.in(1).shape(), a.hidden_size, a.layout);
 }
 const Tensor* opt_in(const KernelCtx& c, int i) { return c.has_in(i) ? &c.in(i) : nullptr; }
 Tensor* opt_out(const KernelCtx& c, int i) { return c.has_out(i) ? &c.out(i) : nullptr; }
@@ -229,7 +257,7 @@ Tensor* opt_out(const KernelCtx& c, int i) { return c.has_out(i) ? &c.out(i) : n
 void lstm_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Dims m = kernel_dims(c);
-    const std::string dir = c.attrs().get_string("direction", "forward");
+    const RnnAttrs& ra = c.attrs<RnnAttrs>();
     const int64_t T_ = m.T, B = m.B, H = m.H, G = 4 * H;
     const auto len = seq_lens(c, m);
     TimeMajor<T> x(&c.in(0), m.layout, B, T_, m.I, c.alloc);
@@ -243,7 +271,7 @@ void lstm_kernel(KernelCtx& c) {
     Tensor hb = Tensor::empty({m.D, B, H}, c.in(0).dtype(), c.alloc, Category::Workspace, "h");
     Tensor cb = Tensor::empty({m.D, B, H}, c.in(0).dtype(), c.alloc, Category::Workspace, "c");
     for (int64_t d = 0; d < m.D; ++d) {
-      const bool rev = m.reverse(d, dir);
+      const bool rev = ra.reverse(d);
       const T* W = c.in(1).data<T>() + d * G * m.I;
       const T* R = c.in(2).data<T>() + d * G * H;
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
@@ -286,8 +314,8 @@ void lstm_kernel(KernelCtx& c) {
 // LSTMGrad(X, W, R, B, sequence_lens, initial_h, initial_c, Y, dY, dY_h, dY_c)
 //   -> dX, dW, dR, dB, dinitial_h, dinitial_c   (the LSTM's attributes)
 void infer_lstm_grad(InferCtx& c) {
-  Dims m = dims_of(c.shape(0), c.shape(1), c.attr_int("hidden_size", 0),
-                   static_cast<int>(c.attr_int("layout", 0)));
+  const RnnAttrs a = rnn_attrs(c.node());
+  Dims m = dims_of(c.shape(0), c.shape(1), a.hidden_size, a.layout);
   const DType dt = c.dtype(0);
   c.set_out(0, dt, c.shape(0));
   c.set_out(1, dt, c.shape(1));
@@ -300,7 +328,7 @@ void infer_lstm_grad(InferCtx& c) {
 void lstm_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Dims m = kernel_dims(c);
-    const std::string dir = c.attrs().get_string("direction", "forward");
+    const RnnAttrs& ra = c.attrs<RnnAttrs>();
     const int64_t T_ = m.T, B = m.B, H = m.H, G = 4 * H, TB = m.T * m.B;
     const DType dt = c.in(0).dtype();
     const auto len = seq_lens(c, m);
@@ -321,7 +349,7 @@ void lstm_grad_kernel(KernelCtx& c) {
     Tensor da = ws({TB, G}, "rnn_dgates"), dh = ws({B, H}, "dh"), dc = ws({B, H}, "dc");
     Tensor dhn = ws({B, H}, "dh_next");
     for (int64_t d = 0; d < m.D; ++d) {
-      const bool rev = m.reverse(d, dir);
+      const bool rev = ra.reverse(d);
       const T* W = c.in(1).data<T>() + d * G * m.I;
       const T* R = c.in(2).data<T>() + d * G * H;
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
@@ -416,8 +444,8 @@ void lstm_grad_kernel(KernelCtx& c) {
 void gru_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Dims m = kernel_dims(c);
-    const std::string dir = c.attrs().get_string("direction", "forward");
-    const bool lbr = c.attr_int("linear_before_reset", 0) != 0;
+    const RnnAttrs& ra = c.attrs<RnnAttrs>();
+    const bool lbr = ra.linear_before_reset;
     const int64_t T_ = m.T, B = m.B, H = m.H, G = 3 * H;
     const DType dt = c.in(0).dtype();
     const auto len = seq_lens(c, m);
@@ -430,7 +458,7 @@ void gru_kernel(KernelCtx& c) {
     Tensor hr = ws({B, G}, "rnn_hr"), hb = ws({m.D, B, H}, "h"), rh = ws({B, H}, "r_h");
     T* y = ybuf.data<T>();
     for (int64_t d = 0; d < m.D; ++d) {
-      const bool rev = m.reverse(d, dir);
+      const bool rev = ra.reverse(d);
       const T* W = c.in(1).data<T>() + d * G * m.I;
       const T* R = c.in(2).data<T>() + d * G * H;
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
@@ -481,8 +509,8 @@ void gru_kernel(KernelCtx& c) {
 
 // GRUGrad(X, W, R, B, sequence_lens, initial_h, Y, dY, dY_h) -> dX, dW, dR, dB, dinitial_h
 void infer_gru_grad(InferCtx& c) {
-  Dims m = dims_of(c.shape(0), c.shape(1), c.attr_int("hidden_size", 0),
-                   static_cast<int>(c.attr_int("layout", 0)));
+  const RnnAttrs a = rnn_attrs(c.node());
+  Dims m = dims_of(c.shape(0), c.shape(1), a.hidden_size, a.layout);
   const DType dt = c.dtype(0);
   c.set_out(0, dt, c.shape(0));
   c.set_out(1, dt, c.shape(1));
@@ -494,8 +522,8 @@ void infer_gru_grad(InferCtx& c) {
 void gru_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Dims m = kernel_dims(c);
-    const std::string dir = c.attrs().get_string("direction", "forward");
-    const bool lbr = c.attr_int("linear_before_reset", 0) != 0;
+    const RnnAttrs& ra = c.attrs<RnnAttrs>();
+    const bool lbr = ra.linear_before_reset;
     const int64_t T_ = m.T, B = m.B, H = m.H, G = 3 * H, TB = m.T * m.B;
     const DType dt = c.in(0).dtype();
     const auto len = seq_lens(c, m);
@@ -514,7 +542,7 @@ void gru_grad_kernel(KernelCtx& c) {
     Tensor drg = ws({lbr ? TB : 0, G}, "rnn_dgates_r"), dh = ws({B, H}, "dh");
     Tensor direct = ws({B, H}, "dh_direct"), tmp = ws({B, H}, "dh_tmp");
     for (int64_t d = 0; d < m.D; ++d) {
-      const bool rev = m.reverse(d, dir);
+      const bool rev = ra.reverse(d);
       const T* W = c.in(1).data<T>() + d * G * m.I;
       const T* R = c.in(2).data<T>() + d * G * H;
       const T* bw = c.has_in(3) ? c.in(3).data<T>() + d * 2 * G : nullptr;
@@ -658,23 +686,28 @@ const OpDef kOps[] = {
      .max_in = 8,
      .max_out = 3,
      .infer = infer_lstm,
+     .prepare = prepare_rnn,
      .kernel = lstm_kernel,
      .grad = grad_lstm,
-     .nondiff_inputs = {4}},
+     .nondiff_inputs = {4},
+     .recompute = false},
     {.name = "GRU",
      .min_in = 3,
      .max_in = 6,
      .max_out = 2,
      .infer = infer_gru,
+     .prepare = prepare_rnn,
      .kernel = gru_kernel,
      .grad = grad_gru,
-     .nondiff_inputs = {4}},
+     .nondiff_inputs = {4},
+     .recompute = false},
     {.name = "LSTMGrad",
      .domain = "graft",
      .min_in = 3,  // X, W, R; Y (7) is always given; the rest are optional
      .max_in = 11,
      .max_out = 6,
      .infer = infer_lstm_grad,
+     .prepare = prepare_rnn,
      .kernel = lstm_grad_kernel,
      .nondiff_inputs = {4}},
     {.name = "GRUGrad",
@@ -683,6 +716,7 @@ const OpDef kOps[] = {
      .max_in = 9,
      .max_out = 5,
      .infer = infer_gru_grad,
+     .prepare = prepare_rnn,
      .kernel = gru_grad_kernel,
      .nondiff_inputs = {4}},
 };

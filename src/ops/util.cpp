@@ -1,16 +1,7 @@
-// Broadcasting helpers and the op families' thread pool (see util.h).
+// Broadcasting helpers shared by the op families (see util.h).
 #include "util.h"
 
-#include <pthread.h>
-
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdlib>
 #include <cstring>
-#include <exception>
-#include <mutex>
-#include <thread>
 
 namespace graft::opsutil {
 
@@ -90,171 +81,6 @@ void sum_to_shape(const T* in, const Shape& from, T* out, const Shape& to, bool 
 template void sum_to_shape<float>(const float*, const Shape&, float*, const Shape&, bool);
 template void sum_to_shape<double>(const double*, const Shape&, double*, const Shape&, bool);
 
-// ---- the thread pool
-// ----------------------------------------------------------------------------- One job at a time:
-// run_tasks takes `submit` with try_lock and runs inline when it cannot (a nested call from a task,
-// or another thread's job in flight), so it never waits on itself. A job (fn, ctx, n) is published
-// under `m` with a new generation number; a thread claims task i of job g by advancing `claim` from
-// (g << 32 | i), so a thread still looking at an old job can never claim a task of a newer one;
-// `left` counts unfinished tasks. Idle workers spin briefly (consecutive ops then need no wake-up),
-// then sleep on `cv`. The pool is never destroyed (no join order at exit); a forked child has no
-// workers, so it runs inline.
-namespace {
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-struct Job {
-  uint64_t gen = 0;
-  void (*fn)(void*, int, int) = nullptr;
-  void* ctx = nullptr;
-  int n = 0;
-  int slots = 1;  // max_threads() at submission: workers in higher slots sit it out
-};
-struct Pool {
-  std::mutex submit, m;
-  std::condition_variable cv, done_cv;
-  Job job;                           // under m
-  std::atomic<uint64_t> agen{0};     // job.gen, for spinning workers
-  std::atomic<uint64_t> claim{0};    // gen << 32 | next task index
-  std::atomic<int> left{0};          // tasks of the current job not finished
-  std::atomic<bool> waiting{false};  // the caller sleeps on done_cv
-  int workers = 0;                   // started so far (under submit)
-
-  // Claims and runs tasks of job j until none are left, in the thread's slot.
-  void work(const Job& j, int slot) {
-    if (slot >= j.slots) return;
-    uint64_t c = claim.load();
-    for (;;) {
-      if ((c >> 32) != (j.gen & 0xffffffffu) || static_cast<int>(c & 0xffffffffu) >= j.n) return;
-      if (!claim.compare_exchange_weak(c, c + 1)) continue;
-      j.fn(j.ctx, static_cast<int>(c & 0xffffffffu), slot);
-      if (left.fetch_sub(1) == 1 && waiting.load()) {
-        std::lock_guard<std::mutex> g(m);
-        done_cv.notify_one();
-      }
-      c = claim.load();
-    }
-  }
-  void loop(int slot) {
-    uint64_t seen = 0;
-    for (;;) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-      for (int k = 0; agen.load(std::memory_order_acquire) == seen; ++k) {
-        cpu_relax();
-        if ((k & 63) == 63 && std::chrono::steady_clock::now() > until) break;
-      }
-      Job j;
-      {
-        std::unique_lock<std::mutex> l(m);
-        cv.wait(l, [&] { return job.gen != seen; });
-        j = job;
-        seen = j.gen;
-      }
-      work(j, slot);
-    }
-  }
-};
-Pool& pool() {
-  static Pool* p = new Pool;  // never destroyed: workers may still be waiting at exit
-  return *p;
-}
-std::atomic<bool> g_forked{false};
-void mark_forked() { g_forked.store(true); }
-}  // namespace
-
-// libgomp's entry points (graft links libgomp, the OpenMP runtime of Debian's oneDNN and PyTorch):
-// GOMP_parallel is what `#pragma omp parallel num_threads(t)` compiles to with GCC, called
-// directly so that no file needs -fopenmp or <omp.h> (clang builds have neither).
-extern "C" void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
-extern "C" int omp_get_thread_num(void);
-
-namespace {
-// Note [one thread pool]
-// ~~~~~~~~~~~~~~~~~~~~~~
-// By default run_tasks runs its tasks on libgomp's OpenMP team, the threads oneDNN's convolutions
-// and float32 matmuls and PyTorch's own loops already use: with a pool of graft's own beside it,
-// libgomp's workers kept spinning after each oneDNN call and took a core from graft's. It was
-// tried before the float32 GEMMs moved to oneDNN and lost then on convnext (its GEMMs ran on
-// OpenBLAS's pthreads, a third set of threads). Measured on the zoo: docs/performance.md, "Three
-// thread pools on two cores" and "One thread pool". GRAFT_POOL=own runs graft's own pool below
-// (an A/B switch).
-bool pool_is_omp() {
-  static const bool omp = [] {
-    const char* v = std::getenv("GRAFT_POOL");
-    return !(v && std::strcmp(v, "own") == 0);
-  }();
-  return omp;
-}
-// run_tasks' contract on the OpenMP team: tasks claimed from a counter, slot = the team index.
-void run_tasks_omp(int n, void (*fn)(void*, int, int), void* ctx) {
-  std::atomic<int> next{0};
-  std::exception_ptr err;
-  std::mutex err_m;
-  struct Team {
-    void (*fn)(void*, int, int);
-    void* ctx;
-    int n;
-    std::atomic<int>* next;
-    std::exception_ptr* err;
-    std::mutex* err_m;
-  } team{fn, ctx, n, &next, &err, &err_m};
-  GOMP_parallel(
-      [](void* p) {
-        auto* t = static_cast<Team*>(p);
-        const int slot = omp_get_thread_num();
-        for (int i; (i = t->next->fetch_add(1)) < t->n;) {
-          try {
-            t->fn(t->ctx, i, slot);
-          } catch (...) {  // an exception must not leave a team thread
-            std::lock_guard<std::mutex> g(*t->err_m);
-            if (!*t->err) *t->err = std::current_exception();
-            t->next->store(t->n);
-          }
-        }
-      },
-      &team, static_cast<unsigned>(std::min(n, max_threads())), 0);
-  if (err) std::rethrow_exception(err);
-}
-}  // namespace
-
-void run_tasks(int n, void (*fn)(void*, int, int), void* ctx) {
-  static const bool atfork = [] { return pthread_atfork(nullptr, nullptr, mark_forked) == 0; }();
-  (void)atfork;
-  Pool& p = pool();
-  std::unique_lock<std::mutex> s(p.submit, std::try_to_lock);
-  if (n <= 1 || !s.owns_lock() || g_forked.load(std::memory_order_relaxed)) {
-    for (int i = 0; i < n; ++i) fn(ctx, i, 0);
-    return;
-  }
-  if (pool_is_omp()) return run_tasks_omp(n, fn, ctx);
-  const int want = std::min(n, max_threads()) - 1;
-  while (p.workers < want) {
-    const int slot = ++p.workers;
-    std::thread([&p, slot] { p.loop(slot); }).detach();
-  }
-  Job j;
-  {
-    std::lock_guard<std::mutex> g(p.m);
-    j = {p.job.gen + 1, fn, ctx, n, max_threads()};
-    p.left.store(n);
-    p.waiting.store(false);
-    p.claim.store((j.gen & 0xffffffffu) << 32);
-    p.job = j;
-    p.agen.store(j.gen, std::memory_order_release);
-  }
-  p.cv.notify_all();
-  p.work(j, 0);
-  // Wait for the tasks other threads claimed: spin a little, then sleep.
-  for (int k = 0; k < 20000 && p.left.load() > 0; ++k) cpu_relax();
-  if (p.left.load() > 0) {
-    std::unique_lock<std::mutex> l(p.m);
-    p.waiting.store(true);
-    p.done_cv.wait(l, [&] { return p.left.load() == 0; });
-  }
-}
-
 template <class T>
 void add_n(T* d, const T* s, int64_t n) {
   parallel_elems(n, 1, [&](int64_t b, int64_t e) {
@@ -264,14 +90,18 @@ void add_n(T* d, const T* s, int64_t n) {
 
 void infer_same(InferCtx& c) { c.set_out(0, c.dtype(0), c.shape(0)); }
 
+int onnx_dtype_code_of(DType d) { return onnx_elem_type(d); }
+
+double output_elements(const Graph& g, const Node& n) {
+  double out = 0;
+  for (int v : n.outputs)
+    if (v >= 0) out += static_cast<double>(numel(g.values[v].shape));
+  return out;
+}
+
 }  // namespace graft::opsutil
 
 namespace graft {
-void parallel_ranges(int64_t n, int64_t work_per_item, void (*fn)(void*, int64_t, int64_t),
-                     void* ctx) {
-  opsutil::parallel_elems(n, work_per_item, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
-}
-
 void add_elements(Tensor& dst, const Tensor& src) {
   GRAFT_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ErrorKind::Internal,
               "add_elements: tensors differ in dtype or size");

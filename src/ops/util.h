@@ -1,5 +1,6 @@
-// Helpers shared by the op families: dtype dispatch and numpy-style broadcasting.
-// Internal to src/ops (not installed).
+// Helpers shared by the op families: dtype dispatch, numpy-style broadcasting, the GEMM entry
+// point. Internal to src/ops (not installed); the loops split over graft's threads with
+// parallel_for (graft/parallel.h).
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <cstring>
 
 #include "graft/ops.h"
+#include "graft/parallel.h"
 
 namespace dnnl {
 struct engine;
@@ -138,68 +140,6 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// Threads for the op families' own loops (per channel, per plane): num_threads(), at least one.
-inline int max_threads() { return std::max(1, num_threads()); }
-
-// Runs fn(ctx, task, slot) for every task in [0, n) on up to max_threads() threads, the calling
-// thread among them (libgomp's OpenMP team, or graft's own persistent pool with GRAFT_POOL=own:
-// Note [one thread pool], util.cpp), and returns when all have finished. Threads claim tasks as
-// they come free (a descheduled worker on a busy machine leaves its share to the others), so which
-// thread runs which task is not fixed and tasks must be independent; `slot` (< max_threads()) is
-// the running thread's, distinct among tasks running at once. Runs all tasks inline, in order, in
-// slot 0 when called from a pool task (nesting), while another thread has the pool, or in a
-// forked child (util.cpp).
-void run_tasks(int n, void (*fn)(void*, int, int), void* ctx);
-
-// Below this many element operations a loop runs on the calling thread: waking a worker costs a
-// few microseconds, which this much work pays for (docs/performance.md, "What changed").
-constexpr int64_t kParallelGrain = 32768;
-
-// Splits [0, n) into contiguous ranges, up to 4 per thread and none under kParallelGrain element
-// operations (n * work_per_item), and runs f(slot, begin, end) on each, slot < max_threads() being
-// the running thread's (an index into per-thread scratch). For loops between GEMMs, never around
-// them: the GEMMs run their own threads (oneDNN's team, OpenBLAS's). Callers split over independent
-// items only, so results do not depend on the number of threads or on which thread ran what.
-template <class F>
-void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
-  if (n <= 0) return;
-  const int64_t work = n * std::max<int64_t>(1, work_per_item);
-  const int threads = max_threads();
-  const int t = threads <= 1 ? 1
-                             : static_cast<int>(std::min<int64_t>(
-                                   {4 * threads, n, std::max<int64_t>(1, work / kParallelGrain)}));
-  if (t <= 1) {
-    f(0, int64_t{0}, n);
-    return;
-  }
-  struct Ctx {
-    F* f;
-    int64_t n;
-    int t;
-  } ctx{&f, n, t};
-  run_tasks(
-      t,
-      [](void* p, int i, int slot) {
-        auto* c = static_cast<Ctx*>(p);
-        (*c->f)(slot, c->n * i / c->t, c->n * (i + 1) / c->t);
-      },
-      &ctx);
-}
-// parallel_for over [0, n) in blocks of `block` items (begin a multiple of block): for
-// vectorized loops over flat arrays, so that no thread's range starts mid-vector.
-template <class F>
-void parallel_blocks(int64_t n, int64_t work_per_item, F&& f, int64_t block = 64) {
-  const int64_t nb = (n + block - 1) / block;
-  parallel_for(nb, block * work_per_item,
-               [&](int t, int64_t b0, int64_t b1) { f(t, b0 * block, std::min(n, b1 * block)); });
-}
-
-// Runs f(begin, end) over [0, n) elements in parallel (f: a plain, vectorizable loop).
-template <class F>
-void parallel_elems(int64_t n, int64_t work_per_item, F&& f) {
-  parallel_blocks(n, work_per_item, [&](int, int64_t b, int64_t e) { f(b, e); });
-}
-
 // Broadcasting by rows: the output's dims collapsed (size-1 dims dropped, neighbours merged where
 // every input is contiguous across them) into outer dims and one inner dim, along which each
 // input's stride is 0 (broadcast) or 1. Kernels then run plain loops over row segments.
@@ -303,6 +243,12 @@ void dispatch_numeric(DType dt, const KernelCtx& c, F&& f) {
   if (!dispatch_int(dt, f)) dispatch_float(dt, c, f);
 }
 
+// normalize_axis (graft/ops.h), except that a scalar's axis 0 is accepted too, as its one element
+// (Softmax, LogSoftmax, LayerNormalization and the reductions take it).
+inline int normalize_axis_scalar_ok(int64_t axis, int rank, const Node& n) {
+  return rank == 0 && axis == 0 ? 0 : normalize_axis(axis, rank, n);
+}
+
 // Shape check helper for the shape functions.
 inline void require_float(InferCtx& c, int i) {
   if (!is_float(c.dtype(i)))
@@ -321,5 +267,12 @@ int onnx_dtype_code_of(DType d);
 
 // Shape function: output 0 has input 0's dtype and shape.
 void infer_same(InferCtx& c);
+
+// For the cost functions (OpDef::flops): the elements of all the node's outputs, and the shape of
+// its input i.
+double output_elements(const Graph& g, const Node& n);
+inline const Shape& input_shape(const Graph& g, const Node& n, int i) {
+  return g.values[n.inputs[i]].shape;
+}
 
 }  // namespace graft::opsutil

@@ -90,7 +90,7 @@ GRAFT_VM V v_sigmoid(V x) {
   return fma(sub(set1(0.0f), mul(q, l)), inv_h, q);
 }
 
-// The fused kernels, with the formulas of elementwise.cpp's scalar versions.
+// The fused kernels, with the formulas of unary.cpp's scalar versions.
 GRAFT_VM V v_gelu_erf(V x) {
   const V h = mul(set1(0.5f), x);
   return mul(h, add(set1(1.0f), v_erf(mul(x, set1(0.70710678118654752f)))));

@@ -1,0 +1,124 @@
+// Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity), and
+// the process-wide counter that seeds each run's masks (dropout_rng_state, ops.h).
+#include <atomic>
+#include <functional>
+#include <random>
+
+#include "util.h"
+
+namespace graft {
+namespace {
+using namespace opsutil;
+
+// ---- Dropout ------------------------------------------------------------------------------------
+// Identity unless training_mode is true and ratio > 0; then a Bernoulli mask scaled by 1/(1-p).
+bool dropout_active(const Tensor* ratio, const Tensor* training, double& p) {
+  p = ratio ? ratio->at(0) : 0.5;
+  bool train = training && training->at(0) != 0;
+  return train && p > 0;
+}
+// ratio and training_mode do not change the output shapes: they may be graph inputs, read by the
+// kernel at run time (the gradient rule needs them constant).
+void infer_dropout(InferCtx& c) {
+  require_float(c, 0);
+  if (c.has_in(1)) {
+    if (!is_float(c.dtype(1))) c.error(ErrorKind::Unsupported, "ratio must be float32 or float64");
+    c.check(numel(c.shape(1)) == 1, "ratio must be a scalar, got shape " + shape_str(c.shape(1)));
+  }
+  if (c.has_in(2)) {
+    if (c.dtype(2) != DType::Bool) c.error(ErrorKind::InvalidModel, "training_mode must be bool");
+    c.check(numel(c.shape(2)) == 1,
+            "training_mode must be a scalar, got shape " + shape_str(c.shape(2)));
+  }
+  c.set_out(0, c.dtype(0), c.shape(0));
+  c.set_out(1, DType::Bool, c.shape(0));
+  double p = c.const_in(1) ? c.const_in(1)->at(0) : 0.5;
+  if (p < 0 || p >= 1)
+    c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
+}
+struct DropoutAttrs {
+  int64_t seed = 0;  // mixed into the generator's seed with the run's seed and the node's name
+};
+std::shared_ptr<const void> prepare_dropout(const Node& n) {
+  return prepared(DropoutAttrs{n.attrs.get_int("seed", 0, n.label())});
+}
+std::atomic<uint64_t>& dropout_counter() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+void dropout_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  double p;
+  bool active =
+      dropout_active(c.has_in(1) ? &c.in(1) : nullptr, c.has_in(2) ? &c.in(2) : nullptr, p);
+  if (c.has_in(1) && !(p >= 0 && p < 1))
+    c.error(ErrorKind::InvalidArgument, "ratio " + std::to_string(p) + " is not in [0, 1)");
+  bool* mask = c.has_out(1) ? c.out(1).data<bool>() : nullptr;
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const T* px = x.data<T>();
+    T* py = c.out(0).data<T>();
+    if (!active) {
+      if (py != px) std::copy(px, px + x.numel(), py);
+      if (mask) std::fill(mask, mask + x.numel(), true);
+      return;
+    }
+    std::mt19937_64 rng(static_cast<uint64_t>(c.attrs<DropoutAttrs>().seed) * 1000003u +
+                        c.seed * 7919u + std::hash<std::string>{}(c.node.name));
+    std::bernoulli_distribution keep(1.0 - p);
+    const T scale = static_cast<T>(1.0 / (1.0 - p));
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      bool k = keep(rng);
+      if (mask) mask[i] = k;
+      py[i] = k ? px[i] * scale : T(0);
+    }
+  });
+}
+void grad_dropout(GradBuilder& g) {
+  const Node& n = g.node();
+  auto in_t = [&](int i) -> const Tensor* {
+    if (i >= static_cast<int>(n.inputs.size()) || n.inputs[i] < 0) return nullptr;
+    const Value& v = g.val(n.inputs[i]);
+    if (v.kind != ValueKind::Constant || !v.data.defined())
+      fail(ErrorKind::Unsupported, n.label() + ": the gradient of Dropout needs a constant " +
+                                       (i == 1 ? "ratio" : "training_mode") + "; '" + v.name +
+                                       "' is computed at run time");
+    return &v.data;
+  };
+  double p;
+  if (!dropout_active(in_t(1), in_t(2), p)) {
+    g.set_dx(0, g.dy(0));
+    return;
+  }
+  int mask = g.y(1);
+  DType dt = g.val(g.dy(0)).dtype;
+  Attrs a;
+  a.set_int("to", onnx_dtype_code_of(dt));
+  int m = g.emit1("Cast", {mask}, a);
+  g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
+}
+
+const OpDef kOps[] = {
+    {.name = "Dropout",
+     .max_in = 3,
+     .max_out = 2,
+     .infer = infer_dropout,
+     .prepare = prepare_dropout,
+     .kernel = dropout_kernel,
+     .grad = grad_dropout,
+     .foldable = false,
+     .nondiff_inputs = {1, 2},
+     .random = true,
+     .recompute = false},
+};
+
+}  // namespace
+
+uint64_t dropout_rng_state() { return dropout_counter().load(); }
+void set_dropout_rng_state(uint64_t state) { dropout_counter() = state; }
+uint64_t next_dropout_seed() { return dropout_counter()++; }
+
+void register_dropout_ops(std::vector<const OpDef*>& t) {
+  for (const OpDef& d : kOps) t.push_back(&d);
+}
+
+}  // namespace graft
