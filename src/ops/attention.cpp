@@ -51,13 +51,25 @@ struct Dims {
   int64_t ms[4] = {0, 0, 0, 0};
 };
 
-Dims dims_of(const Node& n, const Shape& q, const Shape& k, const Shape& v, const Shape* mask,
-             DType mask_dt, bool has_mask, const Tensor* scale) {
+// The attributes, parsed once per node (Note [prepared attributes], ops.h).
+struct AttentionAttrs {
+  bool causal = false;
+  double scale = 0;  // 0: none given
+};
+AttentionAttrs attention_attrs(const Node& n) {
+  return {n.attrs.get_int("causal", 0, n.label()) != 0, n.attrs.get_float("scale", 0.0, n.label())};
+}
+std::shared_ptr<const void> prepare_attention(const Node& n) {
+  return prepared(attention_attrs(n));
+}
+
+Dims dims_of(const AttentionAttrs& a, const Shape& q, const Shape& k, const Shape& v,
+             const Shape* mask, DType mask_dt, bool has_mask, const Tensor* scale) {
   Dims d{};
   d.B = q[0], d.H = q[1], d.Tq = q[2], d.D = q[3];
   d.Hk = k[1], d.Tk = k[2], d.Dv = v[3];
-  d.causal = n.attrs.get_int("causal", 0, n.label()) != 0;
-  d.scale = n.attrs.get_float("scale", 0.0, n.label());
+  d.causal = a.causal;
+  d.scale = a.scale;
   if (scale)
     d.scale = scale->dtype() == DType::F64 ? scale->data<double>()[0] : scale->data<float>()[0];
   if (d.scale == 0) d.scale = 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(1, d.D)));
@@ -186,9 +198,9 @@ void softmax_rows(int64_t m, int64_t kn, T* S, T* lse_out, const T* lse_in) {
 void attention_kernel(KernelCtx& c) {
   const Tensor &q = c.in(0), &k = c.in(1), &v = c.in(2);
   const Tensor* mask = c.has_in(3) ? &c.in(3) : nullptr;
-  const Dims d =
-      dims_of(c.node, q.shape(), k.shape(), v.shape(), mask ? &mask->shape() : nullptr,
-              mask ? mask->dtype() : q.dtype(), mask != nullptr, c.has_in(4) ? &c.in(4) : nullptr);
+  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
+                         mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
+                         mask != nullptr, c.has_in(4) ? &c.in(4) : nullptr);
   const int64_t rows = block_rows(d), group = d.H / d.Hk;
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
@@ -242,9 +254,9 @@ void attention_grad_kernel(KernelCtx& c) {
   const Tensor* dout = c.has_in(0) ? &c.in(0) : nullptr;
   const Tensor* mask = c.has_in(5) ? &c.in(5) : nullptr;
   const Tensor* dlse = c.has_in(6) ? &c.in(6) : nullptr;
-  const Dims d =
-      dims_of(c.node, q.shape(), k.shape(), v.shape(), mask ? &mask->shape() : nullptr,
-              mask ? mask->dtype() : q.dtype(), mask != nullptr, c.has_in(7) ? &c.in(7) : nullptr);
+  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
+                         mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
+                         mask != nullptr, c.has_in(7) ? &c.in(7) : nullptr);
   const int64_t rows = block_rows(d), group = d.H / d.Hk;
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   dispatch_float(q.dtype(), c, [&]<class T>() {
@@ -319,9 +331,10 @@ void attention_grad_kernel(KernelCtx& c) {
 // gets dS at full size (summed to the mask's shape by the driver); a boolean mask never does.
 void grad_attention(GradBuilder& g) {
   const Node& n = g.node();
+  const AttentionAttrs at = attention_attrs(n);
   Attrs a;
-  a.set_int("causal", n.attrs.get_int("causal", 0, n.label()));
-  a.set_float("scale", n.attrs.get_float("scale", 0.0, n.label()));
+  a.set_int("causal", at.causal ? 1 : 0);
+  if (at.scale != 0) a.set_float("scale", at.scale);
   std::vector<int> ins = {g.dy(0), g.x(0), g.x(1), g.x(2), g.y(1)};
   const bool has_mask = n.inputs.size() > 3 && n.inputs[3] >= 0;
   ins.push_back(has_mask ? g.x(3) : -1);
@@ -342,6 +355,14 @@ void grad_attention(GradBuilder& g) {
   if (mask_grad) g.set_dx(3, outs[3]);
 }
 
+// Two GEMMs of Tq x Tk x D per (batch, head) forward (half of it under the causal triangle).
+double attention_flops(const Graph& g, const Node& n) {
+  const Shape &q = g.values[n.inputs[0]].shape, &k = g.values[n.inputs[1]].shape;
+  if (q.size() != 4 || k.size() != 4) return 0;
+  const double f = 4.0 * static_cast<double>(q[0] * q[1] * q[2] * k[2] * q[3]);
+  return attention_attrs(n).causal ? f / 2 : f;
+}
+
 const OpDef kOps[] = {
     {.name = "Attention",
      .domain = "graft",
@@ -350,9 +371,11 @@ const OpDef kOps[] = {
      .min_out = 1,
      .max_out = 2,
      .infer = infer_attention,
+     .prepare = prepare_attention,
      .kernel = attention_kernel,
      .grad = grad_attention,
-     .nondiff_inputs = {4}},
+     .nondiff_inputs = {4},
+     .flops = attention_flops},
     {.name = "AttentionGrad",
      .domain = "graft",
      .min_in = 5,
@@ -360,6 +383,7 @@ const OpDef kOps[] = {
      .min_out = 1,
      .max_out = 4,
      .infer = infer_attention_grad,
+     .prepare = prepare_attention,
      .kernel = attention_grad_kernel},
 };
 

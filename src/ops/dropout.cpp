@@ -1,6 +1,5 @@
-// Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity), and
-// the process-wide counter that seeds each run's masks (dropout_rng_state, ops.h).
-#include <atomic>
+// Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity),
+// seeded by the run's seed (RunOptions::seed: a TrainSession's counter, rng_state()).
 #include <functional>
 #include <random>
 
@@ -41,10 +40,6 @@ struct DropoutAttrs {
 };
 std::shared_ptr<const void> prepare_dropout(const Node& n) {
   return prepared(DropoutAttrs{n.attrs.get_int("seed", 0, n.label())});
-}
-std::atomic<uint64_t>& dropout_counter() {
-  static std::atomic<uint64_t> n{0};
-  return n;
 }
 void dropout_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
@@ -112,10 +107,6 @@ const OpDef kOps[] = {
 };
 
 }  // namespace
-
-uint64_t dropout_rng_state() { return dropout_counter().load(); }
-void set_dropout_rng_state(uint64_t state) { dropout_counter() = state; }
-uint64_t next_dropout_seed() { return dropout_counter()++; }
 
 void register_dropout_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);

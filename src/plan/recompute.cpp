@@ -29,40 +29,18 @@ namespace graft {
 // fixed sequence). Results are bit-identical: the recomputed kernels are deterministic and see the
 // same inputs.
 namespace {
+// A node's cost: its arithmetic (OpDef::flops) plus 8 per byte it reads and writes.
 double node_cost(const Graph& g, const Node& n) {
-  auto bytes = [&](int v) { return v < 0 ? 0.0 : static_cast<double>(g.values[v].bytes()); };
-  auto shape = [&](int k) -> const Shape& { return g.values[n.inputs[k]].shape; };
   double moved = 0;
-  for (int v : n.inputs) moved += bytes(v);
-  double out = 0;
+  for (int v : n.inputs)
+    if (v >= 0) moved += static_cast<double>(g.values[v].bytes());
   for (int v : n.outputs)
-    if (v >= 0) {
-      moved += bytes(v);
-      out += static_cast<double>(numel(g.values[v].shape));
-    }
-  double flops = 0;
-  if ((n.op == "MatMul" || n.op == "FusedMatMul" || n.op == "Gemm") && n.inputs.size() >= 2 &&
-      !shape(0).empty()) {
-    const Shape& a = shape(0);
-    const bool ta = n.attrs.get_int("transA", 0) != 0;
-    const int64_t k = a.size() >= 2 && ta ? a[a.size() - 2] : a.back();
-    flops = 2 * out * static_cast<double>(k);
-  } else if (n.op == "Conv" && n.inputs.size() >= 2 && !shape(1).empty()) {
-    const Shape& w = shape(1);
-    flops = 2 * out * static_cast<double>(numel(w) / std::max<int64_t>(1, w[0]));
-  } else if (n.op == "Einsum") {
-    flops = 2 * out * 64;  // rough: graft's Einsums here are small contractions
-  }
-  return flops + 8 * moved;
+    if (v >= 0) moved += static_cast<double>(g.values[v].bytes());
+  return node_flops(g, n) + 8 * moved;
 }
 
 std::vector<std::vector<int>> recompute_candidates(const Graph& g, const BackwardGraph& bg,
                                                    const Plan& p) {
-  static const std::set<std::string> random = {
-      "Dropout",   "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-      "Bernoulli", "Multinomial",
-      "PythonOp",           // a custom autograd.Function: may draw random numbers, or keep state
-      "LSTM",      "GRU"};  // (recurrences: deterministic, but not worth re-running)
   const int nf = bg.n_forward_nodes;
   const size_t nv = g.values.size();
   std::vector<bool> saved(nv, false);
@@ -97,7 +75,7 @@ std::vector<std::vector<int>> recompute_candidates(const Graph& g, const Backwar
       if (!nodes.insert(val.producer).second) continue;
       const Node& n = g.nodes[val.producer];
       const OpDef& d = op_for(n);
-      if (d.sink || (!d.kernel && !d.alias) || random.count(n.op)) {
+      if (d.sink || (!d.kernel && !d.alias) || !d.recompute) {  // OpDef::recompute
         ok = false;
         break;
       }
