@@ -30,7 +30,8 @@
 // the backward does not keep the output, which the next layer usually keeps in another layout
 // (the heads transposed back), so the forward's result is not held twice. The GEMMs run on graft's
 // GEMM entry point (threaded, oneDNN / OpenBLAS); the row softmax runs on the op families' threads.
-// A causal block stops at its last row's diagonal.
+// Causal blocks stop at their last row's diagonal, and on short sequences their GEMMs run in
+// sub-blocks that each stop at their own (sub_rows).
 #include <cmath>
 #include <limits>
 
@@ -124,6 +125,24 @@ int64_t block_rows(const Dims& d) {
 // Keys a block of rows [r0, r1) reads: all, or (causal) up to the last row's diagonal.
 int64_t keys_for(const Dims& d, int64_t r1) { return d.causal ? std::min(d.Tk, r1) : d.Tk; }
 
+// Causal: the GEMMs of a block run over sub-blocks of its rows, each up to its own last row's
+// diagonal, so a block that spans the diagonal skips most of its upper triangle. Split only when
+// a head has few blocks (short sequences: the triangle is then a large share of each block, and K
+// and V stay in cache for the thinner dK / dV updates).
+int64_t sub_rows(const Dims& d, int64_t rows) {
+  if (!d.causal || (d.Tq + rows - 1) / rows >= 4) return rows;
+  return std::max<int64_t>(64, rows / 4);
+}
+// f(s0, ms, ks) for the sub-blocks [s0, s0 + ms) of the block of rows [r0, r0 + m), ks the keys
+// they read (kn without causal).
+template <class F>
+void each_sub(const Dims& d, int64_t sb, int64_t r0, int64_t m, int64_t kn, F&& f) {
+  for (int64_t s0 = 0; s0 < m; s0 += sb) {
+    const int64_t ms = std::min(sb, m - s0);
+    f(s0, ms, d.causal ? std::min(kn, r0 + s0 + ms) : kn);
+  }
+}
+
 // S[m x kn] (scores of rows r0.. of head (b, h), already scaled) gets the mask and the causal
 // triangle: -inf where a query does not attend.
 template <class T>
@@ -201,7 +220,7 @@ void attention_kernel(KernelCtx& c) {
   const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
                          mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
                          mask != nullptr, c.has_in(4) ? &c.in(4) : nullptr);
-  const int64_t rows = block_rows(d), group = d.H / d.Hk;
+  const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
     Tensor lse_ws;
@@ -227,11 +246,16 @@ void attention_kernel(KernelCtx& c) {
             std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
             continue;
           }
-          gemm_ld<T>(false, true, m, kn, d.D, static_cast<T>(d.scale), Q + r0 * d.D, d.D, K, d.D,
-                     T(0), S, kn);
-          mask_scores<T>(d, mask, b, h, r0, m, kn, S);
+          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+            gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D,
+                       K, d.D, T(0), S + s0 * kn, kn);
+          });
+          mask_scores<T>(d, mask, b, h, r0, m, kn, S);  // (causal: -inf past each diagonal)
           softmax_rows<T>(m, kn, S, lse, nullptr);
-          gemm_ld<T>(false, false, m, d.Dv, kn, T(1), S, kn, V, d.Dv, T(0), O + r0 * d.Dv, d.Dv);
+          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+            gemm_ld<T>(false, false, ms, d.Dv, ks, T(1), S + s0 * kn, kn, V, d.Dv, T(0),
+                       O + (r0 + s0) * d.Dv, d.Dv);
+          });
         }
       }
   });
@@ -257,7 +281,7 @@ void attention_grad_kernel(KernelCtx& c) {
   const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
                          mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
                          mask != nullptr, c.has_in(7) ? &c.in(7) : nullptr);
-  const int64_t rows = block_rows(d), group = d.H / d.Hk;
+  const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
@@ -287,27 +311,44 @@ void attention_grad_kernel(KernelCtx& c) {
             continue;
           }
           // P, recomputed from the saved log-sum-exp.
-          gemm_ld<T>(false, true, m, kn, d.D, static_cast<T>(d.scale), Q + r0 * d.D, d.D, K, d.D,
-                     T(0), P, kn);
+          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+            gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D,
+                       K, d.D, T(0), P + s0 * kn, kn);
+          });
           mask_scores<T>(d, mask, b, h, r0, m, kn, P);
           softmax_rows<T>(m, kn, P, nullptr, L + r0);
           // dV += P^T dO
           if (dV && dO)
-            gemm_ld<T>(true, false, kn, d.Dv, m, T(1), P, kn, dO + r0 * d.Dv, d.Dv, T(1), dV, d.Dv);
-          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE)
+            each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+              gemm_ld<T>(true, false, ks, d.Dv, ms, T(1), P + s0 * kn, kn, dO + (r0 + s0) * d.Dv,
+                         d.Dv, T(1), dV, d.Dv);
+            });
+          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
           if (dO)
-            gemm_ld<T>(false, true, m, kn, d.Dv, T(1), dO + r0 * d.Dv, d.Dv, V, d.Dv, T(0), dP, kn);
+            each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+              gemm_ld<T>(false, true, ms, ks, d.Dv, T(1), dO + (r0 + s0) * d.Dv, d.Dv, V, d.Dv,
+                         T(0), dP + s0 * kn, kn);
+            });
           else
             std::fill(dP, dP + m * kn, T(0));
           parallel_for(m, 5 * kn, [&](int, int64_t i0, int64_t i1) {
             for (int64_t i = i0; i < i1; ++i) {
+              const int64_t lim = d.causal ? std::min(kn, r0 + i + 1) : kn;
               T* ds = dP + i * kn;
               const T* p = P + i * kn;
-              double acc = 0;
-              for (int64_t j = 0; j < kn; ++j) acc += static_cast<double>(p[j]) * ds[j];
+              // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp sums to
+              // 1 + delta, and without the division the row sum of dS would be -delta * rowsum
+              // (not 0), a bias in every gradient that is 0 in exact arithmetic (a key bias's).
+              double acc = 0, psum = 0;
+              for (int64_t j = 0; j < lim; ++j) {
+                acc += static_cast<double>(p[j]) * ds[j];
+                psum += p[j];
+              }
+              acc = psum > 0 ? acc / psum : 0.0;
               if (dL && std::isfinite(static_cast<double>(L[r0 + i]))) acc -= dL[r0 + i];
               Di[i] = static_cast<T>(acc);
-              for (int64_t j = 0; j < kn; ++j) ds[j] = p[j] * (ds[j] - Di[i]);
+              for (int64_t j = 0; j < lim; ++j) ds[j] = p[j] * (ds[j] - Di[i]);
+              std::fill(ds + lim, ds + kn, T(0));
             }
           });
           if (want_mask) {  // d mask = dS (the scores' gradient before the scale)
@@ -316,11 +357,13 @@ void attention_grad_kernel(KernelCtx& c) {
               std::copy(dP + i * kn, dP + (i + 1) * kn, dm + i * d.Tk);
           }
           // dQ = scale dS K;  dK += scale dS^T Q
-          gemm_ld<T>(false, false, m, d.D, kn, static_cast<T>(d.scale), dP, kn, K, d.D, T(0),
-                     dQ + r0 * d.D, d.D);
-          if (dK)
-            gemm_ld<T>(true, false, kn, d.D, m, static_cast<T>(d.scale), dP, kn, Q + r0 * d.D, d.D,
-                       T(1), dK, d.D);
+          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+            gemm_ld<T>(false, false, ms, d.D, ks, static_cast<T>(d.scale), dP + s0 * kn, kn, K, d.D,
+                       T(0), dQ + (r0 + s0) * d.D, d.D);
+            if (dK)
+              gemm_ld<T>(true, false, ks, d.D, ms, static_cast<T>(d.scale), dP + s0 * kn, kn,
+                         Q + (r0 + s0) * d.D, d.D, T(1), dK, d.D);
+          });
         }
       }
   });

@@ -95,3 +95,17 @@ def test_a_transformer_encoder_layer_runs_the_fused_attention():
     g = parity.train_both(layer, _cast(tokens, torch.float64), steps=2, dtype=torch.float64, rtol=1e-7, atol=1e-9)
     assert g.export_method == "capture", g.export_method
     assert _fused(g)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_long_causal_attention_trains_as_eager(dtype):
+    """T = 200: the kernel splits each causal block's GEMMs into sub-blocks that stop at their own
+    diagonal (src/ops/attention.cpp, sub_rows); forward and backward as eager's."""
+    def long_tokens(step):
+        return (torch.randn(B, 200, D, generator=torch.Generator().manual_seed(step)),)
+    # float32: one step (after an SGD step the two runs' parameters differ by rounding, which 200-
+    # term sums amplify in gradients that are 0 in exact arithmetic, as the key bias's)
+    tol, steps = ((1e-7, 1e-9), 2) if dtype == torch.float64 else ((1e-4, 1e-5), 1)
+    g = parity.train_both(SelfAttention(causal=True), _cast(long_tokens, dtype), steps=steps, dtype=dtype,
+                          rtol=tol[0], atol=tol[1])
+    assert _fused(g)[0]
