@@ -30,7 +30,8 @@ struct CompileOptions {
   int64_t activation_budget = 0;
 };
 
-// One training step, compiled: the backward graph (its nodes appended to the graph) and the plan.
+// One training step, compiled: the backward graph (its nodes appended to the graph) and the plan
+// (which a TrainSession moves into its executor).
 struct CompiledStep {
   BackwardGraph bg;
   Plan plan;

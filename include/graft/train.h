@@ -195,7 +195,7 @@ class TrainSession {
   Graph& g_;
   SessionOptions opt_;
   Allocator* alloc_;
-  CompiledStep c_;  // the backward graph and plan, compiled once (the executor runs its plan)
+  CompiledStep c_;  // compiled once; its plan moved into exec_ (exec_->plan())
   const BackwardGraph& bg_ = c_.bg;
   std::unique_ptr<Executor> exec_;
   std::vector<Parameter> params_;    // the one home of parameter memory and .grad

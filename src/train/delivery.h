@@ -23,9 +23,6 @@ class Delivery {
   }
   // A step's backward begins (after its forward); `defer` as above.
   virtual void begin_backward(bool defer) { (void)defer; }
-  // Hold mode: the per-parameter indices into the run's kept values of the held gradients (else
-  // empty); the session hands them over when the backward ends.
-  std::vector<int> held;
 };
 
 // hold and accumulate: the gradient goes into .grad, adopted without a copy when .grad is None

@@ -19,9 +19,7 @@ void for_ranges(int64_t n, int64_t work_per_item, F&& f) {
   parallel_ranges(
       n, work_per_item, [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
 }
-}  // namespace
 
-namespace {
 // Each kind's hyperparameters are declared once, here: each_hyper names every field of the options
 // (the table behind OptimizerKind::hyper, state() and load_state()), invalid() says what is out of
 // range (the constructors and checkpoint verification).

@@ -37,14 +37,7 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
     val.kind = ValueKind::Param;
     std::erase(g_.inputs, v);
   }
-  c_ = compile_step(
-      g_,
-      [&] {
-        AutodiffOptions ao = opt;
-        ao.alloc = alloc_;
-        return ao;
-      }(),
-      opt, input_shapes);
+  c_ = compile_step(g_, opt, opt, input_shapes);  // (allocates from opt.alloc, as alloc_ does)
 
   // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
@@ -78,11 +71,8 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
       break;
     }
   }
-  delivery_->held.assign(params_.size(), -1);
-  for (size_t i = 0; i < bg_.params.size(); ++i)
-    delivery_->held[param_of_value_[bg_.params[i]]] = c_.grad_keep[i];
-  // ---- executor ----
-  exec_ = std::make_unique<Executor>(g_, c_.plan, *alloc_);
+  // ---- executor: it owns the plan from here on (exec_->plan()) ----
+  exec_ = std::make_unique<Executor>(g_, std::move(c_.plan), *alloc_);
 }
 
 TrainSession::~TrainSession() = default;
@@ -321,16 +311,17 @@ void TrainSession::backward(StepState& st, std::map<std::string, Tensor> output_
   kept = exec_->finish(*st.run);
   st.input_grads.clear();
   for (int k : c_.input_grad_keep) st.input_grads.push_back(k >= 0 ? kept[k] : Tensor());
-  // Hold mode, the baseline: every gradient was alive until now; deliver them in order, releasing
-  // each (other modes hold none).
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int k = delivery_->held[i];
+  // Hold mode, the baseline: every gradient was alive until now; deliver them in parameter order,
+  // releasing each (other modes hold none: grad_keep is all -1).
+  for (size_t i = 0; i < bg_.params.size(); ++i) {
+    const int k = c_.grad_keep[i];
     if (k < 0) continue;
+    Parameter& p = params_[param_of_value_[bg_.params[i]]];
     Tensor grad = std::move(kept[k]);
     kept[k] = Tensor();
     const bool exclusive = grad.storage().use_count() == 1;
-    delivery_->deliver(params_[i], std::move(grad), exclusive, false);
-    if (ready_) ready_(params_[i]);
+    delivery_->deliver(p, std::move(grad), exclusive, false);
+    if (ready_) ready_(p);
   }
 }
 
@@ -418,7 +409,7 @@ std::vector<int> TrainSession::delivery_order() const {
   for (size_t i = 0; i < bg_.params.size(); ++i) {
     const int p = param_of_value_[bg_.params[i]];
     if (opt_.mode == GradMode::Hold) {
-      if (delivery_->held[p] >= 0) order.emplace_back(p, p);
+      if (c_.grad_keep[i] >= 0) order.emplace_back(p, p);
     } else if (bg_.sinks[i] >= 0) {
       order.emplace_back(exec_->plan().step_of(bg_.sinks[i]), p);
     }
