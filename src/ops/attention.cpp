@@ -64,23 +64,21 @@ std::shared_ptr<const void> prepare_attention(const Node& n) {
   return prepared(attention_attrs(n));
 }
 
-Dims dims_of(const AttentionAttrs& a, const Shape& q, const Shape& k, const Shape& v,
-             const Shape* mask, DType mask_dt, bool has_mask, const Tensor* scale) {
+// `mask` and `scale`: the node's optional inputs (nullptr when absent).
+Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+             const Tensor* mask, const Tensor* scale) {
   Dims d{};
-  d.B = q[0], d.H = q[1], d.Tq = q[2], d.D = q[3];
-  d.Hk = k[1], d.Tk = k[2], d.Dv = v[3];
+  d.B = q.dim(0), d.H = q.dim(1), d.Tq = q.dim(2), d.D = q.dim(3);
+  d.Hk = k.dim(1), d.Tk = k.dim(2), d.Dv = v.dim(3);
   d.causal = a.causal;
   d.scale = a.scale;
   if (scale)
     d.scale = scale->dtype() == DType::F64 ? scale->data<double>()[0] : scale->data<float>()[0];
   if (d.scale == 0) d.scale = 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(1, d.D)));
-  d.has_mask = has_mask;
-  if (has_mask) {
-    d.bool_mask = mask_dt == DType::Bool;
-    const Shape full{d.B, d.H, d.Tq, d.Tk};
-    Shape m(4 - std::min<size_t>(4, mask->size()), 1);
-    m.insert(m.end(), mask->begin(), mask->end());
-    const std::vector<int64_t> st = bcast_strides(m, full);
+  d.has_mask = mask != nullptr;
+  if (mask) {
+    d.bool_mask = mask->dtype() == DType::Bool;
+    const std::vector<int64_t> st = bcast_strides(mask->shape(), {d.B, d.H, d.Tq, d.Tk});
     for (int i = 0; i < 4; ++i) d.ms[i] = st[i];
   }
   return d;
@@ -172,7 +170,8 @@ void mask_scores(const Dims& d, const Tensor* mask, int64_t b, int64_t h, int64_
 
 // Row softmax in place over S[m x kn]: P = exp(S - max) / sum; lse[i] = max + log(sum). A row
 // with no finite score becomes zeros with lse = -inf. With `lse_in`, P = exp(S - lse_in) instead
-// (the backward's recomputation, exact to the forward's).
+// (the backward's recomputation: its rows sum to 1 up to lse_in's rounding, which the backward
+// divides out).
 template <class T>
 void softmax_rows(int64_t m, int64_t kn, T* S, T* lse_out, const T* lse_in) {
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -217,9 +216,8 @@ void softmax_rows(int64_t m, int64_t kn, T* S, T* lse_out, const T* lse_in) {
 void attention_kernel(KernelCtx& c) {
   const Tensor &q = c.in(0), &k = c.in(1), &v = c.in(2);
   const Tensor* mask = c.has_in(3) ? &c.in(3) : nullptr;
-  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
-                         mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
-                         mask != nullptr, c.has_in(4) ? &c.in(4) : nullptr);
+  const Dims d =
+      dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(4) ? &c.in(4) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
@@ -241,7 +239,7 @@ void attention_kernel(KernelCtx& c) {
         for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
           const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
           T* lse = lse_all ? lse_all + (b * d.H + h) * d.Tq + r0 : lse_ws.data<T>();
-          if (kn == 0) {  // causal with no keys at all (Tk = 0)
+          if (kn == 0) {  // no keys at all (Tk = 0)
             std::fill(O + r0 * d.Dv, O + (r0 + m) * d.Dv, T(0));
             std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
             continue;
@@ -278,9 +276,8 @@ void attention_grad_kernel(KernelCtx& c) {
   const Tensor* dout = c.has_in(0) ? &c.in(0) : nullptr;
   const Tensor* mask = c.has_in(5) ? &c.in(5) : nullptr;
   const Tensor* dlse = c.has_in(6) ? &c.in(6) : nullptr;
-  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q.shape(), k.shape(), v.shape(),
-                         mask ? &mask->shape() : nullptr, mask ? mask->dtype() : q.dtype(),
-                         mask != nullptr, c.has_in(7) ? &c.in(7) : nullptr);
+  const Dims d =
+      dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(7) ? &c.in(7) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   dispatch_float(q.dtype(), c, [&]<class T>() {
