@@ -152,8 +152,8 @@ Graph load_onnx(const std::string& path, const ImportOptions& opt = {});
 Graph load_onnx_bytes(const std::string& bytes, const std::string& model_dir = "",
                       const ImportOptions& opt = {});
 // The parts of an ONNX file's graph that graft.GraftModule reads and edits before it builds a
-// session (python/graft/frontend.py): through graft's own protobuf classes, so the Python process
-// never loads the onnx package (Note [export in a child process], python/graft/_export.py).
+// session from torch.onnx.export's file (python/graft/frontend.py): through graft's own protobuf
+// classes, so the Python process never loads the onnx package.
 struct OnnxValueInfo {
   std::string name;
   int elem_type = 0;          // TensorProto element type, 0 if not a tensor
@@ -174,30 +174,26 @@ void edit_onnx_graph(const std::string& path,
                      const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
                      const std::vector<OnnxValueInfo>& extra_outputs);
 
-// Writes a whole model (graft.GraftModule's own capture, python/graft/_capture.py): opset `opset`
-// of the default domain plus graft's, graph inputs and outputs, and nodes with their attributes
-// (constants are Constant nodes). An attribute is (name, kind, value): kind 'i' int64, 'f' float,
-// 's' string, 'I' int64 list, 'F' float list, 't' tensor (a Constant's value: element type and
-// dims in `tensor_info`, raw little-endian bytes in `s`).
-struct OnnxAttr {
-  std::string name;
-  char kind = 'i';
-  int64_t i = 0;
-  double f = 0;
-  std::string s;
-  std::vector<int64_t> ints;
-  std::vector<double> floats;
-  OnnxValueInfo tensor_info;
-};
-struct OnnxNodeSpec {
-  std::string op_type, domain, name;
+// A node by the names of the values it reads and writes: the ONNX importer's nodes and graft's
+// PyTorch capture's (python/graft/_aten.py, built through the Python bindings, no file between).
+// "" stands for an absent optional input or output; an empty name gets a made-up one.
+struct NodeSpec {
+  std::string op, domain, name;
   std::vector<std::string> inputs, outputs;
-  std::vector<OnnxAttr> attrs;
+  Attrs attrs;
+  bool complete = true;  // false: an attribute could not be read (ImportOptions::unsupported)
 };
-void write_onnx_graph(const std::string& path, int64_t opset,
-                      const std::vector<OnnxValueInfo>& inputs,
-                      const std::vector<OnnxValueInfo>& outputs,
-                      const std::vector<OnnxNodeSpec>& nodes);
+// Adds `nodes` to `g`, whose graph inputs, parameters and constants are already there, checked as
+// an untrusted file is (src/ir/node_list.cpp): a value written twice, a read of a value nothing
+// defines, a cycle or a domain other than ONNX's and graft's capture ops is an error naming the
+// node. The nodes are re-sorted topologically, their order kept where it is valid; Constant nodes
+// become constants. `unsupported`: as ImportOptions::unsupported.
+void add_nodes(Graph& g, std::vector<NodeSpec> nodes, Allocator& alloc,
+               std::vector<std::string>* unsupported = nullptr);
+// Appends the named values to g.outputs (InvalidModel if one is not in the graph).
+void set_outputs(Graph& g, const std::vector<std::string>& names);
+// Unsupported unless opset (of ONNX's default domain) is one graft implements, 13 to 17.
+void check_opset(int64_t opset);
 
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
 Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);

@@ -11,18 +11,12 @@
   exported one layer at a time with Dropout between the layers (_layered_rnn_forward).
 * After the export, every trainable parameter of a submodule that ran must be a graph input of
   its own shape: a graph that silently dropped or folded a parameter is refused.
-* The export runs in a forked child process (isolated): see Note [export in a child process].
-  It is GraftModule's fallback: the capture on PyTorch's own tracer (_aten.py, Note [capture]),
-  tried first, runs in this process.
+* It is GraftModule's fallback, run in this process: the capture on PyTorch's own tracer
+  (_aten.py, Note [capture]) is tried first and builds graft's graph without a file.
 """
-import contextlib
-import gc
 import inspect
 import os
-import pickle
 import re
-import signal
-import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -30,7 +24,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from . import _flatten, _proc
+from . import _flatten
 from .errors import GraftExportError, GraftUnsupportedError
 
 PREFIX = "m."  # the wrapped module's attribute name inside the exported wrapper
@@ -59,128 +53,9 @@ class Exported:
     output_template: Any = None
     has_dropout: bool = False
     model: Any = None  # the exported graph (a Graph), read once (GraftModule edits it before graft loads it)
-    # Warnings for the caller to issue (the export may run in another process, see isolated):
-    # (GraftWarning message, None, None, None) or (message, category, filename, lineno).
+    # Warnings for the caller to issue: (GraftWarning message, None, None, None) or
+    # (message, category, filename, lineno).
     warnings: List[Tuple[Any, Any, Any, Any]] = field(default_factory=list)
-
-
-# Note [export in a child process]
-# torch.onnx.export leaves memory in the process that runs it and never gives it back: ONNX's
-# operator-schema registry (built by the exporter's shape inference and checker), the tracer's and
-# the ONNX passes' code pages of libtorch, the Python onnx package graft reads the graph with, heap
-# the exporter keeps (docs/memory.md, "The export's memory"). Eager never pays that, and on small
-# models it put GraftModule's whole-process peak well above eager's (docs/zoo.md, "Memory against
-# eager"). So GraftModule exports in a forked child: the child traces the module (its copy of it,
-# sharing the parent's parameter pages copy-on-write), edits the graph, writes the ONNX file and
-# sends back, pickled through a pipe, what the parent needs (names, the output structure, warnings,
-# or the exception); then it leaves with os._exit, taking all of that memory with it. The parent
-# only builds the graft session from the file. Side effects of the export on the module (BatchNorm
-# statistics, training flags, the RNG the trace's Dropout draws from) stay in the child, where
-# before they had to be undone.
-#
-# Honest accounting: while the child runs, the system holds the parent's RSS plus the child's own
-# pages: at the end of the export its private pages (smaps_rollup: its heap, the parent's pages it
-# wrote to, which copy-on-write duplicated, code pages only it maps) plus what its RSS had been
-# above that (VmHWM - VmRSS: pages it allocated and freed again). GraftModule records the sum
-# (GraftModule.export_peak_rss); the benchmarks' anonymous-memory sampler reads the training
-# process only. On a model as small as the zoo's lstm about half the child's pages are copies of
-# the parent's (Python's reference counts and allocations into the parent's heap write to shared
-# pages), so the moment of the export costs the system more than an export in the process did,
-# which kept its memory for good; the training process itself then runs below eager's peak (measured:
-# docs/memory.md, "The export's memory"). The capture (_aten.py), which needs none of the exporter's
-# machinery, runs in the process; the exporter runs only for what the capture cannot take.
-#
-# The child runs torch with one thread: after fork only the forking thread exists, and an
-# OpenMP team of the parent's would wait for threads that are not there. Where fork is missing
-# or fails (no os.fork, ENOMEM), the result cannot be pickled (a class defined inside a
-# function), or GRAFT_EXPORT says inprocess, the export runs in this process
-# as before. A child that dies (a crash inside the exporter) becomes a GraftExportError instead of
-# taking the user's process down.
-
-_IN_CHILD = False
-
-
-def isolated(fn, *args, in_process=False):
-    """Returns (fn(*args), peak): fn run in a forked child process (Note [export in a child
-    process]), or here (in_process, or where fork is missing); peak is the parent's RSS plus the
-    child's peak rise in bytes, 0 when fn ran here."""
-    global _IN_CHILD
-    if in_process or not hasattr(os, "fork") or _IN_CHILD:
-        return fn(*args), 0
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001  (a closed or replaced stream)
-            pass
-    r, w = os.pipe()
-    try:
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns on fork() in a process with threads (PyTorch's and OpenMP's
-            # are there); the child only traces and exits (Note [export in a child process]).
-            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
-            pid = os.fork()
-    except OSError:
-        os.close(r)
-        os.close(w)
-        return fn(*args), 0
-    if pid == 0:  # the child: never returns
-        code = 0
-        try:
-            os.close(r)
-            _IN_CHILD = True
-            gc.disable()
-            torch.set_num_threads(1)
-            _proc.reset_peak()
-            try:
-                out = ("ok", fn(*args))
-            except BaseException as ex:  # noqa: BLE001  (sent to the parent, raised there)
-                traceback.clear_frames(ex.__traceback__)
-                out = ("raise", ex)
-            # The child's own pages at its peak: those private now (its heap, copies of the
-            # parent's pages it wrote, code pages only it maps) plus what it freed since the peak.
-            private, rss = _proc.private_bytes()
-            rise = private + max(0, _proc.status_bytes("VmHWM") - rss)
-            try:
-                data = pickle.dumps((out, rise), protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as ex:  # noqa: BLE001
-                data = pickle.dumps((("fallback", f"{type(ex).__name__}: {ex}"), rise))
-            with os.fdopen(w, "wb") as f:
-                f.write(data)
-        except BaseException:  # noqa: BLE001
-            code = 1
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001
-                    pass
-            os._exit(code)
-    os.close(w)
-    here = max(0, _proc.status_bytes("VmRSS"))
-    try:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-    except BaseException:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-               else f"exit status {os.WEXITSTATUS(status)}")
-        raise GraftExportError(
-            f"the export process (a fork of this one, see GRAFT_EXPORT in the README) ended without a result "
-            f"({why}); the exporter crashed on this module. Keep it in eager mode, or set GRAFT_EXPORT=inprocess "
-            "to export in this process.", "export")
-    try:
-        (kind, value), rise = pickle.loads(data)
-    except Exception:  # noqa: BLE001  (a class the parent cannot rebuild): export here
-        return fn(*args), 0
-    if kind == "ok":
-        return value, here + rise
-    if kind == "raise":
-        raise value
-    return fn(*args), 0  # the result could not be pickled: export here
 
 
 def _export_kwargs():
@@ -189,50 +64,6 @@ def _export_kwargs():
     if "dynamo" in params:
         kw["dynamo"] = False  # the TorchScript exporter: keeps training semantics (see above)
     return kw
-
-
-# Note [a lean export]
-# Two parts of torch.onnx.export build ONNX's operator-schema registry (thousands of schemas) and
-# touch libonnx's code: the ONNX shape inference it runs after every converted node, and the full
-# ONNX checker it runs on the finished model. graft needs neither: the traced graph already carries
-# every value's type and shape (the tracer records them; a symbolic's outputs take the types of the
-# aten outputs they replace), and graft's importer checks the graph itself, with its own shape
-# inference, naming the node at fault. So the export runs with both off where this torch allows it
-# (_export's onnx_shape_inference, _C's checker), restored afterwards. And the trace's forward
-# (which computes real values on the module's tensors) runs PyTorch's native kernels rather than
-# oneDNN's: in a GraftModule process only the export ever runs a PyTorch convolution, and oneDNN's
-# code pages it maps for that were the child's alone; the graph the tracer records
-# (aten::_convolution) does not depend on which kernel computes it. Measured on the zoo's conv1d:
-# docs/memory.md, "The export's memory". The models exported this way are the ones the zoo's parity
-# tests check against eager. A symbolic function that needs ONNX's inferred type of a value it did
-# not get from the tracer fails without shape inference: a module whose lean export fails is
-# exported again by the whole exporter (export() below), so the lean export can cost time, never a
-# module graft could take before. (The switches are process-wide while the export runs; in the
-# forked child the export is all that runs.)
-class _LeanExport:
-    def __enter__(self):
-        import torch.onnx.utils as utils
-        self.saved = []
-        export = getattr(utils, "_export", None)
-        if export is not None and "onnx_shape_inference" in inspect.signature(export).parameters:
-            def lean(*a, **kw):
-                kw["onnx_shape_inference"] = False
-                return export(*a, **kw)
-            self.saved.append((utils, "_export", export))
-            utils._export = lean
-        check = getattr(torch._C, "_check_onnx_proto", None)
-        if check is not None:
-            self.saved.append((torch._C, "_check_onnx_proto", check))
-            torch._C._check_onnx_proto = lambda *a, **kw: None
-        self.mkldnn = torch.backends.mkldnn.flags(enabled=False)
-        self.mkldnn.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mkldnn.__exit__(*exc)
-        for obj, attr, value in reversed(self.saved):
-            setattr(obj, attr, value)
-        return False
 
 
 def _layered_rnn_forward(mod):
@@ -311,30 +142,13 @@ def export(module: torch.nn.Module, args, kwargs, tensors, path: str, opset: int
     hooks = [m.register_forward_pre_hook(lambda m, _a: called.add(id(m))) for m in module.modules()]
     patched_rnns = _patch_rnn_dropout(module)
 
-    def trace(lean):
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-                (_LeanExport() if lean else contextlib.nullcontext()):
-            torch.onnx.export(Flat(), tuple(tensors), path, input_names=input_names, opset_version=opset,
-                              do_constant_folding=False, export_params=False,
-                              training=torch.onnx.TrainingMode.PRESERVE, **_export_kwargs())
-
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", torch.jit.TracerWarning)
-            try:
-                trace(lean=True)
-            except GraftExportError:
-                raise
-            except Exception as lean_ex:  # noqa: BLE001
-                # Note [a lean export]: what the lean export cannot take goes through the whole
-                # exporter, from the same module state (buffers as before the first trace).
-                traceback.clear_frames(lean_ex.__traceback__)
-                del lean_ex
-                with torch.no_grad():
-                    for b, before, _ in saved_buffers.values():
-                        b.copy_(before)
-                caught.clear()
-                trace(lean=False)
+            with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+                torch.onnx.export(Flat(), tuple(tensors), path, input_names=input_names, opset_version=opset,
+                                  do_constant_folding=False, export_params=False,
+                                  training=torch.onnx.TrainingMode.PRESERVE, **_export_kwargs())
     except GraftExportError:
         raise
     except Exception as ex:  # the exporter's own error: an op it cannot export, a Python value...

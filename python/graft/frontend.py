@@ -179,8 +179,9 @@ def _expose_batchnorm_state(model, module, e, counter_names, extra_outputs):
 
 @dataclasses.dataclass
 class _Prepared:
-    """What the export (run in a child process: _export.isolated) hands back; picklable."""
+    """What the capture or the export hands back."""
     ex: Any = None                 # _export.Exported, its ONNX model dropped
+    graph: Any = None              # the capture's graph for _graft.Session: (opset, inputs, outputs, nodes)
     float_outputs: List[str] = dataclasses.field(default_factory=list)
     state_updates: List[Tuple[str, Tuple[str, Any]]] = dataclasses.field(default_factory=list)  # as _Entry's
     counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
@@ -202,7 +203,7 @@ def _bind_params(module, params, e):
 
 def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
     """Exports the module to `path` and edits the graph for GraftModule (padding rows, BatchNorm
-    statistics as outputs). Runs in the export's child process."""
+    statistics as outputs)."""
     ex = _export.export(module, args, kwargs, tensors, path, opset, name)
     m = ex.model
     ex.model = None
@@ -222,10 +223,10 @@ def _prepare(module, args, kwargs, tensors, path, opset, name) -> _Prepared:
 
 
 # GRAFT_EXPORT: how the forward becomes a graph. "capture" (the default): PyTorch's make_fx and
-# functionalization (Note [capture], _aten.py), and torch.onnx.export in a forked child (Note
-# [export in a child process]) only for what the capture cannot take; "fork" / "inprocess":
-# torch.onnx.export alone, in a child / here.
-_EXPORT_MODES = ("capture", "fork", "inprocess")
+# functionalization (Note [capture], _aten.py), built into graft's IR with no file between, and
+# torch.onnx.export only for what the capture cannot take; "onnx": torch.onnx.export alone (the
+# fallback, forced: its tests and a comparison).
+_EXPORT_MODES = ("capture", "onnx")
 
 
 def _export_mode():
@@ -236,16 +237,14 @@ def _export_mode():
     return mode
 
 
-def _capture_prepare(module, args, kwargs, tensors, path, opset, name):
-    """As _prepare, with PyTorch's own capture (Note [capture], _aten.py), in this process. Raises
+def _capture_prepare(module, args, kwargs, tensors, opset, name):
+    """As _prepare, with PyTorch's own capture (Note [capture], _aten.py). Raises
     _aten.NotCaptured (GraftModule then exports) or GraftUnsupportedError (refused)."""
     c = _aten.capture(module, args, kwargs, tensors, name)
-    from . import _graft
-    _graft.write_onnx_graph(path, opset, c.inputs, c.outputs, c.nodes)
-    ex = _export.Exported(path=path, input_names=c.input_names, input_index=c.input_index, params=c.params,
+    ex = _export.Exported(path=None, input_names=c.input_names, input_index=c.input_index, params=c.params,
                           output_names=c.output_names, output_template=c.output_template,
                           has_dropout=c.has_dropout, warnings=c.warnings)
-    p = _Prepared(ex=ex)
+    p = _Prepared(ex=ex, graph=(opset, c.inputs, c.outputs, c.nodes))
     user = set(c.output_names)
     p.float_outputs = list(dict.fromkeys(o for o, t, _ in c.outputs if o in user and t in (_export.FLOAT,
                                                                                            _export.DOUBLE)))
@@ -345,7 +344,6 @@ class GraftModule(torch.nn.Module):
         self.cache_size = cache_size
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
-        self._export_peak_rss = 0
         self.export_method = ""  # how the latest export was made: "capture" or "torch.onnx.export (...)"
         self._warned = set()
         self._under_ddp = False
@@ -365,15 +363,6 @@ class GraftModule(torch.nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._lock = threading.RLock()
-        self.__dict__.setdefault("_export_peak_rss", 0)
-
-    @property
-    def export_peak_rss(self) -> int:
-        """The most memory the system held during any of this module's exports, in bytes: this
-        process's RSS plus the export process's peak rise (Note [export in a child process],
-        graft/_export.py); 0 while nothing was exported, or when the exports ran in this process
-        (GRAFT_EXPORT=inprocess), whose peak RSS then covers them."""
-        return self._export_peak_rss
 
     def __getattr__(self, name):
         # Attributes GraftModule does not have are the wrapped module's (wrapped.config, as ORTModule).
@@ -438,40 +427,39 @@ class GraftModule(torch.nn.Module):
             warnings.warn(GraftWarning(f"{self._name()}: {msg}"), stacklevel=4)
 
     # --- building an entry ---
-    def _build(self, args, kwargs, tensors) -> _Entry:
-        # The exported file is only read while the session is built: nothing of it stays on disk.
-        with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
-            try:
-                return self._build_in(os.path.join(tmp, "model.onnx"), args, kwargs, tensors)
-            except GraftError as err:
-                # The exporter was the fallback: say first why the capture did not take the module.
-                why = self.export_method.partition("(not captured: ")[2][:-1]
-                if not why or "graft's capture did not take" in err.message:
-                    raise
-                raise type(err)(f"{err.message} (graft's capture did not take it first: {why})", err.kind,
-                                err.node) from None
-
-    def _build_in(self, path, args, kwargs, tensors, capture=True) -> _Entry:
+    def _build(self, args, kwargs, tensors, capture=True) -> _Entry:
         name = self._name()
-        prep, peak = None, 0
         mode = _export_mode()
         if capture and mode == "capture":
             try:
-                prep = _capture_prepare(self.module, args, kwargs, tensors, path, self.opset, name)
+                prep = _capture_prepare(self.module, args, kwargs, tensors, self.opset, name)
                 self.export_method = "capture"
+                return self._build_from(prep, args, kwargs, tensors)
             except _aten.NotCaptured as why:
                 self.export_method = f"torch.onnx.export (not captured: {why})"
             except GraftUnsupportedError as err:  # refused: neither graph would give eager's results
                 raise GraftUnsupportedError(f"{name}: {err.message}", err.kind) from None
-        if prep is None:
-            _aten.refuse_forward_hooks(self.module, name, "graft's capture did not take the module"
-                                       + (f" ({self.export_method[len('torch.onnx.export (not captured: '):-1]})"
-                                          if self.export_method.startswith("torch.onnx.export (") else ""))
-            prep, peak = _export.isolated(_prepare, self.module, args, kwargs, tensors, path, self.opset, name,
-                                          in_process=mode == "inprocess")
-            if not self.export_method.startswith("torch.onnx.export"):
-                self.export_method = "torch.onnx.export"
-        self._export_peak_rss = max(self._export_peak_rss, peak)
+        why = self.export_method.partition("(not captured: ")[2][:-1]
+        if not self.export_method.startswith("torch.onnx.export"):
+            self.export_method = "torch.onnx.export"
+        _aten.refuse_forward_hooks(self.module, name, "graft's capture did not take the module"
+                                   + (f" ({why})" if why else ""))
+        # The exporter's file is only read while the session is built: nothing of it stays on disk.
+        try:
+            with tempfile.TemporaryDirectory(prefix="graft_") as tmp:
+                path = os.path.join(tmp, "model.onnx")
+                prep = _prepare(self.module, args, kwargs, tensors, path, self.opset, name)
+                return self._build_from(prep, args, kwargs, tensors, path)
+        except GraftError as err:
+            # The exporter was the fallback: say first why the capture did not take the module.
+            if not why or "graft's capture did not take" in err.message:
+                raise
+            raise type(err)(f"{err.message} (graft's capture did not take it first: {why})", err.kind,
+                            err.node) from None
+
+    def _build_from(self, prep, args, kwargs, tensors, path=None) -> _Entry:
+        """The session for a captured graph (prep.graph) or an exported file (path)."""
+        name = self._name()
         ex = prep.ex
         for msg, category, filename, lineno in ex.warnings:
             if category is None:
@@ -497,18 +485,20 @@ class GraftModule(torch.nn.Module):
         from . import _graft, _pyfunc
         _pyfunc.install()  # what runs a custom autograd.Function's node (Note [PythonOp])
         try:
-            e.session = _graft.Session(path, {}, e.float_outputs, freeze, e.input_grads, e.param_inputs,
-                                       self.gradients, self.check_finite, self.max_memory,
-                                       self.activation_budget)
+            e.session = _graft.Session(prep.graph if path is None else path, {}, e.float_outputs, freeze,
+                                       e.input_grads, e.param_inputs, self.gradients, self.check_finite,
+                                       self.max_memory, self.activation_budget)
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
-            if self.export_method == "capture" and not prep.stops and isinstance(
+            if path is None and not prep.stops and isinstance(
                     err, (GraftUnsupportedError, GraftInvalidModelError, GraftShapeError, GraftInternalError)):
                 # graft cannot build a session from its own capture: export the module instead.
                 self.export_method = f"torch.onnx.export (not captured: graft refused the capture: {err.message})"
-                return self._build_in(path, args, kwargs, tensors, capture=False)
-            msg = err.message.replace(f"{path}: ", "")
-            nodes = _export.Graph(*_graft.read_onnx_graph(path)).nodes
+                return self._build(args, kwargs, tensors, capture=False)
+            msg = err.message.replace(f"{path}: ", "") if path else err.message
+            # (op_type, name, inputs, outputs) of each node
+            nodes = ([(n[0], n[2], n[3], n[4]) for n in prep.graph[3]] if path is None
+                     else [n[:4] for n in _graft.read_onnx_graph(path)[2]])
             at = [n for n in nodes if n[1] == err.node and n[0] == "Constant"]
             if at:  # name what the constant feeds
                 outs = set(at[0][3])

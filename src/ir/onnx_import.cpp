@@ -16,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <set>
 #include <sstream>
 
 #include "graft/ir.h"
@@ -207,40 +206,6 @@ Attr convert_attr(const onnx::AttributeProto& ap, Allocator& alloc, const std::s
   return a;
 }
 
-// Turns a Constant node's attribute into a tensor.
-Tensor constant_value(const Node& n, Allocator& alloc) {
-  const auto& all = n.attrs.all();
-  GRAFT_CHECK(all.size() == 1, ErrorKind::InvalidModel,
-              n.label() + " must have exactly one value attribute");
-  const auto& [k, a] = *all.begin();
-  auto make = [&](DType dt, Shape s) {
-    return Tensor::empty(s, dt, alloc, Category::Workspace, n.name);
-  };
-  if (k == "value" && a.kind == Attr::TensorV) return a.t;
-  if (k == "value_float" && a.kind == Attr::Float) {
-    Tensor t = make(DType::F32, {});
-    t.data<float>()[0] = static_cast<float>(a.f);
-    return t;
-  }
-  if (k == "value_floats" && a.kind == Attr::Floats) {
-    Tensor t = make(DType::F32, {static_cast<int64_t>(a.floats.size())});
-    for (size_t i = 0; i < a.floats.size(); ++i)
-      t.data<float>()[i] = static_cast<float>(a.floats[i]);
-    return t;
-  }
-  if (k == "value_int" && a.kind == Attr::Int) {
-    Tensor t = make(DType::I64, {});
-    t.data<int64_t>()[0] = a.i;
-    return t;
-  }
-  if (k == "value_ints" && a.kind == Attr::Ints) {
-    Tensor t = make(DType::I64, {static_cast<int64_t>(a.ints.size())});
-    std::copy(a.ints.begin(), a.ints.end(), t.data<int64_t>());
-    return t;
-  }
-  fail(ErrorKind::Unsupported, n.label() + ": Constant attribute '" + k + "' is not supported");
-}
-
 // Note [Import memory]: the parsed protobuf holds every initializer's bytes; each one is released
 // as soon as it is converted into graft's allocator, so importing needs the parameters once plus
 // the largest tensor, not twice (the model file is parsed from the stream, not read into a string).
@@ -265,11 +230,7 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     if (os.domain().empty() || os.domain() == "ai.onnx") opset = os.version();
   GRAFT_CHECK(opset >= 0, ErrorKind::InvalidModel,
               "the model imports no opset of the default ONNX domain");
-  GRAFT_CHECK(
-      opset >= 13 && opset <= 17, ErrorKind::Unsupported,
-      "the model uses opset " + std::to_string(opset) +
-          " of the default domain; graft supports opsets 13 to 17 (re-export with "
-          "torch.onnx.export(..., opset_version=17) or convert with onnx.version_converter)");
+  check_opset(opset);
   g.opset = opset;
   const auto& gp = mp.graph();
   g.name = gp.name();
@@ -329,94 +290,38 @@ Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocato
     g.inputs.push_back(v);
   }
 
-  // Nodes, in topological order (re-sorted; ONNX requires it, but a hostile file may not obey).
-  const int nn = gp.node_size();
-  std::unordered_map<std::string, int> producer_of;
-  for (int i = 0; i < nn; ++i) {
+  // Nodes: checked and re-sorted topologically by add_nodes (ONNX requires the order, but a
+  // hostile file may not obey).
+  std::vector<NodeSpec> nodes;
+  nodes.reserve(gp.node_size());
+  for (int i = 0; i < gp.node_size(); ++i) {
     const auto& np = gp.node(i);
-    std::string label = "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) +
-                        "' (" + np.op_type() + ")";
-    // graft's own domain: only the ops graft's PyTorch capture writes (python/graft/_aten.py, Note
-    // [capture]): StopGradient (a constant for autodiff where eager's autograd stops a gradient)
-    // the math ONNX lacks (src/ops/math.cpp), PythonOp (a custom autograd.Function), CTCLoss and
-    // Attention (fused scaled-dot-product attention, src/ops/attention.cpp).
-    static const std::set<std::string> kGraftOpsInFiles = {
-        "StopGradient", "Trunc", "Expm1", "Log1p", "PythonOp", "CTCLoss", "Attention"};
-    GRAFT_CHECK(
-        np.domain().empty() || np.domain() == "ai.onnx" ||
-            (np.domain() == "graft" && kGraftOpsInFiles.count(np.op_type())),
-        ErrorKind::Unsupported,
-        label + " is in domain '" + np.domain() + "'; graft supports the default ONNX domain only");
-    for (const auto& o : np.output()) {
-      if (o.empty()) continue;
-      GRAFT_CHECK(g.find(o) < 0 && !producer_of.count(o), ErrorKind::InvalidModel,
-                  label + " writes value '" + o + "', which already has a definition");
-      producer_of[o] = i;
-    }
-  }
-  std::vector<std::vector<int>> succ(nn);
-  for (int i = 0; i < nn; ++i) {
-    const auto& np = gp.node(i);
-    for (const auto& in : np.input()) {
-      if (in.empty()) continue;
-      auto it = producer_of.find(in);
-      if (it != producer_of.end()) {
-        succ[it->second].push_back(i);
-      } else {
-        GRAFT_CHECK(g.find(in) >= 0, ErrorKind::InvalidModel,
-                    "node '" + (np.name().empty() ? "#" + std::to_string(i) : np.name()) + "' (" +
-                        np.op_type() + ") reads value '" + in +
-                        "', which is not a graph input, an initializer or any node's output");
-      }
-    }
-  }
-  const std::vector<int> order = topological_order(succ);  // file order where it is valid
-  if (static_cast<int>(order.size()) != nn) {
-    std::vector<bool> placed(nn, false);
-    for (int i : order) placed[i] = true;
-    for (int i = 0; i < nn; ++i)
-      if (!placed[i])
-        fail(ErrorKind::InvalidModel, "node '" + gp.node(i).name() + "' (" + gp.node(i).op_type() +
-                                          ") is part of a cycle; ONNX graphs must be acyclic");
-  }
-  for (int i : order) {
-    const auto& np = gp.node(i);
-    Node n;
+    NodeSpec n;
     n.op = np.op_type();
-    if (np.domain() == "graft") n.domain = "graft";
-    n.name = np.name().empty() ? g.unique_name(n.op + "_" + std::to_string(i)) : np.name();
-    bool attrs_ok = true;
+    n.domain = np.domain();
+    n.name = np.name();
+    n.inputs.assign(np.input().begin(), np.input().end());
+    n.outputs.assign(np.output().begin(), np.output().end());
+    const std::string label =
+        "node '" + (n.name.empty() ? "#" + std::to_string(i) : n.name) + "' (" + n.op + ")";
     for (const auto& ap : np.attribute()) {
       GRAFT_CHECK(!n.attrs.has(ap.name()), ErrorKind::InvalidModel,
-                  n.label() + " has attribute '" + ap.name() + "' twice");
-      attrs_ok &= lenient([&] {
+                  label + " has attribute '" + ap.name() + "' twice");
+      n.complete &= lenient([&] {
         try {
-          n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, n.label()));
+          n.attrs.set(ap.name(), convert_attr(ap, alloc, model_dir, label));
         } catch (const Error& e) {
           if (!e.node().empty()) throw;
           throw Error(e.kind(), e.message(), n.name);  // the node at fault, as a field
         }
       });
     }
-    for (const auto& in : np.input()) n.inputs.push_back(in.empty() ? -1 : g.find(in));
-    if (n.op == "Constant") {
-      GRAFT_CHECK(np.output_size() == 1, ErrorKind::InvalidModel,
-                  n.label() + " must have one output");
-      if (!attrs_ok ||
-          !lenient([&] { g.add_constant(np.output(0), constant_value(n, alloc), false); }))
-        g.add_value(np.output(0), ValueKind::Constant, false);  // recorded: no data
-      continue;
-    }
-    for (const auto& o : np.output())
-      n.outputs.push_back(o.empty() ? -1 : g.add_value(o, ValueKind::Intermediate, false));
-    g.add_node(std::move(n));
+    nodes.push_back(std::move(n));
   }
-  for (const auto& vi : gp.output()) {
-    int v = g.find(vi.name());
-    GRAFT_CHECK(v >= 0, ErrorKind::InvalidModel,
-                "graph output '" + vi.name() + "' is not produced by any node");
-    g.outputs.push_back(v);
-  }
+  add_nodes(g, std::move(nodes), alloc, unsupported);
+  std::vector<std::string> outputs;
+  for (const auto& vi : gp.output()) outputs.push_back(vi.name());
+  set_outputs(g, outputs);
   return g;
 }
 
@@ -529,70 +434,6 @@ void edit_onnx_graph(const std::string& path,
     a->set_i(value);
   }
   for (const auto& o : extra_outputs) set_value_info(g->add_output(), o);
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
-}
-
-void write_onnx_graph(const std::string& path, int64_t opset,
-                      const std::vector<OnnxValueInfo>& inputs,
-                      const std::vector<OnnxValueInfo>& outputs,
-                      const std::vector<OnnxNodeSpec>& nodes) {
-  onnx::ModelProto mp;
-  mp.set_ir_version(8);
-  mp.set_producer_name("graft.capture");
-  auto* os = mp.add_opset_import();
-  os->set_domain("");
-  os->set_version(opset);
-  auto* og = mp.add_opset_import();
-  og->set_domain("graft");
-  og->set_version(1);
-  auto* g = mp.mutable_graph();
-  g->set_name("graft_capture");
-  for (const auto& v : inputs) set_value_info(g->add_input(), v);
-  for (const auto& v : outputs) set_value_info(g->add_output(), v);
-  for (const auto& n : nodes) {
-    auto* np = g->add_node();
-    np->set_op_type(n.op_type);
-    if (!n.domain.empty()) np->set_domain(n.domain);
-    np->set_name(n.name);
-    for (const auto& i : n.inputs) np->add_input(i);
-    for (const auto& o : n.outputs) np->add_output(o);
-    for (const auto& a : n.attrs) {
-      auto* ap = np->add_attribute();
-      ap->set_name(a.name);
-      switch (a.kind) {
-        case 'i':
-          ap->set_type(onnx::AttributeProto::INT), ap->set_i(a.i);
-          break;
-        case 'f':
-          ap->set_type(onnx::AttributeProto::FLOAT), ap->set_f(static_cast<float>(a.f));
-          break;
-        case 's':
-          ap->set_type(onnx::AttributeProto::STRING), ap->set_s(a.s);
-          break;
-        case 'I':
-          ap->set_type(onnx::AttributeProto::INTS);
-          for (int64_t v : a.ints) ap->add_ints(v);
-          break;
-        case 'F':
-          ap->set_type(onnx::AttributeProto::FLOATS);
-          for (double v : a.floats) ap->add_floats(static_cast<float>(v));
-          break;
-        case 't': {
-          ap->set_type(onnx::AttributeProto::TENSOR);
-          auto* tp = ap->mutable_t();
-          tp->set_data_type(a.tensor_info.elem_type);
-          for (int64_t d : a.tensor_info.dims) tp->add_dims(d);
-          tp->set_raw_data(a.s);
-          break;
-        }
-        default:
-          fail(ErrorKind::InvalidArgument, "write_onnx_graph: attribute '" + a.name +
-                                               "' of node '" + n.name + "' has unknown kind '" +
-                                               std::string(1, a.kind) + "'");
-      }
-    }
-  }
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   GRAFT_CHECK(f.good() && mp.SerializeToOstream(&f), ErrorKind::Io, "cannot write '" + path + "'");
 }

@@ -99,12 +99,89 @@ struct PyStep {
 };
 
 // Owns the session and its allocator.
+// An ONNX value as Python sees it (read_onnx_graph, edit_onnx_graph, build_graph):
+// (name, elem_type, dims).
+using ValueTuple = std::tuple<std::string, int, std::vector<int64_t>>;
+
+// graft's own capture (python/graft/_aten.py) as graft's IR: (opset, inputs, outputs, nodes) with
+// values as (name, ONNX element type, dims) and nodes as (op_type, domain, name, inputs, outputs,
+// [(attribute name, kind, value)]), kind one of i f s I F t (a tensor: (element type, dims, raw
+// little-endian bytes)). Checked as a file is (add_nodes); constants live in `alloc`.
+Graph build_graph(const py::tuple& model, Allocator& alloc) {
+  GRAFT_CHECK(py::len(model) == 4, ErrorKind::InvalidArgument,
+              "a captured graph is (opset, inputs, outputs, nodes)");
+  Graph g;
+  g.name = "graft_capture";
+  g.opset = model[0].cast<int64_t>();
+  check_opset(g.opset);
+  auto dtype = [](int elem, const std::string& what) {
+    DType dt;
+    GRAFT_CHECK(
+        dtype_of_onnx_elem(elem, dt), ErrorKind::Unsupported,
+        what + " has ONNX element type " + std::to_string(elem) + ", which graft does not support");
+    return dt;
+  };
+  for (const auto& [name, elem, dims] : model[1].cast<std::vector<ValueTuple>>()) {
+    GRAFT_CHECK(g.find(name) < 0, ErrorKind::InvalidModel,
+                "graph input '" + name + "' is listed twice");
+    g.add_input(name, dtype(elem, "graph input '" + name + "'"), dims);
+  }
+  std::vector<std::string> outputs;
+  for (const auto& v : model[2].cast<std::vector<ValueTuple>>()) outputs.push_back(std::get<0>(v));
+  std::vector<NodeSpec> nodes;
+  for (const auto& t : model[3].cast<py::list>()) {
+    auto [op, domain, name, ins, outs, attrs] =
+        t.cast<std::tuple<std::string, std::string, std::string, std::vector<std::string>,
+                          std::vector<std::string>, std::vector<py::tuple>>>();
+    NodeSpec n{op, domain, name, ins, outs, {}};
+    for (const auto& at : attrs) {
+      Attr a;
+      const auto key = at[0].cast<std::string>();
+      const char kind = at[1].cast<std::string>().at(0);
+      if (kind == 'i') {
+        a.kind = Attr::Int, a.i = at[2].cast<int64_t>();
+      } else if (kind == 'f') {
+        a.kind = Attr::Float, a.f = at[2].cast<double>();
+      } else if (kind == 's') {
+        a.kind = Attr::String, a.s = at[2].cast<std::string>();
+      } else if (kind == 'I') {
+        a.kind = Attr::Ints, a.ints = at[2].cast<std::vector<int64_t>>();
+      } else if (kind == 'F') {
+        a.kind = Attr::Floats, a.floats = at[2].cast<std::vector<double>>();
+      } else if (kind == 't') {
+        auto v = at[2].cast<py::tuple>();
+        const std::string what = "node '" + name + "' attribute '" + key + "'";
+        const DType dt = dtype(v[0].cast<int>(), what);
+        const Shape dims = v[1].cast<std::vector<int64_t>>();
+        const std::string bytes = v[2].cast<std::string>();
+        a.kind = Attr::TensorV;
+        a.t = Tensor::empty(dims, dt, alloc, Category::Workspace, name);
+        GRAFT_CHECK(bytes.size() == a.t.nbytes(), ErrorKind::InvalidModel,
+                    what + " has " + std::to_string(bytes.size()) + " bytes for a tensor of " +
+                        std::to_string(a.t.nbytes()));
+        if (!bytes.empty()) std::memcpy(a.t.raw(), bytes.data(), bytes.size());
+      } else {
+        fail(ErrorKind::InvalidArgument, "node '" + name + "': attribute '" + key +
+                                             "' has unknown kind '" + std::string(1, kind) + "'");
+      }
+      n.attrs.set(key, std::move(a));
+    }
+    nodes.push_back(std::move(n));
+  }
+  add_nodes(g, std::move(nodes), alloc);
+  set_outputs(g, outputs);
+  return g;
+}
+
 struct PySession {
   std::shared_ptr<Allocator> alloc = std::make_shared<Allocator>();
   std::unique_ptr<TrainSession> s;
   py::object hook;  // set only for the duration of backward()
 
-  PySession(const std::string& path, const std::map<std::string, std::vector<int64_t>>& shapes,
+  // `model`: an ONNX file's path (torch.onnx.export's, the fallback), or graft's own capture as
+  // (opset, inputs, outputs, nodes) (python/graft/_aten.py): built into graft's IR here, no file
+  // between (build_graph).
+  PySession(const py::object& model, const std::map<std::string, std::vector<int64_t>>& shapes,
             const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
             const std::vector<std::string>& input_grads,
             const std::vector<std::string>& param_inputs, const std::string& mode,
@@ -123,7 +200,10 @@ struct PySession {
     o.profile = prof && *prof && std::strcmp(prof, "0") != 0;
     o.alloc = alloc.get();
     std::map<std::string, Shape> sh(shapes.begin(), shapes.end());
-    s = TrainSession::open(path, o, sh);
+    if (py::isinstance<py::str>(model))
+      s = TrainSession::open(model.cast<std::string>(), o, sh);
+    else
+      s = std::make_unique<TrainSession>(build_graph(model.cast<py::tuple>(), *alloc), o, sh);
     s->set_hook([this](Parameter& p, const Tensor& g) {
       // exclusive: graft's own block with no other reference, so the callee may keep it (no copy).
       bool exclusive = g.storage().use_count() == 1 && g.storage()->owner == alloc.get();
@@ -164,9 +244,6 @@ std::shared_ptr<void> hold_python(py::object o) {
   });
 }
 
-// An ONNX value as Python sees it (read_onnx_graph, edit_onnx_graph, write_onnx_graph):
-// (name, elem_type, dims).
-using ValueTuple = std::tuple<std::string, int, std::vector<int64_t>>;
 std::vector<OnnxValueInfo> value_infos(const std::vector<ValueTuple>& v) {
   std::vector<OnnxValueInfo> r;
   for (const auto& [name, type, dims] : v) r.push_back({name, type, dims});
@@ -212,43 +289,6 @@ PYBIND11_MODULE(_graft, m) {
            const std::vector<std::tuple<int64_t, std::string, int64_t>>& int_attrs,
            const std::vector<ValueTuple>& outputs) {
           edit_onnx_graph(path, int_attrs, value_infos(outputs));
-        });
-  // Writes a model graft captured itself (python/graft/_capture.py): values as (name, elem_type,
-  // dims), nodes as (op_type, domain, name, inputs, outputs, [(attribute name, kind, value)]) with
-  // kind one of i f s I F t (a tensor: (elem_type, dims, raw bytes)).
-  m.def("write_onnx_graph",
-        [](const std::string& path, int64_t opset, const std::vector<ValueTuple>& inputs,
-           const std::vector<ValueTuple>& outputs,
-           const std::vector<
-               std::tuple<std::string, std::string, std::string, std::vector<std::string>,
-                          std::vector<std::string>, std::vector<py::tuple>>>& nodes) {
-          std::vector<OnnxNodeSpec> ns;
-          for (const auto& [op, domain, name, ins, outs, attrs] : nodes) {
-            OnnxNodeSpec n{op, domain, name, ins, outs, {}};
-            for (const auto& t : attrs) {
-              OnnxAttr a;
-              a.name = t[0].cast<std::string>();
-              a.kind = t[1].cast<std::string>().at(0);
-              if (a.kind == 'i')
-                a.i = t[2].cast<int64_t>();
-              else if (a.kind == 'f')
-                a.f = t[2].cast<double>();
-              else if (a.kind == 's')
-                a.s = t[2].cast<std::string>();
-              else if (a.kind == 'I')
-                a.ints = t[2].cast<std::vector<int64_t>>();
-              else if (a.kind == 'F')
-                a.floats = t[2].cast<std::vector<double>>();
-              else if (a.kind == 't') {  // (elem_type, dims, raw bytes)
-                auto v = t[2].cast<py::tuple>();
-                a.tensor_info = {"", v[0].cast<int>(), v[1].cast<std::vector<int64_t>>()};
-                a.s = v[2].cast<std::string>();
-              }
-              n.attrs.push_back(std::move(a));
-            }
-            ns.push_back(std::move(n));
-          }
-          write_onnx_graph(path, opset, value_infos(inputs), value_infos(outputs), ns);
         });
   m.def("num_threads", &num_threads);
   // Installs fn(key, backward, node, inputs) -> outputs as the runner of graft.PythonOp nodes
@@ -311,11 +351,11 @@ PYBIND11_MODULE(_graft, m) {
       .def("seed", [](PyStep& s) { return s.st->seed; });
 
   py::class_<PySession>(m, "Session")
-      .def(py::init<const std::string&, const std::map<std::string, std::vector<int64_t>>&,
+      .def(py::init<const py::object&, const std::map<std::string, std::vector<int64_t>>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
                     const std::string&, bool, int64_t, int64_t>(),
-           py::arg("path"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
+           py::arg("model"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
            py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"),
            py::arg("check_finite") = false, py::arg("max_memory") = 0,
            py::arg("activation_budget") = 0)

@@ -743,81 +743,39 @@ def test_activation_budget_recomputes_and_keeps_the_gradients():
         GraftModule(model(), activation_budget=1)(x)
 
 
-# --- the export runs in a child process (graft/_export.py, Note [export in a child process]) -----
-EXPORT_SCRIPT = r"""
-import copy, json, sys, torch, torch.nn as nn
-import graft
-torch.manual_seed(0)
-m = nn.Sequential(nn.Embedding(10, 6, padding_idx=0), nn.Linear(6, 8), nn.Flatten(), nn.BatchNorm1d(24),
-                  nn.ReLU(), nn.Linear(24, 3))
-e = copy.deepcopy(m)
-g = graft.GraftModule(m)
-x = torch.tensor([[0, 3, 0], [5, 0, 9], [1, 2, 3], [0, 0, 4]]); w = torch.randn(4, 3)
-(g(x) * w).sum().backward()
-(e(x) * w).sum().backward()
-print(json.dumps({"onnx": "onnx" in sys.modules, "peak": g.export_peak_rss,
-                  "grads": [p.grad.tolist() for p in m.parameters()],
-                  "eager_grads": [p.grad.tolist() for p in e.parameters()],
-                  "state": {k: v.tolist() for k, v in m.state_dict().items()},
-                  "eager_state": {k: v.tolist() for k, v in e.state_dict().items()}}))
-"""
+# --- torch.onnx.export, the fallback (graft/_export.py), forced with GRAFT_EXPORT=onnx ------------
+def test_the_onnx_fallback_matches_eager(monkeypatch):
+    """The module's padding row and BatchNorm statistics (graph edits made on the exported file),
+    gradients and state after two steps: as eager's, and the same as the capture's."""
+    def run(mode):
+        monkeypatch.setenv("GRAFT_EXPORT", mode)
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(10, 6, padding_idx=0), nn.Linear(6, 8), nn.Flatten(), nn.BatchNorm1d(24),
+                          nn.ReLU(), nn.Linear(24, 3))
+        e = copy.deepcopy(m)
+        g = GraftModule(m)
+        x = torch.tensor([[0, 3, 0], [5, 0, 9], [1, 2, 3], [0, 0, 4]])
+        w = torch.randn(4, 3)
+        for _ in range(2):
+            (g(x) * w).sum().backward()
+            (e(x) * w).sum().backward()
+        assert g.export_method == ("capture" if mode == "capture" else "torch.onnx.export")
+        for (n, a), b in zip(m.named_parameters(), e.parameters()):  # (1.bias's is ~0: BatchNorm follows)
+            torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=1e-5, msg=lambda s: f"{n}: {s}")
+        assert torch.equal(m[0].weight.grad[0], torch.zeros(6))  # the padding row gets no gradient, as in eager
+        for (k, v), r in zip(m.state_dict().items(), e.state_dict().values()):
+            close(v.double(), r.double(), k)
+        return [p.grad for p in m.parameters()]
+    exported, captured = run("onnx"), run("capture")
+    for a, b in zip(exported, captured):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5)
 
 
-def _export_run(**env):
-    import json
-    import os
-    import subprocess
-    import sys
-    base = {k: v for k, v in os.environ.items() if k != "GRAFT_EXPORT"}
-    p = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT], capture_output=True, text=True, timeout=300,
-                       env=dict(base, **env))
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def test_export_in_a_child_process_matches_the_export_in_this_one_and_eager():
-    """The module's padding row and BatchNorm statistics (graph edits made in the child), gradients
-    and state after one step: the same with the export forked and in the process, and as
-    eager's. The training process never loads the Python onnx package with the export forked (graft
-    reads and edits the graph itself; torch 2.x's exporter imports it, in the child)."""
-    forked, here = _export_run(GRAFT_EXPORT="fork"), _export_run(GRAFT_EXPORT="inprocess")
-    assert not forked["onnx"]
-    assert forked["peak"] > 0 and here["peak"] == 0  # the system's peak during the forked export is recorded
-    assert forked["grads"] == here["grads"] and forked["state"] == here["state"]
-    for a, b in zip(forked["grads"], forked["eager_grads"]):
-        close(torch.tensor(a), torch.tensor(b), "grad")
-    assert forked["grads"][0][0] == [0.0] * 6  # the padding row gets no gradient, as in eager
-    for k, v in forked["state"].items():
-        close(torch.tensor(v, dtype=torch.float64), torch.tensor(forked["eager_state"][k], dtype=torch.float64), k)
-
-
-class _DiesWhenTraced(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        if torch.jit.is_tracing():  # a crash inside the exporter, as torch 1.13's Graph::toString had
-            import os
-            import signal
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.fc(x)
-
-
-def test_a_crash_inside_the_exporter_is_an_error_not_a_dead_process(monkeypatch):
-    monkeypatch.setenv("GRAFT_EXPORT", "fork")  # torch.onnx.export in a child, not graft's capture
-    g = GraftModule(_DiesWhenTraced())
-    with pytest.raises(graft.GraftExportError, match="killed by signal 9"):
-        g(torch.randn(2, 4))
-    x = torch.randn(2, 4)
-    assert torch.equal(g.module(x), g.module.fc(x))  # this process and its module are intact
-
-
-def test_an_output_pickle_cannot_carry_is_exported_in_this_process(monkeypatch):
-    """A result the child cannot send (a namedtuple class made inside a function) falls back to
-    exporting here: same outputs and gradients as eager."""
+def test_the_onnx_fallback_keeps_an_output_structure_made_in_a_function(monkeypatch):
+    """A namedtuple class made inside a function, through torch.onnx.export: same outputs and
+    gradients as eager."""
     import collections
-    monkeypatch.setenv("GRAFT_EXPORT", "fork")  # the exporter in a child, which pickles its result
+    monkeypatch.setenv("GRAFT_EXPORT", "onnx")  # the exporter, not graft's capture
     Pair = collections.namedtuple("Pair", "y s")
 
     class M(nn.Module):
@@ -835,12 +793,36 @@ def test_an_output_pickle_cannot_carry_is_exported_in_this_process(monkeypatch):
     g = GraftModule(m)
     x = torch.randn(5, 4)
     out, ref = g(x), e(x)
-    assert type(out) is Pair and g.export_peak_rss == 0
+    assert type(out) is Pair and g.export_method == "torch.onnx.export"
     close(out.y, ref.y, "y")
     (out.y.square().sum() + out.s).backward()
     (ref.y.square().sum() + ref.s).backward()
     for (n, a), b in zip(m.named_parameters(), e.parameters()):
         close(a.grad, b.grad, n)
+
+
+def test_a_captured_graph_goes_through_the_importer_s_checks():
+    """The capture's node list is built into graft's IR without a file (_graft.Session takes it),
+    through the checks an ONNX file gets: typed errors naming the node, and a good list trains."""
+    from graft import _graft
+
+    def session(nodes, outputs=(("y", 1, [2, 3]),)):
+        return _graft.Session((17, [("x", 1, [2, 3])], list(outputs), nodes), {}, [o[0] for o in outputs], [], ["x"],
+                              [], "hold")
+    with pytest.raises(graft.errors.GraftInvalidModelError, match="node 'a' \\(Relu\\) reads value 'nothing'"):
+        session([("Relu", "", "a", ["nothing"], ["y"], [])])
+    with pytest.raises(graft.errors.GraftInvalidModelError, match="part of a cycle"):
+        session([("Add", "", "a", ["x", "v"], ["y"], []), ("Relu", "", "b", ["y"], ["v"], [])])
+    with pytest.raises(graft.errors.GraftUnsupportedError, match="domain 'graft'"):
+        session([("ReluGrad", "graft", "a", ["x", "x"], ["y"], [])])
+    with pytest.raises(graft.errors.GraftInvalidModelError, match="bytes for a tensor of 8"):
+        session([("Constant", "", "c", [], ["k"], [("value", "t", (7, [1], bytes(4)))]),
+                 ("Add", "", "a", ["x", "k"], ["y"], [])])
+    with pytest.raises(graft.errors.GraftUnsupportedError, match="opset 12"):
+        _graft.Session((12, [], [], []), {}, [], [], [], [], "hold")
+    # a good list, out of order
+    s = session([("Relu", "", "b", ["u"], ["y"], []), ("Neg", "", "a", ["x"], ["u"], [])])
+    assert [n for n, _, _ in s.outputs_info()] == ["y"]
 
 
 def test_reading_and_editing_a_graph_file_refuses_bad_files(tmp_path):
