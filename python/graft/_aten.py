@@ -334,12 +334,45 @@ def refuse_forward_hooks(module, name, why):
                                     "Remove the hook, or keep that submodule in eager mode.", "unsupported")
 
 
+def _weight_hook_classes():
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    return (SpectralNorm, WeightNorm)
+
+
+def weight_hooks(module):
+    """Note [weight hooks]: (path, key) of each forward pre-hook of torch.nn.utils.weight_norm /
+    spectral_norm (the older API; the newer one, torch.nn.utils.parametrizations, is plain forward
+    code). Such a hook computes the weight the module's forward reads (setattr of a plain tensor
+    attribute) and, for spectral_norm in training, updates its u and v buffers in place: it is part
+    of what the forward computes, so the capture traces it inline (its buffer writes come back as
+    eager's do, Note [capture]) instead of recording it. After each call GraftModule sets the
+    attribute as eager's hook leaves it (compute_weight from the updated state)."""
+    classes = _weight_hook_classes()
+    return [(path, key) for path, m in module.named_modules()
+            for key, fn in (getattr(m, "_forward_pre_hooks", None) or {}).items() if isinstance(fn, classes)]
+
+
+def set_hook_weights(module, hooks):
+    """Note [weight hooks]: the attribute each weight hook sets, as eager's call leaves it."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    for path, key in hooks:
+        m = module.get_submodule(path) if path else module
+        fn = m._forward_pre_hooks.get(key)
+        if fn is None:
+            continue
+        w = fn.compute_weight(m, do_power_iteration=False) if isinstance(fn, SpectralNorm) else fn.compute_weight(m)
+        setattr(m, fn.name, w)
+
+
 @contextlib.contextmanager
 def _recording_hooks(module, name, calls, data):
     """Note [forward hooks]: while the capture traces, each forward (pre-)hook of the module tree
     is replaced by a recorder of its arguments (their tensors become graph outputs); GraftModule
-    calls the real hook after each call with the real tensors. The hooks are restored after."""
-    swapped = []
+    calls the real hook after each call with the real tensors. The hooks are restored after.
+    Weight hooks (Note [weight hooks]) run inline; the attributes they set are put back after."""
+    swapped, attrs = [], []
+    inline = _weight_hook_classes()
     for path, m in module.named_modules():
         for attr, kind in FORWARD_HOOKS:
             hooks = getattr(m, attr, None)
@@ -347,6 +380,9 @@ def _recording_hooks(module, name, calls, data):
                 continue
             with_kwargs = getattr(m, attr + "_with_kwargs", None) or {}
             for key in list(hooks):
+                if kind == "pre" and isinstance(hooks[key], inline) and key not in with_kwargs:
+                    attrs.append((m, hooks[key].name, m.__dict__.get(hooks[key].name, attrs)))
+                    continue
                 if key in with_kwargs:
                     raise GraftUnsupportedError(
                         f"{name}: a forward hook registered with with_kwargs=True on '{path}' is not supported by "
@@ -362,6 +398,11 @@ def _recording_hooks(module, name, calls, data):
     finally:
         for hooks, key, fn in swapped:
             hooks[key] = fn
+        for m, attr, value in attrs:  # (attrs itself: there was none)
+            if value is attrs:
+                m.__dict__.pop(attr, None)
+            else:
+                m.__dict__[attr] = value
 
 
 def _refuse_early(module, name):
@@ -435,6 +476,7 @@ class Captured:
         # Note [forward hooks]: (submodule path, "pre" | "forward", hook key) per hook call, in order;
         # the output template is then (the user's output, [(args[, output]) per call]).
         self.hook_calls: List[tuple] = []
+        self.weight_hooks: List[tuple] = []  # Note [weight hooks]: (submodule path, hook key)
 
 
 PREFIX = _export.PREFIX  # graph inputs bound to module state: PREFIX + its state_dict name
@@ -831,6 +873,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
             c.input_index.append(k - n_state)
     c.output_template = box["template"]
     c.hook_calls = list(box.get("hook_calls", ()))
+    c.weight_hooks = weight_hooks(module)
     c.has_dropout = b.has_dropout
     return c
 

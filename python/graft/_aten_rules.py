@@ -269,7 +269,7 @@ _RULES["triu"], _RULES["tril"] = _trilu_rule(1), _trilu_rule(0)
 
 
 # linear algebra
-@rule("mm", "bmm", "matmul")
+@rule("mm", "bmm", "matmul", "mv", "dot", "vdot")  # 1-D operands as numpy (vdot: real here)
 def _mm(r, out, a, b):
     return r.emit("MatMul", [r.v(a), r.v(b)])
 
@@ -318,6 +318,29 @@ def _sum(r, out, a, dims=None, keepdim=False, dtype=None):
                    attrs=[("keepdims", "i", int(keepdim))])
         return r.emit("Cast", [s], attrs=[("to", "i", elem(out.dtype))])
     return r.emit("ReduceSum", [r.v(a), r.ints(_reduce_axes(a, dims))], attrs=[("keepdims", "i", int(keepdim))])
+
+
+@rule("norm", "linalg_vector_norm")
+def _norm(r, out, a, p=2, dim=None, keepdim=False, dtype=None):
+    p = 2 if p is None else p
+    """The 2-norm (ReduceL2; its gradient 0 where the norm is, as PyTorch's) and the 1-norm, over
+    `dim` or all axes (torch.norm, F.normalize, spectral_norm's power iteration)."""
+    if dtype is not None and dtype != a.dtype:
+        raise NotCaptured("a norm with a dtype")
+    axes = _reduce_axes(a, dim)
+    if p == 2:
+        return r.emit("ReduceL2", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
+    if p == 1:
+        return r.emit("ReduceSum", [r.emit("Abs", [r.v(a)]), r.ints(axes)], attrs=[("keepdims", "i", int(keepdim))])
+    raise NotCaptured(f"a norm of order {p} (graft has the 1- and 2-norms)")
+
+
+@rule("_weight_norm_interface")
+def _weight_norm(r, out, v, g, dim=0):
+    """weight_norm's w = v * g / |v| (the norm over every axis but `dim`, kept); returns (w, |v|)."""
+    axes = [d for d in range(v.dim()) if d != _axis(dim, v.dim())]
+    norm = r.emit("ReduceL2", [r.v(v)], attrs=[("axes", "I", axes), ("keepdims", "i", 1)])
+    return [r.emit("Mul", [r.v(v), r.emit("Div", [r.v(g), norm])]), norm]
 
 
 @rule("amax")

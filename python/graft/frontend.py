@@ -86,6 +86,7 @@ class _Entry:
     outputs_info: list = dataclasses.field(default_factory=list)
     output_template: Any = None
     hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
+    weight_hooks: list = dataclasses.field(default_factory=list)  # Note [weight hooks] (_aten.py)
     has_dropout: bool = False
     optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
     step_flags: Any = None  # gradients="step": the GraftModule's {"defer": bool} (defer_step)
@@ -187,6 +188,7 @@ class _Prepared:
     counters: List[str] = dataclasses.field(default_factory=list)  # num_batches_tracked buffer names
     stops: bool = False  # the captured graph stops a gradient: torch.onnx.export is no way in
     hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
+    weight_hooks: list = dataclasses.field(default_factory=list)  # Note [weight hooks] (_aten.py)
 
 
 def _bind_params(module, params, e):
@@ -251,6 +253,7 @@ def _capture_prepare(module, args, kwargs, tensors, opset, name):
     p.state_updates = list(c.updates)
     p.stops = c.stops
     p.hook_calls = c.hook_calls
+    p.weight_hooks = c.weight_hooks
     return p
 
 
@@ -472,6 +475,7 @@ class GraftModule(torch.nn.Module):
         e.input_names, e.input_index = ex.input_names, ex.input_index
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         e.hook_calls = prep.hook_calls
+        e.weight_hooks = prep.weight_hooks
         module = self.module
         _bind_params(module, ex.params, e)
         e.refresh_trainable()
@@ -619,6 +623,8 @@ class GraftModule(torch.nn.Module):
         call = _Call(len(in_tensors), training_run, bf16, targets)
         outs = relay_outputs(GraftFunction.apply(entry, call, self._dummy, *in_tensors, *params), call)
         out = _flatten.rebuild(entry.output_template, iter(outs))
+        if entry.weight_hooks:
+            _aten.set_hook_weights(self.module, entry.weight_hooks)
         if entry.hook_calls:
             out, data = out
             self._fire_hooks(entry, data, name)

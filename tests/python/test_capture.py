@@ -529,6 +529,59 @@ def test_a_custom_autograd_function_defined_in_the_forward_is_refused():
         assert torch.equal(v, before[k]), k
 
 
+# --- weight and spectral normalization (Note [weight hooks], _aten.py) -----------------------------
+def _normalized(kind, train=True):
+    """A small net whose first layers are reparametrized as users do it: the older hook API
+    (torch.nn.utils.weight_norm / spectral_norm: a forward pre-hook sets the weight; spectral_norm
+    updates its u, v buffers in training) or the newer parametrizations."""
+    torch.manual_seed(0)
+    conv, lin = nn.Conv1d(3, 4, 3, padding=1), nn.Linear(4 * 6, 5)
+    utils = nn.utils
+    if kind == "weight_norm":
+        conv, lin = utils.weight_norm(conv), utils.weight_norm(lin, dim=1)
+    elif kind == "spectral_norm":
+        conv, lin = utils.spectral_norm(conv), utils.spectral_norm(lin, n_power_iterations=2)
+    elif kind == "parametrized_weight_norm":
+        conv, lin = utils.parametrizations.weight_norm(conv), utils.parametrizations.weight_norm(lin, dim=1)
+    else:
+        conv, lin = utils.parametrizations.spectral_norm(conv), utils.parametrizations.spectral_norm(lin)
+    m = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), lin, nn.Tanh(), nn.Linear(5, 2)).double()
+    return m.train(train)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "parametrized_weight_norm",
+                                  "parametrized_spectral_norm"])
+def test_weight_and_spectral_norm_train_as_in_eager(kind, train):
+    """Outputs, every .grad, the buffers (spectral_norm's u and v, updated by its power iteration in
+    training) and the parameters after 3 SGD steps equal eager's, in float64; the weight attribute
+    the older hooks set is eager's after every call; captured, not exported."""
+    if kind == "parametrized_weight_norm" and not hasattr(nn.utils.parametrizations, "weight_norm"):
+        pytest.skip("torch.nn.utils.parametrizations.weight_norm is new in torch 2.1")
+    m, e = _normalized(kind, train), _normalized(kind, train)  # (the older weight_norm cannot be deep-copied)
+    g = GraftModule(m)
+    opt_g, opt_e = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(e.parameters(), lr=0.1)
+    for step in range(3):
+        x = seeded((3, 3, 6), step).double()
+        yg, ye = g(x), e(x)
+        close(yg.detach(), ye.detach(), f"step {step} output", 1e-10, 1e-12)
+        w = seeded(tuple(ye.shape), step + 10).double()
+        (yg * w).sum().backward()
+        (ye * w).sum().backward()
+        for (n, p), q in zip(m.named_parameters(), e.parameters()):
+            close(p.grad, q.grad, f"step {step}: {n}.grad", 1e-9, 1e-11)
+        for (n, b), c in zip(m.named_buffers(), e.buffers()):
+            close(b, c, f"step {step}: buffer {n}", 1e-10, 1e-12)
+        if kind in ("weight_norm", "spectral_norm"):
+            for i in (0, 3):
+                close(m[i].weight.detach(), e[i].weight.detach(), f"step {step}: {i}.weight", 1e-10, 1e-12)
+        opt_g.step()
+        opt_e.step()
+        for o in (opt_g, opt_e):
+            o.zero_grad(set_to_none=True)
+    assert g.export_method == "capture"
+
+
 # --- module hooks: refused loudly, never skipped ---------------------------------------------------
 class _FeatureNet(nn.Module):
     """A classifier whose hooks collect what a feature loss and a monitor need, as users write them."""
