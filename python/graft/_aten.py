@@ -406,9 +406,10 @@ def _recording_hooks(module, name, calls, data):
 
 
 def _refuse_early(module, name):
-    """What is refused before anything runs: backward and global module hooks (captured, they
-    would run once and never again: Note [capture]) and a cumulative-average BatchNorm. Forward
-    hooks run after each call (Note [forward hooks])."""
+    """What is refused before anything runs: global module hooks (captured, they would run once and
+    never again: Note [capture]), backward hooks of the deprecated kind (register_backward_hook) and
+    a cumulative-average BatchNorm. Forward hooks run after each call (Note [forward hooks]), full
+    backward hooks in graft's backward (Note [backward hooks], _pyfunc.py)."""
     import torch.nn.modules.module as mm
     glob = [n for n in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                         "_global_backward_pre_hooks") if getattr(mm, n, None)]
@@ -417,7 +418,6 @@ def _refuse_early(module, name):
             f"{name}: a global module hook is registered (torch.nn.modules.module.register_module_{glob[0][8:-1]}); "
             "graft would run it once, at the capture, and never again. Remove it while GraftModule runs.",
             "unsupported")
-    kinds = (("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
     for path, m in module.named_modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
                 and m.momentum is None:
@@ -425,16 +425,61 @@ def _refuse_early(module, name):
                 f"{name}: BatchNorm '{path}' has momentum=None (a cumulative average, whose factor eager reads "
                 "from num_batches_tracked into Python each call); graft would replay this call's factor. Give it a "
                 "momentum, or keep this module in eager mode.", "unsupported")
-        for attr, what in kinds:
-            hooks = getattr(m, attr, None)
-            if hooks:
-                fn = next(iter(hooks.values()))
-                fname = getattr(fn, "__qualname__", type(fn).__name__)
-                where = f"'{path}' ({type(m).__name__})" if path else f"the module itself ({type(m).__name__})"
+        if m._backward_hooks and getattr(m, "_is_full_backward_hook", None) is False:
+            fn = next(iter(m._backward_hooks.values()))
+            fname = getattr(fn, "__qualname__", type(fn).__name__)
+            where = f"'{path}' ({type(m).__name__})" if path else f"the module itself ({type(m).__name__})"
+            raise GraftUnsupportedError(
+                f"{name}: a backward hook ({fname}) is registered on {where} with register_backward_hook, whose "
+                "gradients are those of the module's last op (deprecated by PyTorch); graft runs the full backward "
+                "hooks. Register it with register_full_backward_hook, or keep that submodule in eager mode.",
+                "unsupported")
+
+
+def _hooked(module):
+    """(path, submodule) of each submodule with full backward (pre-)hooks (Note [backward hooks])."""
+    return [(path, m) for path, m in module.named_modules()
+            if m._backward_hooks or getattr(m, "_backward_pre_hooks", None)]
+
+
+@contextlib.contextmanager
+def _hook_boundaries(module):
+    """Note [backward hooks] (_pyfunc.py): while the capture traces, each submodule with full
+    backward (pre-)hooks runs between two identity graft nodes whose backward runs its hooks, on
+    its positional tensors and on its outputs; PyTorch's own hook machinery is kept out of the trace
+    (its hook dicts emptied), and all is put back after."""
+    from collections import OrderedDict
+    saved = []
+    for path, m in _hooked(module):
+        pre = getattr(m, "_backward_pre_hooks", None)
+        saved.append((m, m._backward_hooks, pre, "forward" in m.__dict__))
+        m._backward_hooks = OrderedDict()
+        if pre is not None:
+            m._backward_pre_hooks = OrderedDict()
+        orig = m.forward
+
+        def forward(*args, _m=m, _path=path, _orig=orig, **kwargs):
+            key = None
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                key, args = _pyfunc.boundary(_m, _path, "in", args)
+            out = _orig(*args, **kwargs)
+            if not (isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list))
+                                                      and any(isinstance(o, torch.Tensor) for o in out))):
                 raise GraftUnsupportedError(
-                    f"{name}: a {what} ({fname}) is registered on {where}; graft runs the forward as one graph, "
-                    "so the hook would run once, at the capture, and never again. Remove the hook, or keep that "
-                    "submodule in eager mode (wrap only the part without hooks).", "unsupported")
+                    f"the submodule {_path!r} has backward hooks and returns {type(out).__name__}; graft runs "
+                    "backward hooks on a module that returns a tensor or a tuple / list of them, as eager does",
+                    "unsupported")
+            return _pyfunc.boundary(_m, _path, "out", out, pair=key, n_inputs=len(args))[1]
+        m.forward = forward
+    try:
+        yield
+    finally:
+        for m, hooks, pre, had_forward in saved:
+            m._backward_hooks = hooks
+            if pre is not None:
+                m._backward_pre_hooks = pre
+            if not had_forward:
+                del m.forward
 
 
 def _state(module):
@@ -518,7 +563,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
         calls, data = [], []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop), \
                 torch.backends.mkldnn.flags(enabled=False), watch, _pyfunc.watched(watch, module, dict(state)), \
-                _recording_hooks(module, name, calls, data):
+                _recording_hooks(module, name, calls, data), _hook_boundaries(module):
             out = _functional_call(module, st, a, kw)
         box["warnings"] = watch.warnings
         box["hook_calls"] = calls

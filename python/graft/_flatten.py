@@ -120,7 +120,7 @@ def module_state(module):
     """What of a module's Python state an export bakes in: every submodule's `training` flag and
     its other plain attributes (numbers, strings, tuples of them: a Dropout's p, a scale set by the
     user), and the keys of its forward (pre-)hooks, which the capture records (Note [forward hooks],
-    _aten.py). A change makes a new export. Runs on every call: the submodules in module.modules()'s
+    _aten.py), and of its backward (pre-)hooks (Note [backward hooks], _pyfunc.py). A change makes a new export. Runs on every call: the submodules in module.modules()'s
     order (pre-order, each once) by an explicit walk, without the qualified names modules() builds."""
     state = []
     seen = set()
@@ -131,7 +131,8 @@ def module_state(module):
             continue
         seen.add(id(m))
         state.append((tuple([(k, v) for k, v in m.__dict__.items() if k[:1] != "_" and _plain(v)]),
-                      tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
+                      tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
+                      tuple(getattr(m, "_backward_pre_hooks", ()))))
         children = [c for c in m._modules.values() if c is not None]
         children.reverse()
         stack.extend(children)

@@ -20,6 +20,22 @@ keeps the Function whole: PyTorch runs its forward and its own backward, graft p
   outputs are kept with the call (calls()) until the backward node hands the output gradients to
   torch.autograd.grad, which runs the Function's own backward. PyTorch holds what the Function
   saves: memory graft's planner does not count.
+
+Note [backward hooks]
+~~~~~~~~~~~~~~~~~~~~~
+A full backward hook (register_full_backward_hook) or backward pre-hook of a submodule runs in
+graft's backward with eager's arguments, as PyTorch's own BackwardHook does it: while the capture
+traces (_aten._hook_boundaries), the submodule's positional tensors go in through an identity
+PythonOp (side "in", made only when one of them requires grad) and its output tensors come out
+through another ("out"); PyTorch's hook dicts are emptied meanwhile, so its own machinery stays out
+of the trace. In backward, the "out" node runs the pre-hooks on grad_output (what they return
+replaces it) and keeps it in the call's state; the "in" node runs the hooks with grad_input and
+that grad_output (what they return replaces grad_input). Where no input requires grad the hooks
+run at the "out" node with grad_input all None, as in eager. Gradients reach the hooks as copies (a
+hook may keep them). Each boundary costs a copy of the tensors it passes, in the plan like any
+other value. The hooks are read from the module at every backward; adding or removing one is a new
+capture (their keys are in the cache key). register_backward_hook (deprecated; the gradients of the
+module's last op) is refused.
 """
 import contextlib
 import itertools
@@ -53,6 +69,94 @@ class _Record:
     def rebuild(self, tensors):
         it = iter(tensors)
         return [next(it) if t else a for a, t in zip(self.template, self.is_tensor)]
+
+
+class _Boundary:
+    """Note [backward hooks]: one side of a hooked module call in the graph, an identity PythonOp
+    whose backward calls the module's backward hooks. side "in": over the call's positional tensors
+    (made only when one of them requires grad); "out": over its output tensors, `pair` naming the
+    call's "in" boundary (None when there is none)."""
+
+    def __init__(self, module, path, side, index, n, pair=None):
+        import weakref
+        self.module = weakref.ref(module)
+        self.where = repr(path) if path else "the module itself"
+        self.name = f"backward hooks of {self.where} ({side}puts)"
+        self.side, self.index, self.n, self.pair = side, index, n, pair
+        self.outputs = []
+        self.needs = []
+        self.single = False
+
+    def packed(self, grads):
+        """The hook's tuple: a gradient (or None) per positional argument / output, None where it is
+        not a tensor, as eager's BackwardHook packs them."""
+        full = [None] * self.n
+        for i, g in zip(self.index, grads):
+            full[i] = g
+        return tuple(full)
+
+    def unpacked(self, got, what, hook):
+        got = tuple(got)
+        if len(got) != self.n:
+            raise RuntimeError(f"the backward hook {getattr(hook, '__qualname__', hook)} on {self.where} returned "
+                               f"{len(got)} {what} gradients where the module has {self.n}")
+        return [got[i] for i in self.index]
+
+    def backward(self, state, grads):
+        m = self.module()
+        if m is None:
+            return grads
+        if self.side == "out":
+            grad_output = self.packed(grads)
+            for hook in list(getattr(m, "_backward_pre_hooks", {}).values()):
+                got = hook(m, grad_output)
+                if got is not None:
+                    grad_output = self.packed(self.unpacked(got if isinstance(got, tuple) else (got,), "output",
+                                                            hook))
+            if self.pair is None:  # no input requires grad: the hooks run now, grad_input all None
+                for hook in list(m._backward_hooks.values()):
+                    if hook(m, (None,) * self.n_inputs, grad_output) is not None:
+                        raise RuntimeError(f"the backward hook {getattr(hook, '__qualname__', hook)} returned "
+                                           "gradients for inputs that require none")
+            else:
+                state[("hooks", self.pair)] = grad_output
+            return [grad_output[i] for i in self.index]
+        grad_output = state.pop(("hooks", self.key), None)
+        grad_input = self.packed(grads)
+        for hook in list(m._backward_hooks.values()):
+            got = hook(m, grad_input, grad_output)
+            if got is not None:
+                grad_input = self.packed(self.unpacked(got if isinstance(got, tuple) else (got,), "input", hook))
+        return [grad_input[i] for i in self.index]
+
+
+def boundary(module, path, side, args, pair=None, n_inputs=0):
+    """Note [backward hooks]: the positional arguments (side "in") or outputs ("out", a tensor or a
+    tuple / list) of a hooked module's call through an identity graft::py_function whose backward
+    runs the module's hooks; returns (key, the arguments or outputs with those tensors replaced)."""
+    single = isinstance(args, torch.Tensor)
+    items = [args] if single else list(args)
+    index = [i for i, a in enumerate(items) if isinstance(a, torch.Tensor)]
+    tensors = [items[i] for i in index]
+    rec = _Boundary(module, path, side, index, len(items), pair)
+    rec.n_inputs = n_inputs
+    rec.needs = [t.requires_grad and t.is_floating_point() for t in tensors]
+    rec.outputs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    with _lock:
+        key = next(_keys)
+        _records[key] = rec
+    rec.key = key
+    with _no_function_modes():
+        outs = _op()(tensors, key)
+        for o, need in zip(outs, rec.needs):
+            if need:
+                o.requires_grad_(True)
+    watch = getattr(_tls, "watch", None)
+    if watch is not None:
+        watch._follow(list(outs), tensors, None)
+    for i, o in zip(index, outs):
+        items[i] = o
+    return key, (items[0] if single else type(args)(items) if isinstance(args, tuple) else items)
 
 
 def _outputs(rec, out):
@@ -99,6 +203,8 @@ def _real(xs, key):
     (the graph only needs the shapes; a value read of them is refused as of any graph value).
     Outside a trace (the capture folding a call on constants only): the Function's forward."""
     rec = _records[key]
+    if isinstance(rec, _Boundary):
+        return [x.clone() for x in xs]
     if getattr(_tls, "capturing", 0) > 0:
         return [torch.zeros(shape, dtype=dt) for dt, shape in rec.outputs]
     with torch.no_grad():
@@ -290,6 +396,13 @@ def runner(key, backward, node, arrays):
     graph the forward of this call kept."""
     rec = _records[key]
     state = getattr(_tls, "state", None)
+    if isinstance(rec, _Boundary):  # Note [backward hooks]: identity forward; the hooks in backward
+        if not backward:
+            return list(arrays)
+        # copies: a hook may keep what it is given (graft reuses its buffers after this node)
+        grads = [None if g is None else torch.from_numpy(g).clone() for g in arrays]
+        got = rec.backward({} if state is None else state, grads)
+        return [None if g is None else _array(g.to(dt)) for g, (dt, _) in zip(got, rec.outputs)]
     if not backward:
         train = bool(state is not None and state.get(TRAIN))
         ins = [torch.from_numpy(a) for a in arrays]

@@ -669,10 +669,76 @@ def test_a_forward_hook_that_returns_a_value_is_refused_naming_it():
         GraftModule(m)(torch.randn(3, 5))
 
 
-def test_a_backward_hook_is_refused_naming_the_submodule():
+class _Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b, self.head = nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Linear(4, 2)
+
+    def forward(self, x, scale=None):
+        h = self.act(self.a(x))
+        return self.head(self.b(h) if scale is None else self.b(h) * scale)
+
+
+def _backward_hooks(m, log):
+    """What users do with backward hooks: look at gradients (a monitor keeps them), change them
+    (scale grad_input; a pre-hook scales grad_output), on modules whose inputs do and do not
+    require grad."""
+    m.act.register_full_backward_hook(lambda mod, gi, go: log.append(("act", gi[0], go[0])))
+    m.b.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,))
+    m.a.register_full_backward_hook(lambda mod, gi, go: log.append(("a", gi, go[0])))  # x needs no grad
+    if hasattr(m.head, "register_full_backward_pre_hook"):  # torch >= 2.0
+        m.head.register_full_backward_pre_hook(lambda mod, go: (go[0] * 3,))
+
+
+@pytest.mark.parametrize("mode", ["hook", "accumulate"])
+def test_full_backward_hooks_run_in_backward_with_eager_s_gradients(mode):
+    """Note [backward hooks] (_pyfunc.py): full backward hooks and backward pre-hooks run during
+    graft's backward with eager's grad_input / grad_output (None where eager has None); what they
+    return replaces the gradients, as in eager; what a hook keeps stays valid. float64, 3 steps,
+    every .grad and every tensor the hooks saw compared."""
+    torch.manual_seed(0)
+    m = _Backbone().double()
+    e = copy.deepcopy(m)
+    lg, le = [], []
+    _backward_hooks(m, lg)
+    _backward_hooks(e, le)
+    g = GraftModule(m, gradients=mode)
+    for step in range(3):
+        x = seeded((3, 5), step).double()
+        g(x).square().sum().backward()
+        e(x).square().sum().backward()
+    assert g.export_method == "capture"
+    for (n, p), q in zip(m.named_parameters(), e.parameters()):
+        close(p.grad, q.grad, n, 1e-10, 1e-12)
+    assert [r[0] for r in lg] == [r[0] for r in le] == ["act", "a"] * 3
+    for (what, gi, go), (_, gie, goe) in zip(lg, le):
+        if what == "a":
+            assert gi == gie == (None,)
+        else:
+            close(gi, gie, "grad_input", 1e-10, 1e-12)
+        close(go, goe, "grad_output", 1e-10, 1e-12)
+
+
+def test_backward_hooks_added_later_re_capture_and_run():
+    """A hook added after the first call takes a new capture; removed, the call is the old one."""
+    torch.manual_seed(0)
+    m = _Backbone()
+    g = GraftModule(m)
+    x = torch.randn(3, 5)
+    g(x).sum().backward()
+    seen = []
+    handle = m.b.register_full_backward_hook(lambda mod, gi, go: seen.append(go[0].shape))
+    g(x).sum().backward()  # the same call: the hook's key is in the cache key
+    assert seen == [torch.Size([3, 4])]
+    handle.remove()
+    g(x).sum().backward()
+    assert len(seen) == 1
+
+
+def test_a_deprecated_backward_hook_is_refused_naming_the_submodule():
     m = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
-    m[1].register_full_backward_hook(lambda mod, gi, go: None)
-    with pytest.raises(GraftUnsupportedError, match=re.escape("'1' (ReLU)")):
+    m[1].register_backward_hook(lambda mod, gi, go: None)
+    with pytest.raises(GraftUnsupportedError, match=re.escape("'1' (ReLU) with register_backward_hook")):
         GraftModule(m)(torch.randn(3, 5))
 
 
