@@ -3,7 +3,7 @@ scaled_dot_product_attention (its fused CPU kernel) and eager's math path (softm
 written out, what torch 1.13 and nn.MultiheadAttention's need_weights path run).
 
     PYTHONPATH=build/python ~/.cache/graft/venv-torch-current/bin/python bench/attention.py \\
-        [--seq 512,2048,8192] [--repeat 3] [--threads 2] [--json]
+        [--seq 512,2048,8192] [--repeat 3] [--threads 2] [--dropout P] [--json]
 
 Each (system, T) runs in its own process, the systems alternated over the repeats. One step is
 out = attention(q, k, v) (B=1, H=8, head size 64, float32, causal) and out.backward(dout), with q,
@@ -12,19 +12,20 @@ F.scaled_dot_product_attention (captured as graft.Attention). Reported per syste
 median step time over the timed steps (after a warm-up), the best of the repeats, and the peak
 anonymous memory a step adds (sampled from the parent at ~1 kHz, python/graft/_proc.py, minus the
 bytes when the step began), the largest over the repeats. Ratios are graft over eager's SDPA.
+--dropout P: dropout_p = P on the probabilities in every system (eager's SDPA then runs its math
+path: PyTorch's fused CPU kernel has no dropout; graft's kernel has).
 """
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 B, H, D = 1, 8, 64
 
 
-def child(system, T, threads, steps):
+def child(system, T, threads, steps, p):
     import torch
     import torch.nn.functional as F
     from graft._proc import StepMarks
@@ -38,16 +39,16 @@ def child(system, T, threads, steps):
 
         def attn(q, k, v):
             s = (q @ k.transpose(-1, -2)) / D ** 0.5
-            return torch.softmax(s.masked_fill(mask, float("-inf")), -1) @ v
+            return F.dropout(torch.softmax(s.masked_fill(mask, float("-inf")), -1), p) @ v
     elif system == "eager_sdpa":
         def attn(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
     else:
         from graft.frontend import GraftModule
 
         class Attn(torch.nn.Module):
             def forward(self, q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         attn = GraftModule(Attn())
     marks = StepMarks()
     times = []
@@ -71,11 +72,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=0, help="timed steps per process (default: by T)")
+    ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "T"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child[0], int(a.child[1]), a.threads, a.steps or 3)
+        child(a.child[0], int(a.child[1]), a.threads, a.steps or 3, a.dropout)
         return
     from graft._proc import run_sampled, summarize_anon
     systems = ("eager_sdpa", "graft", "eager_math")
@@ -85,7 +87,7 @@ def main():
         for r in range(a.repeat):
             for system in systems:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", system, str(T),
-                       "--threads", str(a.threads), "--steps", str(steps)]
+                       "--threads", str(a.threads), "--steps", str(steps), "--dropout", str(a.dropout)]
                 rc, out, err, samples = run_sampled(cmd, env=dict(os.environ))
                 if rc != 0:
                     raise SystemExit(f"{system} T={T} failed:\n{err[-2000:]}")
@@ -102,10 +104,11 @@ def main():
         row["time_vs_eager_sdpa"] = row["step_seconds"] / ref["step_seconds"]
         out.append(row)
     if a.json:
-        print(json.dumps({"bench": "attention", "B": B, "H": H, "D": D, "causal": True, "dtype": "float32",
+        print(json.dumps({"bench": "attention", "B": B, "H": H, "D": D, "causal": True, "dtype": "float32", "dropout": a.dropout,
                           "rows": out}, indent=1))
         return
-    print(f"causal attention B={B} H={H} D={D} fp32, {a.threads} threads; step = forward + backward")
+    print(f"causal attention B={B} H={H} D={D} fp32, dropout {a.dropout}, {a.threads} threads; "
+          "step = forward + backward")
     print(f"{'T':>6} {'system':<11} {'step s':>8} {'vs sdpa':>8} {'step peak MiB':>14}")
     for row in sorted(out, key=lambda r: (r["T"], systems.index(r["system"]))):
         print(f"{row['T']:>6} {row['system']:<11} {row['step_seconds']:>8.3f} {row['time_vs_eager_sdpa']:>8.2f} "

@@ -215,6 +215,11 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
+        if func is torch.nn.functional.scaled_dot_product_attention and self.fake:
+            out = _attention_with_dropout(*args, **kwargs)
+            if out is not None:
+                self._follow(out, ins, func)
+                return out
         if func is torch.nn.functional.ctc_loss and self.fake:
             # torch 2.x's fake tensors cannot run aten::_ctc_loss (its log_alpha's shape depends on
             # the lengths' values): graft::ctc_loss, the per-sequence loss only, and PyTorch's
@@ -241,6 +246,42 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
             return type(out)(self._mark(o, ins) for o in out)
         return out
+
+
+def _attention_op():
+    """graft::attention: scaled-dot-product attention with dropout on the probabilities, which
+    PyTorch's fused CPU kernel lacks (torch decomposes such a call into its math, with the T x T
+    probabilities); graft's fused Attention has it (Note [attention dropout], attention.cpp)."""
+    def meta(q, k, v, mask, p, causal, scale):
+        return q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+
+    def real(q, k, v, mask, p, causal, scale):  # (outside a trace: PyTorch's own)
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, p, causal, scale=scale)
+    return graft_op("attention", "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float dropout_p, "
+                                 "bool is_causal, float? scale) -> Tensor", {"CompositeExplicitAutograd": real,
+                                                                             "Meta": meta})
+
+
+def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
+    """F.scaled_dot_product_attention with dropout as graft::attention (torch 2.x, fake tensors);
+    None where PyTorch's own path is to be traced (no dropout, or what graft's kernel lacks)."""
+    if not dropout_p or any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (query, key, value)):
+        return None
+    if key.shape[1] != query.shape[1] and not (enable_gqa and query.shape[1] % key.shape[1] == 0):
+        return None
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, query.dtype):
+        return None
+    from ._pyfunc import _no_function_modes
+    with _no_function_modes():
+        out = _attention_op()(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                              None if scale is None else float(scale))
+    if any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        out.requires_grad_(True)
+    return out
 
 
 def _ctc_op():
@@ -744,7 +785,7 @@ _STOPS = {"stop_gradient", "detach"}
 RANDOM_OPS = {"rand", "randn", "randint", "randperm", "bernoulli", "bernoulli_", "normal", "normal_",
               "uniform", "uniform_", "native_dropout", "dropout", "rand_like", "randn_like", "randint_like",
               "multinomial", "exponential", "exponential_", "random", "random_", "cauchy", "geometric",
-              "log_normal"}
+              "log_normal", "attention"}
 
 
 def _where(node):

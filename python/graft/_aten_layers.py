@@ -706,13 +706,9 @@ def _ctc_loss(r, out, log_probs, targets, input_lengths, target_lengths, blank=0
     return [nll, ""] if isinstance(out, (list, tuple)) else nll
 
 
-@rule("_scaled_dot_product_flash_attention_for_cpu")
-def _sdpa_cpu(r, out, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
-    """torch 2.x's scaled_dot_product_attention on the CPU: graft's fused Attention
-    (src/ops/attention.cpp, Note [fused attention]), which never holds the T x T probabilities.
-    Outputs: the attention, and each query row's log-sum-exp (what PyTorch's kernel returns too)."""
-    if dropout_p:
-        raise NotCaptured("fused attention with dropout (PyTorch's CPU kernel has none)")
+def _attention(r, q, k, v, attn_mask, scale, is_causal, dropout_p=0.0):
+    """graft's fused Attention (src/ops/attention.cpp, Note [fused attention]), which never holds
+    the T x T probabilities: the attention and each query row's log-sum-exp."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise NotCaptured("fused attention of inputs that are not 4-D")
     ins = [r.v(q), r.v(k), r.v(v), ""]
@@ -724,5 +720,24 @@ def _sdpa_cpu(r, out, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, s
         ins.append(r.v(torch.tensor(float(scale), dtype=torch.float64)))
     while not ins[-1]:
         ins.pop()
-    o, lse = r.emit("Attention", ins, attrs=[("causal", "i", int(bool(is_causal)))], nout=2, domain="graft")
+    attrs = [("causal", "i", int(bool(is_causal)))]
+    if dropout_p:
+        r.has_dropout = True  # (a seed per call: Note [attention dropout])
+        attrs.append(("dropout", "f", float(dropout_p)))
+    return r.emit("Attention", ins, attrs=attrs, nout=2, domain="graft")
+
+
+@rule("_scaled_dot_product_flash_attention_for_cpu")
+def _sdpa_cpu(r, out, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    """torch 2.x's scaled_dot_product_attention on the CPU: the attention and each query row's
+    log-sum-exp (what PyTorch's kernel returns too)."""
+    if dropout_p:
+        raise NotCaptured("fused attention with dropout (PyTorch's CPU kernel has none)")
+    o, lse = _attention(r, q, k, v, attn_mask, scale, is_causal)
     return [o, lse]
+
+
+@rule("attention")
+def _graft_attention(r, out, q, k, v, mask, dropout_p, is_causal, scale):
+    """graft::attention: F.scaled_dot_product_attention with dropout (_aten._attention_op)."""
+    return _attention(r, q, k, v, mask, scale, is_causal, dropout_p)[0]

@@ -1,8 +1,9 @@
 // graft's fused scaled-dot-product attention: Attention and AttentionGrad.
 //
-// Attention(Q [B, H, Tq, D], K [B, Hk, Tk, D], V [B, Hk, Tk, Dv], mask?, scale?; causal)
-//   -> O [B, H, Tq, Dv], LSE [B, H, Tq]
-// O = softmax(scale * Q K^T + mask) V per (batch, head), query head h reading key/value head
+// Attention(Q [B, H, Tq, D], K [B, Hk, Tk, D], V [B, Hk, Tk, Dv], mask?, scale?; causal,
+//           dropout, seed) -> O [B, H, Tq, Dv], LSE [B, H, Tq]
+// O = dropout(softmax(scale * Q K^T + mask)) V per (batch, head) (dropout: Note [attention
+// dropout]), query head h reading key/value head
 // h / (H / Hk) (grouped-query attention: H a multiple of Hk). scale: a constant scalar input (read
 // in double: an ONNX float attribute would round it to float32), or the attribute `scale`, or
 // 1 / sqrt(D). The
@@ -10,7 +11,8 @@
 // float (added to the scores). causal: query i attends to keys j <= i (PyTorch's is_causal, the
 // triangle aligned top-left). LSE is each row's log-sum-exp of the masked, scaled scores; a query
 // that attends to nothing gets O = 0 and LSE = -inf (PyTorch 2.x's _safe_softmax gives 0 there).
-// AttentionGrad(dO?, Q, K, V, LSE, mask?, dLSE?, scale?; causal) -> dQ, dK, dV, dMask? (a float
+// AttentionGrad(dO?, Q, K, V, LSE, mask?, dLSE?, scale?; causal, dropout, stream) -> dQ, dK,
+// dV, dMask? (a float
 // mask's gradient at full size [B, H, Tq, Tk], made only when the mask needs one; dO or dLSE
 // absent: no gradient flows into that output).
 //
@@ -55,11 +57,60 @@ struct Dims {
 // The attributes, parsed once per node (Note [prepared attributes], ops.h).
 struct AttentionAttrs {
   bool causal = false;
-  double scale = 0;  // 0: none given
+  double scale = 0;     // 0: none given
+  double dropout = 0;   // the probability of dropping a probability (Note [attention dropout])
+  uint64_t stream = 0;  // the dropout mask's stream: the seed attribute and the forward node's name
 };
 AttentionAttrs attention_attrs(const Node& n) {
-  return {n.attrs.get_int("causal", 0, n.label()) != 0, n.attrs.get_float("scale", 0.0, n.label())};
+  const std::string where = n.label();
+  AttentionAttrs a{n.attrs.get_int("causal", 0, where) != 0, n.attrs.get_float("scale", 0.0, where),
+                   n.attrs.get_float("dropout", 0.0, where)};
+  GRAFT_CHECK(a.dropout >= 0 && a.dropout < 1, ErrorKind::InvalidModel,
+              where + ": dropout " + std::to_string(a.dropout) + " is not in [0, 1)");
+  // AttentionGrad is told its forward's stream; a forward makes it from its seed and its name.
+  a.stream = n.attrs.has("stream")
+                 ? static_cast<uint64_t>(n.attrs.get_int("stream", 0, where))
+                 : static_cast<uint64_t>(n.attrs.get_int("seed", 0, where)) * 1000003u +
+                       std::hash<std::string>{}(n.name);
+  return a;
 }
+
+// Note [attention dropout]
+// Dropout on the probabilities (PyTorch's dropout_p): O = (P * M / (1 - p)) V with M a Bernoulli
+// keep-mask. The mask is never stored: element (b, h, i, j) of a run's mask is a counter-based
+// draw, splitmix64 of (the run's seed, the node's stream) at position ((b H + h) Tq + i) Tk + j,
+// kept when its top 53 bits are at least p 2^53. The backward draws the same bits: dV takes the
+// dropped probabilities, dP the mask's scaling, and dS = P * (dP - rowsum(P * dP)) as before (P
+// undropped), so dropout adds no memory to attention's O(T), and running the node again (a
+// recompute under a budget) draws the same mask: the op is not `random` in OpDef's sense.
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+struct DropMask {
+  uint64_t base = 0, threshold = 0;
+  double scale = 1;  // 1 / (1 - p)
+  bool on = false;
+  DropMask(const AttentionAttrs& a, uint64_t run_seed) {
+    on = a.dropout > 0;
+    if (!on) return;
+    base = splitmix64(run_seed * 0x9e3779b97f4a7c15ULL + a.stream);
+    threshold = static_cast<uint64_t>(a.dropout * 9007199254740992.0);  // p 2^53
+    scale = 1.0 / (1.0 - a.dropout);
+  }
+  // x[j] *= the factor (0 or 1 / (1 - p)) of mask element first + j, j < n (first: the flat
+  // position of a row's key 0).
+  template <class T>
+  void apply(uint64_t first, int64_t n, T* x) const {
+    const uint64_t at = base + first * 0x9e3779b97f4a7c15ULL;  // splitmix64's state there
+    const T keep = static_cast<T>(scale);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint64_t z = splitmix64(at + static_cast<uint64_t>(j) * 0x9e3779b97f4a7c15ULL);
+      x[j] *= (z >> 11) >= threshold ? keep : T(0);
+    }
+  }
+};
 std::shared_ptr<const void> prepare_attention(const Node& n) {
   return prepared(attention_attrs(n));
 }
@@ -219,6 +270,7 @@ void attention_kernel(KernelCtx& c) {
   const Dims d =
       dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(4) ? &c.in(4) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
+  const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
     Tensor lse_ws;
@@ -250,6 +302,12 @@ void attention_kernel(KernelCtx& c) {
           });
           mask_scores<T>(d, mask, b, h, r0, m, kn, S);  // (causal: -inf past each diagonal)
           softmax_rows<T>(m, kn, S, lse, nullptr);
+          if (drop.on)
+            parallel_for(m, 8 * kn, [&](int, int64_t i0, int64_t i1) {
+              for (int64_t i = i0; i < i1; ++i)
+                drop.apply(static_cast<uint64_t>(((b * d.H + h) * d.Tq + r0 + i) * d.Tk), kn,
+                           S + i * kn);
+            });
           each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
             gemm_ld<T>(false, false, ms, d.Dv, ks, T(1), S + s0 * kn, kn, V, d.Dv, T(0),
                        O + (r0 + s0) * d.Dv, d.Dv);
@@ -280,6 +338,7 @@ void attention_grad_kernel(KernelCtx& c) {
       dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(7) ? &c.in(7) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
+  const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   dispatch_float(q.dtype(), c, [&]<class T>() {
     Tensor ws = Tensor::empty({2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
     Tensor dws = Tensor::empty({rows}, q.dtype(), c.alloc, Category::Workspace, "rowdot");
@@ -314,12 +373,26 @@ void attention_grad_kernel(KernelCtx& c) {
           });
           mask_scores<T>(d, mask, b, h, r0, m, kn, P);
           softmax_rows<T>(m, kn, P, nullptr, L + r0);
-          // dV += P^T dO
-          if (dV && dO)
+          auto first = [&](int64_t i) {  // the flat position of row i's key 0 in the mask
+            return static_cast<uint64_t>((qh * d.Tq + r0 + i) * d.Tk);
+          };
+          // dV += P^T dO, with the dropped probabilities (made in dP's buffer) under dropout
+          if (dV && dO) {
+            const T* Pv = P;
+            if (drop.on) {
+              parallel_for(m, 8 * kn, [&](int, int64_t i0, int64_t i1) {
+                for (int64_t i = i0; i < i1; ++i) {
+                  std::copy(P + i * kn, P + (i + 1) * kn, dP + i * kn);
+                  drop.apply(first(i), kn, dP + i * kn);
+                }
+              });
+              Pv = dP;
+            }
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-              gemm_ld<T>(true, false, ks, d.Dv, ms, T(1), P + s0 * kn, kn, dO + (r0 + s0) * d.Dv,
+              gemm_ld<T>(true, false, ks, d.Dv, ms, T(1), Pv + s0 * kn, kn, dO + (r0 + s0) * d.Dv,
                          d.Dv, T(1), dV, d.Dv);
             });
+          }
           // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
           if (dO)
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
@@ -333,6 +406,7 @@ void attention_grad_kernel(KernelCtx& c) {
               const int64_t lim = d.causal ? std::min(kn, r0 + i + 1) : kn;
               T* ds = dP + i * kn;
               const T* p = P + i * kn;
+              if (drop.on) drop.apply(first(i), lim, ds);  // the gradient of P before dropout
               // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp sums to
               // 1 + delta, and without the division the row sum of dS would be -delta * rowsum
               // (not 0), a bias in every gradient that is 0 in exact arithmetic (a key bias's).
@@ -375,6 +449,10 @@ void grad_attention(GradBuilder& g) {
   Attrs a;
   a.set_int("causal", at.causal ? 1 : 0);
   if (at.scale != 0) a.set_float("scale", at.scale);
+  if (at.dropout > 0) {  // the same mask (Note [attention dropout])
+    a.set_float("dropout", at.dropout);
+    a.set_int("stream", static_cast<int64_t>(at.stream));
+  }
   std::vector<int> ins = {g.dy(0), g.x(0), g.x(1), g.x(2), g.y(1)};
   const bool has_mask = n.inputs.size() > 3 && n.inputs[3] >= 0;
   ins.push_back(has_mask ? g.x(3) : -1);

@@ -111,6 +111,50 @@ TEST(Attention, ForwardMatchesNaiveReference) {
   }
 }
 
+// Note [attention dropout]: with V the identity, O = P * M / (1 - p) shows the mask. A quarter
+// of the probabilities is dropped, the others are scaled by 1 / (1 - p); the same node draws the
+// same mask, another seed attribute another one. (That the backward draws the same mask as the
+// forward: test_gradcheck.cpp's attention_dropout cases, float64 finite differences.)
+TEST(Attention, DropoutMaskIsDrawnFromTheSeedAndScales) {
+  Allocator alloc;
+  std::mt19937_64 rng(5);
+  const int64_t B = 1, H = 2, T = 64;
+  Tensor q = random({B, H, T, 8}, DType::F64, alloc, rng);
+  Tensor k = random({B, H, T, 8}, DType::F64, alloc, rng);
+  Tensor v = Tensor::empty({B, H, T, T}, DType::F64, alloc, Category::Workspace);
+  for (int64_t i = 0; i < v.numel(); ++i) v.data<double>()[i] = (i / T) % T == i % T ? 1.0 : 0.0;
+  auto run = [&](double p, int64_t seed) {
+    Node n;
+    n.op = "Attention";
+    n.domain = "graft";
+    n.name = "attn";
+    if (p > 0) n.attrs.set_float("dropout", p);
+    n.attrs.set_int("seed", seed);
+    Tensor o = Tensor::empty({B, H, T, T}, DType::F64, alloc, Category::Workspace);
+    std::vector<const Tensor*> ins = {&q, &k, &v};
+    n.inputs.assign(ins.size(), 0);
+    n.outputs = {0};
+    std::vector<Tensor*> outs = {&o};
+    run_node(n, ins, outs, alloc);
+    return std::vector<double>(o.data<double>(), o.data<double>() + o.numel());
+  };
+  const std::vector<double> p = run(0, 0), a = run(0.25, 0), again = run(0.25, 0),
+                            other = run(0.25, 1);
+  int64_t dropped = 0, differ = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    ASSERT_GT(p[i], 0);
+    if (a[i] == 0)
+      ++dropped;
+    else
+      ASSERT_NEAR(a[i], p[i] / 0.75, 1e-15) << i;
+    differ += (a[i] == 0) != (other[i] == 0);
+  }
+  EXPECT_EQ(a, again);
+  const double n = static_cast<double>(p.size());  // 8192 draws: 6 standard deviations below
+  EXPECT_NEAR(dropped / n, 0.25, 0.03);
+  EXPECT_NEAR(differ / n, 2 * 0.25 * 0.75, 0.035);
+}
+
 // Causal attention over a sequence long enough that the kernel splits each block's GEMMs into
 // sub-blocks stopping at their own diagonal (sub_rows): the same values as the reference.
 TEST(Attention, CausalSubBlocksMatchNaiveReference) {

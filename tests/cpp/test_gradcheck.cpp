@@ -126,7 +126,13 @@ void check(const Case& c) {
   o.loss = "loss";
   o.alloc = &alloc;
   TrainSession s(std::move(g), o);
-  s.step();
+  // Every run draws one random stream (an op with a seeded mask, attention's dropout, is then a
+  // fixed function of its inputs).
+  auto run = [&s] {
+    s.set_rng_state(0);
+    return s.step();
+  };
+  run();
   int checked = 0;
   for (Parameter& p : s.parameters()) {
     ASSERT_TRUE(p.grad.defined()) << "no gradient for " << p.name;
@@ -136,10 +142,10 @@ void check(const Case& c) {
       const double x0 = w[k];
       w[k] = x0 + c.step;
       s.zero_grad();
-      double fp = s.step();
+      double fp = run();
       w[k] = x0 - c.step;
       s.zero_grad();
-      double fm = s.step();
+      double fm = run();
       w[k] = x0;
       double fd = (fp - fm) / (2 * c.step);
       double an = analytic.data<double>()[k];
@@ -396,6 +402,29 @@ std::vector<Case> cases() {
        {In::f({1, 2, 3, 2}), In::f({1, 2, 4, 2}), In::f({1, 2, 4, 3}), In::none(),
         In::fc({}, 0.2, 0.9)},
        nullptr,
+       1,
+       1e-6,
+       1e-6,
+       "graft"},
+      // With dropout (Note [attention dropout]): the backward must draw the forward's mask.
+      {"attention_dropout_causal_float_mask",
+       "Attention",
+       {In::f({1, 2, 5, 3}), In::f({1, 1, 5, 3}), In::f({1, 1, 5, 4}), In::f({5, 5})},
+       A([](Attrs& a) {
+         a.set_int("causal", 1);
+         a.set_float("dropout", 0.4);
+       }),
+       2,
+       1e-6,
+       1e-6,
+       "graft"},
+      {"attention_dropout_long_rows",
+       "Attention",
+       {In::f({2, 2, 3, 2}), In::f({2, 2, 40, 2}), In::f({2, 2, 40, 3})},
+       A([](Attrs& a) {
+         a.set_float("dropout", 0.5);
+         a.set_int("seed", 7);
+       }),
        1,
        1e-6,
        1e-6,

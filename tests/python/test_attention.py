@@ -109,3 +109,54 @@ def test_long_causal_attention_trains_as_eager(dtype):
     g = parity.train_both(SelfAttention(causal=True), _cast(long_tokens, dtype), steps=steps, dtype=dtype,
                           rtol=tol[0], atol=tol[1])
     assert _fused(g)[0]
+
+
+class Dropped(nn.Module):
+    def __init__(self, p, causal):
+        super().__init__()
+        self.p, self.causal = p, causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_attention_dropout_is_fused_and_its_gradients_are_those_of_its_mask(causal):
+    """Note [attention dropout] (src/ops/attention.cpp): dropout_p > 0 runs graft's fused Attention
+    (PyTorch's fused CPU kernel has no dropout). V's first T columns are the identity, so the output
+    shows the mask (O = P * M / (1 - p)); with that mask, the output and the gradients of Q, K and V
+    are the textbook attention's (float64 autograd). About p of the probabilities are dropped; each
+    call draws a new mask, and torch.manual_seed repeats one."""
+    from graft import GraftModule
+    p, b, h, t, d, dv = 0.3, 2, 2, 16, 8, 5
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.cat([torch.eye(t, dtype=torch.float64).expand(b, h, t, t),
+                   torch.randn(b, h, t, dv, generator=gen, dtype=torch.float64)], -1).requires_grad_()
+    g = GraftModule(Dropped(p, causal))
+    torch.manual_seed(7)
+    out = g(q, k, v)
+    assert _fused(g)[0] and g.export_method == "capture"
+    w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (out * w).sum().backward()
+    keep = out.detach()[..., :t] != 0
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    s = qr @ kr.transpose(-1, -2) / d ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(s, -1)
+    ref = (probs * keep / (1 - p)) @ vr
+    (ref * w).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for x, r, n in ((q, qr, "q"), (k, kr, "k"), (v, vr, "v")):
+        torch.testing.assert_close(x.grad, r.grad, rtol=1e-9, atol=1e-11, msg=lambda m: f"{n}.grad: {m}")
+    attended = (probs > 0).sum().item()
+    dropped = attended - keep.sum().item()
+    assert abs(dropped / attended - p) < 0.07, dropped / attended  # ~1000 draws: 5 deviations
+    with torch.no_grad():
+        torch.manual_seed(7)
+        again = g(q, k, v)
+        other = g(q, k, v)
+    assert torch.equal(again, out.detach()) and not torch.equal(other, out.detach())
+

@@ -880,7 +880,8 @@ def test_module_state_sees_every_plain_attribute_of_every_submodule_once():
         prims = _flatten._PRIMS
         return tuple((tuple((k, v) for k, v in m.__dict__.items() if not k.startswith("_") and (
             isinstance(v, prims) or (isinstance(v, tuple) and all(isinstance(x, prims) for x in v)))),
-            tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for m in module.modules())
+            tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
+            tuple(getattr(m, "_backward_pre_hooks", ()))) for m in module.modules())
 
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.Sequential(nn.ReLU(), shared, nn.Dropout(0.25)), nn.Conv1d(2, 2, 3))
@@ -893,6 +894,9 @@ def test_module_state_sees_every_plain_attribute_of_every_submodule_once():
     assert _flatten.module_state(model) != before and _flatten.module_state(model) == reference(model)
     before = _flatten.module_state(model)
     model[1][0].register_forward_hook(lambda m, i, o: None)  # the capture records hooks
+    assert _flatten.module_state(model) != before and _flatten.module_state(model) == reference(model)
+    before = _flatten.module_state(model)
+    model[2].register_full_backward_hook(lambda m, gi, go: None)  # and runs backward hooks
     assert _flatten.module_state(model) != before and _flatten.module_state(model) == reference(model)
 
 
