@@ -50,6 +50,11 @@ struct BackwardGraph {
 // gradient rule on the path to a trainable parameter (names op, node and parameter).
 BackwardGraph build_backward(Graph& g, const AutodiffOptions& opt);
 
+// Attention written out as ops (MatMul, scale, masks, Softmax, Dropout, MatMul: torch 1.13's
+// models, ONNX files) becomes graft.Attention where it is the same function (Note [attention
+// written out], fuse_attention.cpp), so no T x T probabilities are kept. On an inferred graph,
+// before rewrite_for_training. Returns the number of attentions fused.
+int fuse_attention(Graph& g);
 // Rewrites that make the backward keep what PyTorch's autograd keeps and no more (rewrite.cpp).
 // Before build_backward, on an inferred graph: MatMul(A, Transpose(W)) with W 2-D becomes graft's
 // FusedMatMul(A, W, transB = 1), so the backward keeps W instead of a transposed copy; a Dropout

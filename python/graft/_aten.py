@@ -215,7 +215,7 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
-        if func is torch.nn.functional.scaled_dot_product_attention and self.fake:
+        if func is _SDPA and func is not None and self.fake:
             out = _attention_with_dropout(*args, **kwargs)
             if out is not None:
                 self._follow(out, ins, func)
@@ -246,6 +246,9 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
             return type(out)(self._mark(o, ins) for o in out)
         return out
+
+
+_SDPA = getattr(torch.nn.functional, "scaled_dot_product_attention", None)  # torch >= 2.0
 
 
 def _attention_op():

@@ -35,6 +35,7 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
   // ---- shapes: bind input shapes, infer every node, fold constants ----
   infer_shapes(g, input_shapes, alloc);
   // ---- autodiff: keep for backward what eager PyTorch keeps, no copies of weights ----
+  fuse_attention(g);
   rewrite_for_training(g);
   AutodiffOptions ao = ad;
   ao.alloc = alloc;

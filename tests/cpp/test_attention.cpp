@@ -235,4 +235,153 @@ TEST(Attention, StepMemoryIsLinearInSequenceLength) {
   }
 }
 
+// ---- Note [attention written out] (src/autodiff/fuse_attention.cpp) ----------------------------
+// Attention spelled as ops, as torch 1.13's models and ONNX files have it, in float64:
+//   O = MatMul(Softmax(Where(causal, Div(MatMul(Q, Transpose(K)), sqrt 3) + mask, c)), V)
+// and variants. Where it is the same function the compiled step runs graft.Attention (no Softmax
+// left) with the same loss and gradients as the same graph kept unfused (the probabilities also
+// a graph output, so the fusion may not take them); where it is not, it is left as written.
+struct WrittenOut {
+  bool where = true, add = true, scale_after_mask = false, probs_output = false;
+  double fill = -std::numeric_limits<double>::infinity();
+  double dropout = 0;
+  bool split_heads = false;  // PyTorch's matmul decomposition: Reshape to 3-D, MatMul, Reshape
+};
+
+struct Ran {
+  bool fused = false, softmax_left = false;
+  int64_t causal = -1;
+  double loss = 0;
+  std::vector<std::vector<double>> grads;
+};
+
+Ran run_written_out(const WrittenOut& w) {
+  Allocator alloc;
+  std::mt19937_64 rng(11);
+  const int64_t B = 2, H = 2, T = 5, D = 3;
+  Graph g;
+  g.opset = 17;
+  auto param = [&](const char* name, const Shape& s) {
+    return g.add_param(name, random(s, DType::F64, alloc, rng));
+  };
+  auto constant = [&](const std::string& name, Tensor t) { return g.add_constant(name, t, false); };
+  auto scalar = [&](const std::string& name, double v) {
+    Tensor t = Tensor::empty({}, DType::F64, alloc, Category::Workspace);
+    t.data<double>()[0] = v;
+    return constant(name, t);
+  };
+  const int q = param("Q", {B, H, T, D}), k = param("K", {B, H, T, D}),
+            v = param("V", {B, H, T, 4});
+  Attrs perm;
+  perm.set_ints("perm", {0, 1, 3, 2});
+  const int kt = g.add_op1("Transpose", {k}, perm);
+  auto bmm = [&](int a, int b, const Shape& as, const Shape& bs) {
+    if (!w.split_heads) return g.add_op1("MatMul", {a, b});
+    auto ints = [&](const std::string& n, std::vector<int64_t> d) {
+      Tensor t =
+          Tensor::empty({static_cast<int64_t>(d.size())}, DType::I64, alloc, Category::Workspace);
+      std::copy(d.begin(), d.end(), t.data<int64_t>());
+      return constant(n, t);
+    };
+    const int a3 = g.add_op1("Reshape", {a, ints(g.unique_name("sa"), {B * H, as[2], as[3]})});
+    const int b3 = g.add_op1("Reshape", {b, ints(g.unique_name("sb"), {B * H, bs[2], bs[3]})});
+    return g.add_op1("Reshape", {g.add_op1("MatMul", {a3, b3}),
+                                 ints(g.unique_name("so"), {B, H, as[2], bs[3]})});
+  };
+  int s = bmm(q, kt, {B, H, T, D}, {B, H, D, T});
+  Tensor amask = random({B, 1, 1, T}, DType::F64, alloc, rng);
+  const int add = constant("amask", amask);
+  if (!w.scale_after_mask) s = g.add_op1("Div", {s, scalar("root", std::sqrt(3.0))});
+  if (w.add) s = g.add_op1("Add", {s, add});
+  if (w.where) {
+    Tensor tri = Tensor::empty({1, 1, T, T}, DType::Bool, alloc, Category::Workspace);
+    for (int64_t i = 0; i < T * T; ++i) tri.data<bool>()[i] = i % T <= i / T;
+    s = g.add_op1("Where", {constant("causal", tri), s, scalar("fill", w.fill)});
+  }
+  if (w.scale_after_mask) s = g.add_op1("Div", {s, scalar("root", std::sqrt(3.0))});
+  Attrs ax;
+  ax.set_int("axis", -1);
+  int p = g.add_op1("Softmax", {s}, ax);
+  const int probs = p;
+  if (w.dropout > 0) {
+    Tensor on = Tensor::empty({}, DType::Bool, alloc, Category::Workspace);
+    on.data<bool>()[0] = true;
+    p = g.add_op1("Dropout", {p, scalar("ratio", w.dropout), constant("train", on)});
+  }
+  const int o = bmm(p, v, {B, H, T, T}, {B, H, T, 4});
+  const int r = constant("R", random({B, H, T, 4}, DType::F64, alloc, rng));
+  Attrs keep;
+  keep.set_int("keepdims", 0);
+  const int loss = g.add_op1("ReduceSum", {g.add_op1("Mul", {o, r})}, keep, "", "loss");
+  g.outputs = {loss};
+  if (w.probs_output) g.outputs.push_back(probs);
+  SessionOptions opt;
+  opt.loss = g.values[loss].name;
+  opt.alloc = &alloc;
+  TrainSession sess(std::move(g), opt);
+  Ran ran;
+  sess.set_rng_state(0);
+  ran.loss = sess.step();
+  for (const Node& n : sess.graph().nodes) {
+    if (n.op == "Attention") ran.fused = true, ran.causal = n.attrs.get_int("causal", 0);
+    ran.softmax_left = ran.softmax_left || n.op == "Softmax";
+  }
+  for (Parameter& prm : sess.parameters())
+    ran.grads.emplace_back(prm.grad.data<double>(), prm.grad.data<double>() + prm.grad.numel());
+  return ran;
+}
+
+void expect_same(const Ran& a, const Ran& b) {
+  EXPECT_NEAR(a.loss, b.loss, 1e-12 * (1 + std::abs(b.loss)));
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    for (size_t j = 0; j < a.grads[i].size(); ++j)
+      ASSERT_NEAR(a.grads[i][j], b.grads[i][j], 1e-12) << "parameter " << i << "[" << j << "]";
+}
+
+TEST(FuseAttention, WrittenOutAttentionRunsFusedWithTheSameGradients) {
+  const double huge = -std::numeric_limits<double>::max();  // finfo.min, as Hugging Face writes it
+  struct Case {
+    const char* name;
+    WrittenOut w;
+    int64_t causal;
+  };
+  for (const Case& c : {Case{"causal where, -inf, no other mask", {true, false}, 1},
+                        Case{"causal where, finfo.min", {true, false, false, false, huge}, 1},
+                        Case{"padding mask and causal where", {true, true}, 0},
+                        Case{"padding mask alone", {false, true}, 0},
+                        Case{"split heads (matmul's decomposition)",
+                             {true, true, false, false, huge, 0, true},
+                             0}}) {
+    SCOPED_TRACE(c.name);
+    WrittenOut kept = c.w;
+    kept.probs_output = true;
+    const Ran fused = run_written_out(c.w), ref = run_written_out(kept);
+    EXPECT_TRUE(fused.fused);
+    EXPECT_FALSE(fused.softmax_left);
+    EXPECT_EQ(fused.causal, c.causal);
+    EXPECT_FALSE(ref.fused);
+    expect_same(fused, ref);
+  }
+}
+
+TEST(FuseAttention, OnlyTheSameFunctionIsFused) {
+  WrittenOut finite_fill;  // s + (-1e4) is not -1e4: Where is no additive mask
+  finite_fill.fill = -1e4;
+  WrittenOut mask_then_scale;  // (S + mask) / c scales the mask too
+  mask_then_scale.scale_after_mask = true;
+  WrittenOut probs_read_twice;
+  probs_read_twice.probs_output = true;
+  for (const WrittenOut& w : {finite_fill, mask_then_scale, probs_read_twice}) {
+    const Ran r = run_written_out(w);
+    EXPECT_FALSE(r.fused);
+    EXPECT_TRUE(r.softmax_left);
+  }
+  WrittenOut dropped;  // Dropout in training: the kernel's (Note [attention dropout])
+  dropped.dropout = 0.3;
+  const Ran r = run_written_out(dropped);
+  EXPECT_TRUE(r.fused);
+  EXPECT_FALSE(r.softmax_left);
+}
+
 }  // namespace

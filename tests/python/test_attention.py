@@ -160,3 +160,51 @@ def test_attention_dropout_is_fused_and_its_gradients_are_those_of_its_mask(caus
         other = g(q, k, v)
     assert torch.equal(again, out.detach()) and not torch.equal(other, out.detach())
 
+
+
+def test_a_transformer_layer_with_dropout_runs_the_fused_attention():
+    """nn.TransformerEncoderLayer's default dropout (0.1) reaches the attention in training, where
+    PyTorch runs its math path (its fused CPU kernel has no dropout): graft fuses the written-out
+    attention (Note [attention written out], src/autodiff/fuse_attention.cpp) and what the step
+    keeps holds no T x T tensor."""
+    from graft import GraftModule
+    torch.manual_seed(0)
+    g = GraftModule(nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True))
+    loss = g(tokens(0)[0]).square().mean()
+    loss.backward()
+    fused, biggest = _fused(g)
+    assert fused and torch.isfinite(loss) and biggest < B * H * T * T * 4, biggest
+
+
+class MathPath(nn.Module):
+    """PyTorch's own math path of scaled_dot_product_attention (what it runs with dropout on the
+    CPU), called directly: scale on Q and K^T, an additive mask, _safe_softmax."""
+
+    def forward(self, q, k, v, mask):
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0]
+
+
+def test_pytorch_s_math_path_is_fused_and_trains_as_eager():
+    """Note [attention written out]: torch 2.x's math path (its scale on Q and on K^T, matmul's
+    reshapes to 3-D, _safe_softmax's guard for rows that attend to nothing, here row 2) runs as
+    graft's Attention with eager's outputs and gradients (float64)."""
+    def inputs(step):
+        g = torch.Generator().manual_seed(step)
+        q, k, v = (torch.randn(B, H, T, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        mask = torch.randn(1, 1, T, T, generator=g, dtype=torch.float64)
+        mask[..., 2, :] = float("-inf")
+        return q, k, v, mask
+    from graft import GraftModule
+    g = GraftModule(MathPath())
+    for step in range(2):
+        args = inputs(step)
+        ref = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+        out, want = g(*args), MathPath()(*ref)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        (out * w).sum().backward()
+        (want * w).sum().backward()
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+        assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+        for a, r in zip(args[:3], ref[:3]):
+            torch.testing.assert_close(a.grad, r.grad, rtol=1e-9, atol=1e-11)
+    assert _fused(g)[0] and g.export_method == "capture"
