@@ -194,6 +194,9 @@ void add_nodes(Graph& g, std::vector<NodeSpec> nodes, Allocator& alloc,
 void set_outputs(Graph& g, const std::vector<std::string>& names);
 // Unsupported unless opset (of ONNX's default domain) is one graft implements, 13 to 17.
 void check_opset(int64_t opset);
+// Runs f; with `unsupported` set, an Unsupported error it raises is recorded there and false
+// returned instead of the error thrown (graft inspect lists every gap at once).
+bool collect_unsupported(std::vector<std::string>* unsupported, const std::function<void()>& f);
 
 // Parses a serialized onnx TensorProto (the backend tests' input_N.pb / output_N.pb).
 Tensor load_tensor_pb(const std::string& path, std::string* name = nullptr);

@@ -5,6 +5,7 @@
 
 #include "graft/autodiff.h"
 #include "graft/ops.h"
+#include "match.h"
 
 namespace graft {
 namespace {
@@ -28,16 +29,11 @@ namespace {
 //   draw, from graft's counter-based stream: Note [attention dropout]).
 // Anything else is left as written.
 
-bool is_onnx(const Node& n, const char* op) { return n.domain.empty() && n.op == op; }
+using match::is_onnx;
 
+// A constant float scalar's value, or false.
 bool const_scalar(const Graph& g, int v, double& out) {
-  if (v < 0) return false;
-  const Value& val = g.values[v];
-  if (val.kind != ValueKind::Constant || !val.data.defined() || val.data.numel() != 1 ||
-      !is_float(val.data.dtype()))
-    return false;
-  out = val.data.at(0);
-  return true;
+  return v >= 0 && is_float(g.values[v].dtype) && match::const_scalar(g, v, out);
 }
 
 struct Chain {

@@ -14,20 +14,13 @@
 
 #include "graft/autodiff.h"
 #include "graft/ops.h"
+#include "match.h"
 
 namespace graft {
 namespace {
 
-bool is_onnx(const Node& n, const char* op) { return n.domain.empty() && n.op == op; }
-
-// A constant scalar's value, or false.
-bool const_scalar(const Graph& g, int v, double& out) {
-  if (v < 0) return false;
-  const Value& val = g.values[v];
-  if (val.kind != ValueKind::Constant || !val.data.defined() || val.data.numel() != 1) return false;
-  out = val.data.at(0);
-  return true;
-}
+using match::const_scalar;
+using match::is_onnx;
 
 // A Dropout that provably passes its input through: ratio 0, or training_mode absent or a
 // constant false, and no mask output anyone reads.

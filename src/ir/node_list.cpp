@@ -19,6 +19,18 @@ void check_opset(int64_t opset) {
           "torch.onnx.export(..., opset_version=17) or convert with onnx.version_converter)");
 }
 
+bool collect_unsupported(std::vector<std::string>* unsupported, const std::function<void()>& f) {
+  if (!unsupported) return f(), true;
+  try {
+    f();
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Unsupported) throw;
+    unsupported->push_back(e.message());
+    return false;
+  }
+}
+
 namespace {
 
 std::string spec_label(const NodeSpec& n, size_t i) {
@@ -109,16 +121,8 @@ void add_nodes(Graph& g, std::vector<NodeSpec> nodes, Allocator& alloc,
         fail(ErrorKind::InvalidModel,
              spec_label(nodes[i], i) + " is part of a cycle; ONNX graphs must be acyclic");
   }
-  auto lenient = [&](auto&& f) {  // an Unsupported error recorded where the caller collects them
-    if (!unsupported) return f(), true;
-    try {
-      f();
-      return true;
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::Unsupported) throw;
-      unsupported->push_back(e.message());
-      return false;
-    }
+  auto lenient = [&](const std::function<void()>& f) {
+    return collect_unsupported(unsupported, f);
   };
   for (int i : order) {
     NodeSpec& s = nodes[i];

@@ -212,17 +212,8 @@ Attr convert_attr(const onnx::AttributeProto& ap, Allocator& alloc, const std::s
 Graph convert_model(onnx::ModelProto& mp, const std::string& model_dir, Allocator& alloc,
                     std::vector<std::string>* unsupported) {
   Graph g;
-  // Runs `f`; an Unsupported error is recorded instead when the caller collects them.
-  auto lenient = [&](auto&& f) {
-    if (!unsupported) return f(), true;
-    try {
-      f();
-      return true;
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::Unsupported) throw;
-      unsupported->push_back(e.message());
-      return false;
-    }
+  auto lenient = [&](const std::function<void()>& f) {
+    return collect_unsupported(unsupported, f);
   };
   // Opset of the default domain.
   int64_t opset = -1;
