@@ -492,6 +492,7 @@ const OpDef kOps[] = {
      .prepare = prepare_attention,
      .kernel = attention_kernel,
      .grad = grad_attention,
+     .foldable = false,  // (with dropout, each run draws its own mask: never a constant)
      .nondiff_inputs = {4},
      .flops = attention_flops},
     {.name = "AttentionGrad",
