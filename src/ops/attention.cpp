@@ -83,11 +83,6 @@ AttentionAttrs attention_attrs(const Node& n) {
 // dropped probabilities, dP the mask's scaling, and dS = P * (dP - rowsum(P * dP)) as before (P
 // undropped), so dropout adds no memory to attention's O(T), and running the node again (a
 // recompute under a budget) draws the same mask: the op is not `random` in OpDef's sense.
-inline uint64_t splitmix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 struct DropMask {
   uint64_t base = 0, threshold = 0;
   double scale = 1;  // 1 / (1 - p)
@@ -95,20 +90,17 @@ struct DropMask {
   DropMask(const AttentionAttrs& a, uint64_t run_seed) {
     on = a.dropout > 0;
     if (!on) return;
-    base = splitmix64(run_seed * 0x9e3779b97f4a7c15ULL + a.stream);
-    threshold = static_cast<uint64_t>(a.dropout * 9007199254740992.0);  // p 2^53
+    base = splitmix64(run_seed * kGolden + a.stream);
+    threshold = keep_threshold(a.dropout);
     scale = 1.0 / (1.0 - a.dropout);
   }
   // x[j] *= the factor (0 or 1 / (1 - p)) of mask element first + j, j < n (first: the flat
   // position of a row's key 0).
   template <class T>
   void apply(uint64_t first, int64_t n, T* x) const {
-    const uint64_t at = base + first * 0x9e3779b97f4a7c15ULL;  // splitmix64's state there
     const T keep = static_cast<T>(scale);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint64_t z = splitmix64(at + static_cast<uint64_t>(j) * 0x9e3779b97f4a7c15ULL);
-      x[j] *= (z >> 11) >= threshold ? keep : T(0);
-    }
+    for (int64_t j = 0; j < n; ++j)
+      x[j] *= keep_at(base, first + static_cast<uint64_t>(j), threshold) ? keep : T(0);
   }
 };
 std::shared_ptr<const void> prepare_attention(const Node& n) {

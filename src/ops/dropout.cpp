@@ -1,7 +1,7 @@
 // Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity),
-// seeded by the run's seed (RunOptions::seed: a TrainSession's counter, rng_state()).
+// seeded by the run's seed (RunOptions::seed: a TrainSession's counter, rng_state()), drawn from
+// graft's counter-based stream (opsutil::keep_at) in parallel.
 #include <functional>
-#include <random>
 
 #include "util.h"
 
@@ -57,15 +57,19 @@ void dropout_kernel(KernelCtx& c) {
       if (mask) std::fill(mask, mask + x.numel(), true);
       return;
     }
-    std::mt19937_64 rng(static_cast<uint64_t>(c.attrs<DropoutAttrs>().seed) * 1000003u +
-                        c.seed * 7919u + std::hash<std::string>{}(c.node.name));
-    std::bernoulli_distribution keep(1.0 - p);
+    // Note [attention dropout]'s stream (opsutil::keep_at): drawn by position, so in parallel.
+    const uint64_t base = splitmix64(
+        c.seed * kGolden + static_cast<uint64_t>(c.attrs<DropoutAttrs>().seed) * 1000003u +
+        std::hash<std::string>{}(c.node.name));
+    const uint64_t threshold = keep_threshold(p);
     const T scale = static_cast<T>(1.0 / (1.0 - p));
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      bool k = keep(rng);
-      if (mask) mask[i] = k;
-      py[i] = k ? px[i] * scale : T(0);
-    }
+    parallel_for(x.numel(), 8, [&](int, int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const bool k = keep_at(base, static_cast<uint64_t>(i), threshold);
+        if (mask) mask[i] = k;
+        py[i] = k ? px[i] * scale : T(0);
+      }
+    });
   });
 }
 void grad_dropout(GradBuilder& g) {

@@ -275,4 +275,19 @@ inline const Shape& input_shape(const Graph& g, const Node& n, int i) {
   return g.values[n.inputs[i]].shape;
 }
 
+// graft's counter-based random stream (Dropout, attention's dropout): element i of a stream
+// `base` is splitmix64(base + i * golden), a function of its position alone, so threads draw any
+// range of it independently and a backward draws the forward's bits again.
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+inline constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+// Element i's keep decision for a drop probability p: its top 53 bits at least p * 2^53.
+inline uint64_t keep_threshold(double p) { return static_cast<uint64_t>(p * 9007199254740992.0); }
+inline bool keep_at(uint64_t base, uint64_t i, uint64_t threshold) {
+  return (splitmix64(base + i * kGolden) >> 11) >= threshold;
+}
+
 }  // namespace graft::opsutil

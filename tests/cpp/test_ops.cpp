@@ -191,3 +191,44 @@ TEST(PreparedAttrs, ABadAttributeIsTheNodesTypedError) {
     EXPECT_EQ(e.message(), "node 'gelu' (Gelu): approximate must be none or tanh");
   }
 }
+
+// Dropout draws its mask from graft's counter-based stream in parallel (opsutil::keep_at): the
+// rate and the scaling are a Bernoulli mask's, the mask output is the one applied, and a node draws
+// the same mask on every run with one seed and another one with another seed attribute.
+TEST(Dropout, ParallelMaskHasTheRateAndIsReplayable) {
+  const int64_t n = 200000;
+  Tensor x = Tensor::empty({n}, DType::F32, Allocator::global(), Category::Workspace);
+  for (int64_t i = 0; i < n; ++i) x.data<float>()[i] = 1.0f + static_cast<float>(i % 7);
+  Tensor ratio = Tensor::empty({}, DType::F32, Allocator::global(), Category::Workspace);
+  ratio.data<float>()[0] = 0.3f;
+  Tensor train = Tensor::empty({}, DType::Bool, Allocator::global(), Category::Workspace);
+  train.data<bool>()[0] = true;
+  auto run = [&](int64_t seed, std::vector<bool>* mask_out) {
+    Node nd;
+    nd.op = "Dropout";
+    nd.name = "drop";
+    nd.attrs = int_attr("seed", seed);
+    Tensor y = Tensor::empty({n}, DType::F32, Allocator::global(), Category::Workspace);
+    Tensor m = Tensor::empty({n}, DType::Bool, Allocator::global(), Category::Workspace);
+    std::vector<const Tensor*> ins = {&x, &ratio, &train};
+    std::vector<Tensor*> outs = {&y, &m};
+    nd.inputs = {0, 1, 2};
+    nd.outputs = {0, 1};
+    run_node(nd, ins, outs, Allocator::global());
+    mask_out->assign(m.data<bool>(), m.data<bool>() + n);
+    return std::vector<float>(y.data<float>(), y.data<float>() + n);
+  };
+  std::vector<bool> m1, m2, m3;
+  const std::vector<float> y1 = run(0, &m1), y2 = run(0, &m2), y3 = run(1, &m3);
+  int64_t dropped = 0, differ = 0;
+  const float scale = static_cast<float>(1.0 / (1.0 - static_cast<double>(0.3f)));
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(y1[i], m1[i] ? x.data<float>()[i] * scale : 0.0f) << i;
+    dropped += !m1[i];
+    differ += m1[i] != m3[i];
+  }
+  EXPECT_EQ(y1, y2);
+  EXPECT_EQ(m1, m2);
+  EXPECT_NEAR(static_cast<double>(dropped) / n, 0.3, 0.007);  // 7 standard deviations
+  EXPECT_NEAR(static_cast<double>(differ) / n, 2 * 0.3 * 0.7, 0.01);
+}
