@@ -227,8 +227,9 @@ bool bf16_matmul_native();
 
 // Dropout's random stream: each run gets a seed (RunOptions::seed) and every active Dropout kernel
 // draws its mask from a counter-based stream keyed by it, the node's seed attribute and the
-// node's name (element i a function of i alone: drawn in parallel), so a run replays exactly. A TrainSession takes each step's seed from its own counter (TrainSession::rng_state,
-// checkpointed), so a resumed run draws the same masks as an uninterrupted one.
+// node's name (element i a function of i alone: drawn in parallel), so a run replays exactly. A
+// TrainSession takes each step's seed from its own counter (TrainSession::rng_state, checkpointed),
+// so a resumed run draws the same masks as an uninterrupted one.
 
 // graft.PythonOp (src/ops/python_op.cpp): what runs a PythonOp node (backward = false: c.ins are
 // its inputs, c.outs its outputs) or its PythonOpGrad (true: c.ins the output gradients, absent
