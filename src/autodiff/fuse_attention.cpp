@@ -103,6 +103,20 @@ bool broadcasts_to(const Shape& m, const Shape& full) {
   return true;
 }
 
+// n = x * c, c * x or x / c with c a finite, nonzero constant scalar: x, and `factor` times c (or
+// 1 / c); -1 for anything else.
+int scaled(const Graph& g, const Node& n, double& factor) {
+  const bool div = is_onnx(n, "Div");
+  if (!(div || is_onnx(n, "Mul")) || n.inputs.size() != 2) return -1;
+  double c;
+  const int k = const_scalar(g, n.inputs[1], c)           ? 0
+                : !div && const_scalar(g, n.inputs[0], c) ? 1
+                                                          : -1;
+  if (k < 0 || c == 0 || !std::isfinite(c)) return -1;
+  factor *= div ? 1.0 / c : c;
+  return n.inputs[k];
+}
+
 bool const_is(const Graph& g, int v, double want) {
   double c;
   return const_scalar(g, v, c) && c == want;
@@ -126,12 +140,8 @@ bool dropout_mask(Chain& ch, int v, double& p, int64_t& seed) {
   if (!mul || mul->inputs.size() != 2 || !const_scalar(g, div->inputs[1], b)) return false;
   if (!const_scalar(g, mul->inputs[1], a) || a != b) return false;
   Node* drop = ch.sole(mul->inputs[0], "Dropout");
-  if (!drop || drop->inputs.size() != 3 || !const_scalar(g, drop->inputs[1], p)) return false;
-  if (drop->outputs.size() > 1 && drop->outputs[1] >= 0 && !ch.cons[drop->outputs[1]].empty())
-    return false;
-  const Value& train = g.values[drop->inputs[2]];
-  if (train.kind != ValueKind::Constant || !train.data.defined() || train.dtype != DType::Bool ||
-      train.data.numel() != 1 || !train.data.data<bool>()[0] || !(p > 0 && p < 1))
+  if (!drop || drop->inputs.size() != 3 || !match::constant_dropout(g, *drop, ch.cons, p) ||
+      !(p > 0 && p < 1))
     return false;
   // ones: Expand(1), or that folded into a constant
   const Value& in = g.values[drop->inputs[0]];
@@ -230,15 +240,9 @@ bool fuse_at(Graph& g, int mm_index, const std::vector<std::vector<int>>& cons,
         break;
       }
   } else if (n && is_onnx(*n, "Dropout")) {
-    if (n->outputs.size() > 1 && n->outputs[1] >= 0 && !cons[n->outputs[1]].empty()) return false;
-    double train = 0;
-    if (n->inputs.size() < 2 || !const_scalar(g, n->inputs[1], drop)) return false;
-    if (n->inputs.size() < 3 || n->inputs[2] < 0) return false;  // (inference: left as it is)
-    const Value& t = g.values[n->inputs[2]];
-    if (t.kind != ValueKind::Constant || !t.data.defined() || t.data.numel() != 1) return false;
-    train = t.data.data<bool>()[0] ? 1 : 0;
-    if (!train) drop = 0;
-    if (!(drop >= 0 && drop < 1)) return false;
+    // (a ratio and a training_mode given; without them, inference: left as it is)
+    if (n->inputs.size() < 3 || n->inputs[1] < 0 || n->inputs[2] < 0) return false;
+    if (!match::constant_dropout(g, *n, cons, drop) || !(drop >= 0 && drop < 1)) return false;
     drop_seed = n->attrs.get_int("seed", 0, n->label());
     ch.dead.push_back(g.values[p].producer);
     p = n->inputs[0];
@@ -269,14 +273,10 @@ bool fuse_at(Graph& g, int mm_index, const std::vector<std::vector<int>>& cons,
   for (;;) {
     n = ch.sole(s);
     if (!n) return false;
-    double c;
     if (matmul4(ch, *n, q, kt)) break;
-    if ((is_onnx(*n, "Mul") || is_onnx(*n, "Div")) && n->inputs.size() == 2) {
-      int k = const_scalar(g, n->inputs[1], c)                           ? 0
-              : (is_onnx(*n, "Mul") && const_scalar(g, n->inputs[0], c)) ? 1
-                                                                         : -1;
-      if (k < 0 || c == 0 || !std::isfinite(c)) return false;
-      scale *= is_onnx(*n, "Div") ? 1.0 / c : c;
+    int next = -1;  // the scores before this node
+    if (is_onnx(*n, "Mul") || is_onnx(*n, "Div")) {
+      next = scaled(g, *n, scale);
       seen_scale = true;
     } else if (is_onnx(*n, "Add") && n->inputs.size() == 2 && !seen_scale) {
       // which operand continues the chain: the one with the scores' shape produced by a sole op
@@ -287,44 +287,33 @@ bool fuse_at(Graph& g, int mm_index, const std::vector<std::vector<int>>& cons,
       const int mask = a_chain ? b : a;
       if (g.values[mask].dtype != dt || !broadcasts_to(g.values[mask].shape, ps)) return false;
       adds.push_back(mask);
-      ch.dead.push_back(g.values[s].producer);
-      s = a_chain ? a : b;
-      continue;
+      next = a_chain ? a : b;
     } else if (is_onnx(*n, "Where") && n->inputs.size() == 3 && !seen_scale) {
       // Where(cond, S, c), or Where(cond, c, S) (masked_fill) with cond negated
+      double c;
       const bool kept_first = const_scalar(g, n->inputs[2], c);
       if (!kept_first && !const_scalar(g, n->inputs[1], c)) return false;
       if (!absorbing(c, dt)) return false;
-      int cond = n->inputs[0];
-      const int next = n->inputs[kept_first ? 1 : 2];
+      const int cond = n->inputs[0];
+      next = n->inputs[kept_first ? 1 : 2];
       if (g.values[cond].dtype != DType::Bool || !broadcasts_to(g.values[cond].shape, ps))
         return false;
       if (g.values[next].shape != ps) return false;
       if (!kept_first) negate.push_back(static_cast<int>(wheres.size()));
       wheres.emplace_back(cond, c);
-      ch.dead.push_back(g.values[s].producer);
-      s = next;
-      continue;
-    } else {
-      return false;
     }
+    if (next < 0) return false;
     ch.dead.push_back(g.values[s].producer);
-    s = n->inputs[is_onnx(*n, "Div") || const_scalar(g, n->inputs[1], c) ? 0 : 1];
+    s = next;
   }
   // S = MatMul(Q [* c], Transpose(K [* c], last two axes))
   ch.dead.push_back(g.values[s].producer);
   auto strip_scale = [&](int& v) {  // Q * c, c * Q or Q / c
     Node* m = ch.sole(v);
-    double c;
-    const bool div = m && is_onnx(*m, "Div");
-    if (!m || !(is_onnx(*m, "Mul") || div) || m->inputs.size() != 2) return;
-    const int k = const_scalar(g, m->inputs[1], c)           ? 0
-                  : !div && const_scalar(g, m->inputs[0], c) ? 1
-                                                             : -1;
-    if (k < 0 || c == 0 || !std::isfinite(c)) return;
-    scale *= div ? 1.0 / c : c;
+    const int x = m ? scaled(g, *m, scale) : -1;
+    if (x < 0) return;
     ch.dead.push_back(g.values[v].producer);
-    v = m->inputs[k];
+    v = x;
   };
   strip_scale(kt);  // Transpose(K) * c
   Node* t = ch.sole(kt);

@@ -17,4 +17,24 @@ inline bool const_scalar(const Graph& g, int v, double& out) {
   return true;
 }
 
+// A Dropout whose rate is known when the graph is compiled: its ratio (0.5 when absent) and
+// training_mode (false when absent) constants, and its mask output read by nothing (no node, no
+// graph output). `drop` is what it drops: the ratio in training, else 0.
+inline bool constant_dropout(const Graph& g, const Node& n,
+                             const std::vector<std::vector<int>>& cons, double& drop) {
+  if (!is_onnx(n, "Dropout")) return false;
+  if (n.outputs.size() > 1 && n.outputs[1] >= 0) {
+    if (!cons[n.outputs[1]].empty()) return false;
+    for (int o : g.outputs)
+      if (o == n.outputs[1]) return false;
+  }
+  double ratio = 0.5, train = 0;
+  const bool has_ratio = n.inputs.size() > 1 && n.inputs[1] >= 0;
+  const bool has_train = n.inputs.size() > 2 && n.inputs[2] >= 0;
+  if (has_ratio && !const_scalar(g, n.inputs[1], ratio)) return false;
+  if (has_train && !const_scalar(g, n.inputs[2], train)) return false;
+  drop = train != 0 ? ratio : 0.0;
+  return true;
+}
+
 }  // namespace graft::match

@@ -25,16 +25,8 @@ using match::is_onnx;
 // A Dropout that provably passes its input through: ratio 0, or training_mode absent or a
 // constant false, and no mask output anyone reads.
 bool inactive_dropout(const Graph& g, const Node& n, const std::vector<std::vector<int>>& cons) {
-  if (!is_onnx(n, "Dropout")) return false;
-  if (n.outputs.size() > 1 && n.outputs[1] >= 0 && !cons[n.outputs[1]].empty()) return false;
-  for (int o : g.outputs)
-    if (n.outputs.size() > 1 && o == n.outputs[1]) return false;
-  double ratio = 0.5, train = 0;
-  const bool has_ratio = n.inputs.size() > 1 && n.inputs[1] >= 0;
-  const bool has_train = n.inputs.size() > 2 && n.inputs[2] >= 0;
-  if (has_ratio && !const_scalar(g, n.inputs[1], ratio)) return false;
-  if (has_train && !const_scalar(g, n.inputs[2], train)) return false;
-  return train == 0 || ratio == 0;
+  double drop;
+  return match::constant_dropout(g, n, cons, drop) && drop == 0;
 }
 
 // A Cast to the dtype its input already has.

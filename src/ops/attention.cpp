@@ -68,10 +68,8 @@ AttentionAttrs attention_attrs(const Node& n) {
   GRAFT_CHECK(a.dropout >= 0 && a.dropout < 1, ErrorKind::InvalidModel,
               where + ": dropout " + std::to_string(a.dropout) + " is not in [0, 1)");
   // AttentionGrad is told its forward's stream; a forward makes it from its seed and its name.
-  a.stream = n.attrs.has("stream")
-                 ? static_cast<uint64_t>(n.attrs.get_int("stream", 0, where))
-                 : static_cast<uint64_t>(n.attrs.get_int("seed", 0, where)) * 1000003u +
-                       std::hash<std::string>{}(n.name);
+  a.stream = n.attrs.has("stream") ? static_cast<uint64_t>(n.attrs.get_int("stream", 0, where))
+                                   : node_stream(n.attrs.get_int("seed", 0, where), n.name);
   return a;
 }
 
@@ -90,7 +88,7 @@ struct DropMask {
   DropMask(const AttentionAttrs& a, uint64_t run_seed) {
     on = a.dropout > 0;
     if (!on) return;
-    base = splitmix64(run_seed * kGolden + a.stream);
+    base = stream_base(run_seed, a.stream);
     threshold = keep_threshold(a.dropout);
     scale = 1.0 / (1.0 - a.dropout);
   }

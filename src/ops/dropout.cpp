@@ -1,7 +1,6 @@
 // Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity),
 // seeded by the run's seed (RunOptions::seed: a TrainSession's counter, rng_state()), drawn from
 // graft's counter-based stream (opsutil::keep_at) in parallel.
-#include <functional>
 
 #include "util.h"
 
@@ -36,10 +35,10 @@ void infer_dropout(InferCtx& c) {
     c.error(ErrorKind::InvalidModel, "ratio " + std::to_string(p) + " is not in [0, 1)");
 }
 struct DropoutAttrs {
-  int64_t seed = 0;  // mixed into the generator's seed with the run's seed and the node's name
+  uint64_t stream = 0;  // node_stream of the seed attribute and the node's name
 };
 std::shared_ptr<const void> prepare_dropout(const Node& n) {
-  return prepared(DropoutAttrs{n.attrs.get_int("seed", 0, n.label())});
+  return prepared(DropoutAttrs{node_stream(n.attrs.get_int("seed", 0, n.label()), n.name)});
 }
 void dropout_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
@@ -58,9 +57,7 @@ void dropout_kernel(KernelCtx& c) {
       return;
     }
     // Note [attention dropout]'s stream (opsutil::keep_at): drawn by position, so in parallel.
-    const uint64_t base = splitmix64(
-        c.seed * kGolden + static_cast<uint64_t>(c.attrs<DropoutAttrs>().seed) * 1000003u +
-        std::hash<std::string>{}(c.node.name));
+    const uint64_t base = stream_base(c.seed, c.attrs<DropoutAttrs>().stream);
     const uint64_t threshold = keep_threshold(p);
     const T scale = static_cast<T>(1.0 / (1.0 - p));
     parallel_for(x.numel(), 8, [&](int, int64_t i0, int64_t i1) {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
+#include <string>
 
 #include "graft/ops.h"
 #include "graft/parallel.h"
@@ -284,6 +286,14 @@ inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 inline constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+// A random node's stream, from its seed attribute and its name (fixed when the node is prepared),
+// and where that stream starts in a run with seed `run_seed`.
+inline uint64_t node_stream(int64_t seed_attr, const std::string& name) {
+  return static_cast<uint64_t>(seed_attr) * 1000003u + std::hash<std::string>{}(name);
+}
+inline uint64_t stream_base(uint64_t run_seed, uint64_t stream) {
+  return splitmix64(run_seed * kGolden + stream);
+}
 // Element i's keep decision for a drop probability p: its top 53 bits at least p * 2^53.
 inline uint64_t keep_threshold(double p) { return static_cast<uint64_t>(p * 9007199254740992.0); }
 inline bool keep_at(uint64_t base, uint64_t i, uint64_t threshold) {
