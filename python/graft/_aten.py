@@ -215,7 +215,7 @@ class _Watch(TorchFunctionMode):
                 out = torch.ops.aten.native_dropout(x, p, True)[0]
                 self._follow(out, ins, func)
                 return out
-        if func is _SDPA and func is not None and self.fake:
+        if _SDPA is not None and func is _SDPA and self.fake:
             out = _attention_with_dropout(*args, **kwargs)
             if out is not None:
                 self._follow(out, ins, func)

@@ -77,15 +77,14 @@ class _Boundary:
     (made only when one of them requires grad); "out": over its output tensors, `pair` naming the
     call's "in" boundary (None when there is none)."""
 
-    def __init__(self, module, path, side, index, n, pair=None):
+    def __init__(self, module, path, side, index, n, outputs, pair=None, n_inputs=0):
         import weakref
         self.module = weakref.ref(module)
         self.where = repr(path) if path else "the module itself"
         self.name = f"backward hooks of {self.where} ({side}puts)"
-        self.side, self.index, self.n, self.pair = side, index, n, pair
-        self.outputs = []
-        self.needs = []
-        self.single = False
+        self.side, self.index, self.n, self.pair, self.n_inputs = side, index, n, pair, n_inputs
+        self.outputs = outputs  # (dtype, shape) per tensor passed: the PythonOp's outputs
+        self.key = None  # its own key (an "in" boundary's pairs with its "out")
 
     def packed(self, grads):
         """The hook's tuple: a gradient (or None) per positional argument / output, None where it is
@@ -96,7 +95,8 @@ class _Boundary:
         return tuple(full)
 
     def unpacked(self, got, what, hook):
-        got = tuple(got)
+        """What a hook returned (a tuple, or one gradient) as the tensors' gradients."""
+        got = got if isinstance(got, tuple) else (got,)
         if len(got) != self.n:
             raise RuntimeError(f"the backward hook {getattr(hook, '__qualname__', hook)} on {self.where} returned "
                                f"{len(got)} {what} gradients where the module has {self.n}")
@@ -111,8 +111,7 @@ class _Boundary:
             for hook in list(getattr(m, "_backward_pre_hooks", {}).values()):
                 got = hook(m, grad_output)
                 if got is not None:
-                    grad_output = self.packed(self.unpacked(got if isinstance(got, tuple) else (got,), "output",
-                                                            hook))
+                    grad_output = self.packed(self.unpacked(got, "output", hook))
             if self.pair is None:  # no input requires grad: the hooks run now, grad_input all None
                 for hook in list(m._backward_hooks.values()):
                     if hook(m, (None,) * self.n_inputs, grad_output) is not None:
@@ -126,7 +125,7 @@ class _Boundary:
         for hook in list(m._backward_hooks.values()):
             got = hook(m, grad_input, grad_output)
             if got is not None:
-                grad_input = self.packed(self.unpacked(got if isinstance(got, tuple) else (got,), "input", hook))
+                grad_input = self.packed(self.unpacked(got, "input", hook))
         return [grad_input[i] for i in self.index]
 
 
@@ -138,22 +137,10 @@ def boundary(module, path, side, args, pair=None, n_inputs=0):
     items = [args] if single else list(args)
     index = [i for i, a in enumerate(items) if isinstance(a, torch.Tensor)]
     tensors = [items[i] for i in index]
-    rec = _Boundary(module, path, side, index, len(items), pair)
-    rec.n_inputs = n_inputs
-    rec.needs = [t.requires_grad and t.is_floating_point() for t in tensors]
-    rec.outputs = [(t.dtype, tuple(t.shape)) for t in tensors]
-    with _lock:
-        key = next(_keys)
-        _records[key] = rec
+    rec = _Boundary(module, path, side, index, len(items), [(t.dtype, tuple(t.shape)) for t in tensors],
+                    pair, n_inputs)
+    key, outs = _traced(rec, tensors, [t.requires_grad and t.is_floating_point() for t in tensors])
     rec.key = key
-    with _no_function_modes():
-        outs = _op()(tensors, key)
-        for o, need in zip(outs, rec.needs):
-            if need:
-                o.requires_grad_(True)
-    watch = getattr(_tls, "watch", None)
-    if watch is not None:
-        watch._follow(list(outs), tensors, None)
     for i, o in zip(index, outs):
         items[i] = o
     return key, (items[0] if single else type(args)(items) if isinstance(args, tuple) else items)
@@ -244,6 +231,14 @@ def _redirected(cls, *args, **kwargs):
             "passes it tensors as arguments of their own. Pass each tensor as an argument, or keep the submodule "
             "that calls it in eager mode.", "unsupported")
     rec.outputs = _probe(rec, args)
+    # as eager's Function outputs: every float output requires grad where an input does
+    _, outs = _traced(rec, tensors, [any(rec.needs) and dt.is_floating_point for dt, _ in rec.outputs])
+    return outs[0] if rec.single else tuple(outs)
+
+
+def _traced(rec, tensors, grads):
+    """A graft::py_function node in the trace for `rec` (kept under a new key) over `tensors`:
+    (key, its outputs), output i requiring grad where grads[i]."""
     with _lock:
         key = next(_keys)
         _records[key] = rec
@@ -252,14 +247,13 @@ def _redirected(cls, *args, **kwargs):
     # outputs come from the graph's values (a value read of one is then refused, as of any other).
     with _no_function_modes():
         outs = _op()(tensors, key)
-        if any(rec.needs):  # as eager's Function outputs
-            for o in outs:
-                if o.is_floating_point():
-                    o.requires_grad_(True)
+        for o, grad in zip(outs, grads):
+            if grad:
+                o.requires_grad_(True)
     watch = getattr(_tls, "watch", None)
     if watch is not None:
         watch._follow(list(outs), tensors, None)
-    return outs[0] if rec.single else tuple(outs)
+    return key, outs
 
 
 class FunctionRaised(Exception):
