@@ -741,3 +741,118 @@ def _sdpa_cpu(r, out, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, s
 def _graft_attention(r, out, q, k, v, mask, dropout_p, is_causal, scale):
     """graft::attention: F.scaled_dot_product_attention with dropout (_aten._attention_op)."""
     return _attention(r, q, k, v, mask, scale, is_causal, dropout_p)[0]
+
+
+# --- distances, products, masked and reducing scatters --------------------------------------------
+@rule("atan2", "atan2_", "arctan2")
+def _atan2(r, out, y, x):
+    from ._aten_rules import _operands
+    if not out.is_floating_point():
+        raise NotCaptured("atan2 of integers")
+    return r.emit("Atan2", _operands(r, out, y, x, dtype=out.dtype), domain="graft")
+
+
+@rule("prod")
+def _prod(r, out, a, dim=None, keepdim=False, dtype=None):
+    """ReduceProd (its gradient zero-safe, as PyTorch's prod_backward) over dim or all axes."""
+    if not out.is_floating_point() or (dtype is not None and dtype != a.dtype):
+        raise NotCaptured("prod of integers or with a dtype (graft's ReduceProd keeps the input's float dtype)")
+    axes = _reduce_axes(a, dim)
+    return r.emit("ReduceProd", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
+
+
+def _p_norm_last(r, d, p, keepdim=False):
+    """The p-norm of d over its last axis, for p = 1 or 2 (the 2-norm's gradient is 0 where the norm
+    is, as PyTorch's cdist / pdist backward)."""
+    if p == 2:
+        return r.emit("ReduceL2", [d], attrs=[("axes", "I", [-1]), ("keepdims", "i", int(keepdim))])
+    if p == 1:
+        return r.emit("ReduceSum", [r.emit("Abs", [d]), r.ints([-1])], attrs=[("keepdims", "i", int(keepdim))])
+    raise NotCaptured(f"a distance of order p={p} (graft has p = 1 and 2)")
+
+
+@rule("_cdist_forward", "cdist", "_euclidean_dist")
+def _cdist(r, out, x1, x2, p=2.0, compute_mode=None):
+    """torch.cdist as the norm of every pairwise difference ([..., P, 1, M] - [..., 1, R, M]): exact
+    (no |x|^2 - 2xy + |y|^2 cancellation) at the cost of a [..., P, R, M] intermediate. Also
+    _euclidean_dist, which PyTorch's cdist calls over 25 rows: the same distances, computed through
+    a matrix product there (graft's are the exact ones; the gradient is the same formula)."""
+    rank = x1.dim()
+    d = r.emit("Sub", [r.emit("Unsqueeze", [r.v(x1), r.ints([rank - 1])]),
+                       r.emit("Unsqueeze", [r.v(x2), r.ints([rank - 2])])])
+    return _p_norm_last(r, d, float(p))
+
+
+@rule("_pdist_forward", "pdist")
+def _pdist(r, out, x, p=2.0):
+    """torch.pdist: the distance of every row pair i < j, in PyTorch's order (row-major upper triangle)."""
+    n = x.shape[0]
+    i, j = torch.triu_indices(n, n, offset=1)
+    a = r.emit("Gather", [r.v(x), r.v(i.contiguous())], attrs=[("axis", "i", 0)])
+    b = r.emit("Gather", [r.v(x), r.v(j.contiguous())], attrs=[("axis", "i", 0)])
+    return _p_norm_last(r, r.emit("Sub", [a, b]), float(p))
+
+
+@rule("masked_scatter", "masked_scatter_")
+def _masked_scatter(r, out, a, mask, source):
+    """a with source's leading elements, in order, where mask (broadcast to a) is true: source's
+    flat element cumsum(mask) - 1 gathered into place (its gradient adds back into source)."""
+    shape = list(out.shape)
+    m = r.emit("Expand", [r.v(mask, torch.bool), r.ints(shape)])
+    pos = r.emit("CumSum", [r.emit("Reshape", [r.emit("Cast", [m], attrs=[("to", "i", elem(torch.int64))]),
+                                                r.ints([-1])]), r.v(torch.tensor(0))])
+    pos = r.emit("Max", [r.emit("Sub", [pos, r.v(torch.tensor(1))]), r.v(torch.tensor(0))])
+    flat = r.emit("Reshape", [r.v(source, out.dtype), r.ints([-1])])
+    got = r.emit("Reshape", [r.emit("Gather", [flat, pos], attrs=[("axis", "i", 0)]), r.ints(shape)])
+    return r.emit("Where", [m, got, r.v(a, out.dtype)])
+
+
+@rule("scatter_reduce", "scatter_reduce_")
+def _scatter_reduce(r, out, a, dim, index, src, reduce, include_self=True):
+    """scatter_reduce with sum, mean, amax and amin (floats). sum and mean through the one-hot sums
+    of scatter_add; amax / amin as one ReduceMax / ReduceMin over each place's candidates (a's own
+    element, where include_self, beside every src element whose index is that place), so that the
+    gradient is split evenly between all tying candidates, as PyTorch's scatter_reduce backward
+    (which, without include_self, also counts a's element where it ties and drops its share)."""
+    dt = out.dtype
+    if not out.is_floating_point() or reduce not in ("sum", "mean", "amax", "amin"):
+        raise NotCaptured(f"scatter_reduce with reduce={reduce!r} on {dt} (graft has sum, mean, amax and amin of floats)")
+    ones = torch.ones(tuple(index.shape), dtype=dt)
+    base = r.v(a, dt)
+    if reduce in ("sum", "mean"):
+        added, hits = _scatter_sums(r, dt, a, dim, index, [src, ones])
+        hit = r.emit("Greater", [hits, r.v(0.0, dt)])
+        if include_self:
+            added, hits = r.emit("Add", [added, base]), r.emit("Add", [hits, r.v(1.0, dt)])
+        if reduce == "mean":
+            added = r.emit("Div", [added, r.emit("Max", [hits, r.v(1.0, dt)])])
+        return r.emit("Where", [hit, added, base])
+    rank = a.dim()
+    dim = _axis(dim, rank)
+    n, shape = a.shape[dim], list(index.shape)
+    if any(shape[d] != a.shape[d] for d in range(rank) if d != dim) or list(src.shape) != shape:
+        raise NotCaptured(f"scatter_reduce({reduce!r}) with an index shaped {shape} for input {list(a.shape)} "
+                          f"and src {list(src.shape)} (graft needs index and src alike, matching the input "
+                          f"on every axis but dim)")
+    hot = r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
+                           r.v(torch.arange(n).view([1] * rank + [n]))])
+    hit = r.emit("ReduceMax", [r.emit("Cast", [hot], attrs=[("to", "i", elem(dt))])],
+                 attrs=[("axes", "I", [dim]), ("keepdims", "i", 1)])  # [..., 1 at dim, ..., n]
+    worst = float("-inf") if reduce == "amax" else float("inf")
+    cand = r.emit("Where", [hot, r.emit("Unsqueeze", [r.v(src, dt), r.ints([rank])]), r.v(worst, dt)])
+    op = "ReduceMax" if reduce == "amax" else "ReduceMin"
+    # a's element, its place along dim moved last, as one more candidate along dim
+    to_last = list(range(dim)) + list(range(dim + 1, rank)) + [dim]
+    mine = r.emit("Unsqueeze", [r.emit("Transpose", [base], attrs=[("perm", "I", to_last)]), r.ints([dim])])
+    if not include_self:
+        # PyTorch's backward still counts a's element among the ties when it equals the result (and
+        # then drops its share): a stopped candidate, there only where it ties, does the same.
+        y0 = r.emit(op, [cand], attrs=[("axes", "I", [dim]), ("keepdims", "i", 1)])
+        mine = r.emit("StopGradient", [r.emit("Where", [r.emit("Equal", [mine, y0]), mine, r.v(worst, dt)])],
+                      domain="graft")
+    cand = r.emit("Concat", [cand, mine], attrs=[("axis", "i", dim)])
+    y = r.emit(op, [cand], attrs=[("axes", "I", [dim]), ("keepdims", "i", 1)])  # [..., 1, ..., n]
+    back = list(range(dim)) + [rank] + list(range(dim + 1, rank)) + [dim]  # swap dim and the last axis
+    y = r.emit("Squeeze", [r.emit("Transpose", [y], attrs=[("perm", "I", back)]), r.ints([rank])])
+    hit = r.emit("Squeeze", [r.emit("Transpose", [hit], attrs=[("perm", "I", back)]), r.ints([rank])])
+    return r.emit("Where", [r.emit("Greater", [hit, r.v(0.0, dt)]), y, base])

@@ -1,6 +1,6 @@
 // Broadcasting elementwise ops of two or more inputs and their gradients: Add, Sub, Mul, Div,
-// Pow, Equal, Less, LessOrEqual, Greater, GreaterOrEqual, And, Or, Xor (and Not), Where, Sum, Max,
-// Min, with graft's MinMaxGrad. Ops of one input are in unary.cpp.
+// Pow, graft's Atan2, Equal, Less, LessOrEqual, Greater, GreaterOrEqual, And, Or, Xor (and Not),
+// Where, Sum, Max, Min, with graft's MinMaxGrad. Ops of one input are in unary.cpp.
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -155,6 +155,18 @@ void pow_kernel(KernelCtx& c) {
     for (int64_t i = 0; i < b.numel(); ++i) bt.data<T>()[i] = static_cast<T>(b.at(i));
     binary_loop<T>(
         c.in(0), bt, c.out(0), [](T x, T y) -> T { return std::pow(x, y); }, kMath);
+  });
+}
+
+// graft's Atan2(Y, X) = atan2(y, x), broadcasting (ONNX has no such op; torch.atan2).
+void infer_atan2(InferCtx& c) {
+  require_float(c, 0);
+  infer_arith(c);
+}
+void atan2_kernel(KernelCtx& c) {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    binary_loop<T>(
+        c.in(0), c.in(1), c.out(0), [](T y, T x) -> T { return std::atan2(y, x); }, kMath);
   });
 }
 
@@ -379,6 +391,14 @@ void grad_pow(GradBuilder& g) {
   if (g.needs(1) && is_float(g.val(g.x(1)).dtype))
     g.set_dx(1, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), g.y(0)}), g.emit1("Log", {g.x(0)})}));
 }
+// d atan2(y, x) = (x dy - y dx) / (x^2 + y^2), as PyTorch's (NaN at the origin, as there).
+void grad_atan2(GradBuilder& g) {
+  const int y = g.x(0), x = g.x(1);
+  const int r2 = g.emit1("Add", {g.emit1("Mul", {x, x}), g.emit1("Mul", {y, y})});
+  const int k = g.emit1("Div", {g.dy(0), r2});
+  if (g.needs(0)) g.set_dx(0, g.emit1("Mul", {k, x}));
+  if (g.needs(1)) g.set_dx(1, g.emit1("Neg", {g.emit1("Mul", {k, y})}));
+}
 void grad_where(GradBuilder& g) {
   int zero = g.scalar(0, g.val(g.dy(0)).dtype);
   if (g.needs(1)) g.set_dx(1, g.emit1("Where", {g.x(0), g.dy(0), zero}));
@@ -422,6 +442,14 @@ const OpDef kOps[] = {
      .infer = infer_pow,
      .kernel = pow_kernel,
      .grad = grad_pow,
+     .inplace_input = 0},
+    {.name = "Atan2",
+     .domain = "graft",
+     .min_in = 2,
+     .max_in = 2,
+     .infer = infer_atan2,
+     .kernel = atan2_kernel,
+     .grad = grad_atan2,
      .inplace_input = 0},
     {.name = "Equal", .min_in = 2, .max_in = 2, .infer = infer_equal, .kernel = equal_kernel},
     {.name = "Where",

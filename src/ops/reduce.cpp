@@ -17,7 +17,7 @@ struct ReduceAttrs {
   bool axes_input = false;    // ReduceSum: axes from input 1
   bool mean = false;          // ReduceMean
   bool keepdims = true, noop_with_empty_axes = false;
-  int64_t kind = 0;  // ReduceGrad: 0 max / min, 1 L2
+  int64_t kind = 0;  // ReduceGrad: 0 max / min, 1 L2, 2 prod
 };
 ReduceAttrs reduce_attrs(const Node& n) {
   const std::string where = n.label();
@@ -258,8 +258,11 @@ void reduce_any_kernel(KernelCtx& c) {
   };
   dispatch_numeric(c.in(0).dtype(), c, run);
 }
-// ReduceGrad(dy, x, y; axes, kind = 0 max/min | 1 l2) -> dx: max / min split dy evenly between the
-// elements that tie for the extreme (PyTorch's amax / amin); l2: dy * x / y.
+// ReduceGrad(dy, x, y; axes, kind = 0 max/min | 1 l2 | 2 prod) -> dx: max / min split dy evenly
+// between the elements that tie for the extreme (PyTorch's amax / amin); l2: dy * x / y; prod: dy
+// times the product of the slice's other elements, exact where the slice holds zeros (as PyTorch's
+// prod_backward: with one zero only that element gets a gradient, with two none does), the product
+// of the nonzero elements taken in double.
 void infer_reduce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
 void reduce_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
@@ -273,6 +276,24 @@ void reduce_grad_kernel(KernelCtx& c) {
     if (a.kind == 1) {
       for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
         dx[i] = y[o[0]] != T(0) ? dy[o[0]] * px[i] / y[o[0]] : T(0);
+      });
+      return;
+    }
+    if (a.kind == 2) {
+      std::vector<double> nonzero(numel(kept), 1.0);
+      std::vector<int64_t> zeros(numel(kept), 0);
+      for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        if (px[i] == T(0))
+          ++zeros[o[0]];
+        else
+          nonzero[o[0]] *= static_cast<double>(px[i]);
+      });
+      for_each_bcast<1>(x.shape(), {st}, [&](int64_t i, const std::array<int64_t, 1>& o) {
+        const int64_t z = zeros[o[0]];
+        const double others = z == 0                    ? nonzero[o[0]] / static_cast<double>(px[i])
+                              : z == 1 && px[i] == T(0) ? nonzero[o[0]]
+                                                        : 0.0;
+        dx[i] = static_cast<T>(static_cast<double>(dy[o[0]]) * others);
       });
       return;
     }
@@ -300,7 +321,7 @@ void grad_reduce_any(GradBuilder& g) {
   int y = g.emit1("Reshape", {g.y(0), g.ints(kept)});
   Attrs a;
   a.set_ints("axes", std::vector<int64_t>(axes.begin(), axes.end()));
-  a.set_int("kind", n.op == "ReduceL2" ? 1 : 0);
+  a.set_int("kind", n.op == "ReduceL2" ? 1 : n.op == "ReduceProd" ? 2 : 0);
   g.set_dx(0, g.emit1("ReduceGrad", {dy, g.x(0), y}, a, "graft"));
 }
 
@@ -525,7 +546,8 @@ const OpDef kOps[] = {
     {.name = "ReduceProd",
      .infer = infer_reduce_any,
      .prepare = prepare_reduce,
-     .kernel = reduce_any_kernel<Red::Prod>},
+     .kernel = reduce_any_kernel<Red::Prod>,
+     .grad = grad_reduce_any},
     {.name = "ReduceL2",
      .infer = infer_reduce_any,
      .prepare = prepare_reduce,

@@ -170,6 +170,7 @@ std::vector<Case> cases() {
       {"div", "Div", {In::f({3}), In::f({2, 3}, kPos, 2)}},
       {"pow", "Pow", {In::f({2, 3}, kPos, 2), In::f({2, 3})}},
       {"pow_int_exponent", "Pow", {In::f({4}, kPos, 2), In::i({3}, Shape{})}},
+      {"atan2", "Atan2", {In::f({2, 3}), In::f({3})}, nullptr, 1, 1e-6, 1e-6, "graft"},
       {"neg", "Neg", {In::f({5})}},
       {"reciprocal", "Reciprocal", {In::f({5}, kPos, 2)}},
       {"sqrt", "Sqrt", {In::f({5}, kPos, 2)}},
@@ -281,6 +282,12 @@ std::vector<Case> cases() {
        })},
       {"reduce_l2", "ReduceL2", {In::f({2, 3, 2})}, A([](Attrs& a) {
          a.set_ints("axes", {0, 2});
+       })},
+      {"reduce_prod", "ReduceProd", {In::f({2, 3, 2})}, A([](Attrs& a) {
+         a.set_ints("axes", {0, 2});
+       })},
+      {"reduce_prod_all", "ReduceProd", {In::f({2, 3}, 0.5, 2)}, A([](Attrs& a) {
+         a.set_int("keepdims", 0);
        })},
       {"cumsum", "CumSum", {In::f({3, 4}), In::i({1}, Shape{})}},
       {"cumsum_exclusive_reverse", "CumSum", {In::f({3, 4}), In::i({0}, Shape{})}, A([](Attrs& a) {

@@ -309,6 +309,31 @@ CATALOGUE = {
     "scatter_add-into-a-value": (
         lambda: Fn(nn.Linear(6, 8), lambda s, y, i: y.scatter_add(0, i, s.src(y[:2, :6] * 2)), src=nn.Tanh()),
         lambda step: index_input(step, (2, 6), 5)),
+    # products, angles, distances, masked and reducing scatters
+    "atan2": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.atan2(y[:, :4], y[:, 4:]) + torch.atan2(y, torch.tensor(0.5))[:, 2:6]
+                         + torch.atan2(torch.full_like(y, -0.3), y)[:, :4]), vector),
+    "prod": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.prod(y, 1) + torch.prod(y[:, :3]) * y.prod(0, keepdim=True)[0, :5]),
+             vector),
+    # rows with no zero, one zero (only it gets a gradient) and two zeros (none does)
+    "prod-with-zeros": (lambda: Fn(nn.Linear(6, 4), lambda s, y: (y * torch.tensor([[1.0, 1, 1, 1], [1, 0, 1, 1], [0, 1, 1, 0],
+                                                                                    [1, 1, 1, 1], [1, 1, 0, 1]])).prod(1)),
+                        vector),
+    "cdist": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.cdist(y[:3], y[1:] * 2).sum(1) + torch.cdist(y, y, p=1).sum(1)[:3]
+                         + torch.cdist(y, y)[1:4, 0]), vector),  # cdist(y, y): zero distances, zero gradients
+    "cdist-batched": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.cdist(y.view(5, 2, 4), y.view(5, 2, 4).flip(1) * 0.5)),
+                      vector),
+    # over 25 rows PyTorch computes euclidean distances through a matrix product (_euclidean_dist)
+    "cdist-many-rows": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.cdist(y.repeat(6, 1)[:27] * 0.5, y.repeat(6, 1)[1:28])),
+                        vector),
+    "pdist": (lambda: Fn(nn.Linear(6, 8), lambda s, y: torch.pdist(y) + torch.pdist(y * 2, p=1)), vector),
+    "masked_scatter": (lambda: Fn(nn.Linear(6, 8), lambda s, y: y.masked_scatter(y > 0.2, (y * 3).flip(0))
+                                  + torch.zeros(8, dtype=y.dtype).masked_scatter(torch.arange(8) % 3 == 0, y[0] * 2)),
+                       vector),
+    **{f"scatter_reduce-{red}{'' if inc else '-exclude_self'}": (
+        (lambda red, inc: lambda: Fn(nn.Linear(6, 8), lambda s, y, i: y.scatter_reduce(1, i, y[:, :6] * 1.5 if red in ("sum", "mean")
+                                                                                         else y[:, :6], red, include_self=inc)))(red, inc),
+        lambda step: index_input(step, (5, 6), 8))
+       for red in ("sum", "mean", "amax", "amin") for inc in (True, False)},
 }
 
 
