@@ -402,3 +402,37 @@ def eager_saved(model, batch):
     for b, op in seen.values():
         by[op] = by.get(op, 0) + b
     return sum(by.values()), by
+
+
+# --- gradient accuracy against float64 (tests/python/test_zoo.py, tools/grad-accuracy) ----------
+def float_grads(model, batch, loss_fn, dtype, call=None):
+    """Every parameter's gradient (float64 copies; None where there is none) after one forward
+    and backward of a copy of `model` in `dtype` on `batch`; `call(module, batch)` wraps and runs
+    the copy (GraftModule) where given, else the copy runs eagerly."""
+    import copy
+    m = copy.deepcopy(model).to(dtype)
+    b = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    out = call(m, b) if call else m(*b)
+    loss_fn(out, b).backward()
+    return [None if p.grad is None else p.grad.double() for p in m.parameters()]
+
+
+def grad_error(grads, ref):
+    """The largest error of `grads` over all parameters, relative to the largest element of `ref`."""
+    scale = max(r.abs().max().item() for r in ref if r is not None)
+    return max((a - r).abs().max().item() for a, r in zip(grads, ref) if r is not None) / scale
+
+
+def float64_jitter(model, batch, loss_fn, ref, draws=4, rel=1e-7):
+    """How far the exact (float64) gradient itself moves when the floating inputs move by float32's
+    rounding (relative noise `rel`): the largest grad_error over `draws` seeded draws. Where a
+    model has kinks (ReLU6, max pools) an activation that close to one can change side, and the
+    gradient jumps by far more than rounding: no float32 computation can be expected closer to the
+    float64 one than this."""
+    worst = 0.0
+    for d in range(draws):
+        g = torch.Generator().manual_seed(d)
+        noisy = tuple(t.double() * (1 + rel * torch.randn(t.shape, generator=g, dtype=torch.float64))
+                      if t.is_floating_point() else t for t in batch)
+        worst = max(worst, grad_error(float_grads(model, noisy, loss_fn, torch.float64), ref))
+    return worst

@@ -292,42 +292,30 @@ def test_bf16_loss_curve_tracks_fp32_over_200_steps(name):
     np.testing.assert_allclose(bf16, fp32, rtol=0.1, atol=0.01 * fp32[0])
 
 
-# Known: MobileNetV2 at 4 x 64x64 normalizes its last stages' BatchNorms over 4 x 2x2 values, where
-# float32 rounding of the forward is amplified ~1e3; graft's float32 forward lands farther from
-# float64 there than eager's (every op alone is as accurate as eager's: a block of Conv, BatchNorm,
-# ReLU6 and depthwise Conv at 8x8 agrees with float64 to 1e-7 on both). Not pinned down yet.
-ACCURACY_GAPS = {"mobilenet_v2": "small-batch BatchNorm amplifies float32 rounding; not pinned down"}
-
-
-def _grads(model, batch, loss_fn, dtype, wrap=False):
-    m = copy.deepcopy(model).to(dtype)
-    b = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
-    g = graft.GraftModule(m) if wrap else m
-    out = graft_call(g, b, 0) if wrap else g(*b)
-    loss_fn(out, b).backward()
-    return [None if p.grad is None else p.grad.double() for p in m.parameters()]
-
-
 @pytest.mark.parametrize("name", zoo.MODELS)
 def test_float32_gradients_are_as_accurate_as_pytorch(name):
     """Against a float64 eager run of the same model and batch, graft's float32 gradients are at most
     about as far off as eager PyTorch's own float32 ones (the largest error over all parameters,
-    relative to the largest gradient; twice eager's, or float32 rounding, whichever is larger)."""
+    relative to the largest gradient; twice eager's, or float32 rounding, whichever is larger).
+
+    Where that fails, the bound is what the float64 gradient itself does when the input moves by
+    float32's rounding (zoo.float64_jitter): in a model with kinks (MobileNetV2's ReLU6 after
+    small-batch BatchNorms) an activation within rounding of a kink changes side, and the exact
+    gradient jumps ~1e-3. Which float32 run hits such a flip is chance: over 8 batches of
+    MobileNetV2 eager's error is 1.6e-5 .. 4.6e-2 and graft's 2.3e-5 .. 4.7e-2, each with its own
+    spikes (docs/testing.md, `tools/grad-accuracy`)."""
     torch.manual_seed(0)
     z = zoo.build(name, dropout=False)
     batch = z.make_batch(0)
     try:
-        ref = _grads(z.model, batch, z.loss_fn, torch.float64)
+        ref = zoo.float_grads(z.model, batch, z.loss_fn, torch.float64)
     except RuntimeError as ex:  # Hugging Face 4.x builds masks from float32's range
         pytest.skip(f"eager cannot run {name} in float64: {first_line(ex)}")
-    eager = _grads(z.model, batch, z.loss_fn, torch.float32)
-    mine = _grads(z.model, batch, z.loss_fn, torch.float32, wrap=True)
-    scale = max(r.abs().max().item() for r in ref if r is not None)
-
-    def err(gs):
-        return max((a - r).abs().max().item() for a, r in zip(gs, ref) if r is not None) / scale
-    e, g = err(eager), err(mine)
-    if name in ACCURACY_GAPS and g > max(2 * e, 1e-6):
-        pytest.xfail(f"{name}: graft's float32 gradients are {g:.3g} off float64, eager's {e:.3g} "
-                     f"({ACCURACY_GAPS[name]})")
-    assert g <= max(2 * e, 1e-6), f"{name}: graft's float32 gradients are {g:.3g} off float64, eager's {e:.3g}"
+    e = zoo.grad_error(zoo.float_grads(z.model, batch, z.loss_fn, torch.float32), ref)
+    g = zoo.grad_error(zoo.float_grads(z.model, batch, z.loss_fn, torch.float32,
+                                       call=lambda m, b: graft_call(graft.GraftModule(m), b, 0)), ref)
+    if g <= max(2 * e, 1e-6):
+        return
+    jitter = zoo.float64_jitter(z.model, batch, z.loss_fn, ref)
+    assert g <= 2 * jitter, (f"{name}: graft's float32 gradients are {g:.3g} off float64, eager's {e:.3g}, "
+                             f"and float32-sized input noise moves the float64 gradient by {jitter:.3g} only")
