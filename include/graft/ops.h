@@ -255,6 +255,7 @@ void register_conv_ops(std::vector<const OpDef*>& t);            // conv.cpp
 void register_conv_transpose_ops(std::vector<const OpDef*>& t);  // conv_transpose.cpp
 void register_pool_ops(std::vector<const OpDef*>& t);            // pool.cpp
 void register_resize_ops(std::vector<const OpDef*>& t);          // resize.cpp
+void register_grid_sample_ops(std::vector<const OpDef*>& t);     // grid_sample.cpp
 void register_rnn_ops(std::vector<const OpDef*>& t);             // rnn.cpp
 void register_ctc_ops(std::vector<const OpDef*>& t);             // ctc.cpp
 void register_python_ops(std::vector<const OpDef*>& t);          // python_op.cpp

@@ -856,3 +856,19 @@ def _scatter_reduce(r, out, a, dim, index, src, reduce, include_self=True):
     y = r.emit("Squeeze", [r.emit("Transpose", [y], attrs=[("perm", "I", back)]), r.ints([rank])])
     hit = r.emit("Squeeze", [r.emit("Transpose", [hit], attrs=[("perm", "I", back)]), r.ints([rank])])
     return r.emit("Where", [r.emit("Greater", [hit, r.v(0.0, dt)]), y, base])
+
+
+@rule("grid_sampler_2d", "grid_sampler")
+def _grid_sampler(r, out, x, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
+    """F.grid_sample on images: ONNX's GridSample (src/ops/grid_sample.cpp), bilinear or nearest,
+    zeros or border padding; bicubic and reflection are refused naming themselves."""
+    modes, pads = {0: "bilinear", 1: "nearest"}, {0: "zeros", 1: "border"}
+    if x.dim() != 4:
+        raise NotCaptured(f"grid_sample of a {x.dim()}-D input (graft samples 4-D images)")
+    if interpolation_mode not in modes or padding_mode not in pads:
+        raise NotCaptured(f"grid_sample with mode {['bilinear', 'nearest', 'bicubic'][interpolation_mode]!r} and "
+                          f"padding_mode {['zeros', 'border', 'reflection'][padding_mode]!r} (graft has bilinear "
+                          f"and nearest, zeros and border)")
+    return r.emit("GridSample", [r.v(x), r.v(grid, x.dtype)],
+                  attrs=[("mode", "s", modes[interpolation_mode]), ("padding_mode", "s", pads[padding_mode]),
+                         ("align_corners", "i", int(bool(align_corners)))])

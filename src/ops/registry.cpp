@@ -33,6 +33,7 @@ const std::vector<const OpDef*>& all_ops() {
     register_conv_transpose_ops(t);
     register_pool_ops(t);
     register_resize_ops(t);
+    register_grid_sample_ops(t);
     register_rnn_ops(t);
     register_math_ops(t);
     register_python_ops(t);

@@ -170,6 +170,19 @@ std::vector<Case> cases() {
       {"div", "Div", {In::f({3}), In::f({2, 3}, kPos, 2)}},
       {"pow", "Pow", {In::f({2, 3}, kPos, 2), In::f({2, 3})}},
       {"pow_int_exponent", "Pow", {In::f({4}, kPos, 2), In::i({3}, Shape{})}},
+      // GridSample: grid inside and beyond [-1, 1] (zeros padding reads 0 there; border clips).
+      {"grid_sample_bilinear", "GridSample", {In::f({2, 2, 3, 4}), In::f({2, 3, 2, 2}, -1.2, 1.2)}},
+      {"grid_sample_border_align_corners",
+       "GridSample",
+       {In::f({1, 2, 3, 3}), In::f({1, 4, 2, 2}, -1.3, 1.3)},
+       A([](Attrs& a) {
+         a.set_int("align_corners", 1);
+         a.set_string("padding_mode", "border");
+       })},
+      {"grid_sample_nearest",
+       "GridSample",
+       {In::f({1, 2, 3, 4}), In::fc({1, 2, 2, 2}, -0.9, 0.9)},
+       A([](Attrs& a) { a.set_string("mode", "nearest"); })},
       {"atan2", "Atan2", {In::f({2, 3}), In::f({3})}, nullptr, 1, 1e-6, 1e-6, "graft"},
       {"neg", "Neg", {In::f({5})}},
       {"reciprocal", "Reciprocal", {In::f({5}, kPos, 2)}},

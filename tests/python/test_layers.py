@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import parity
+import graft
 from graft.frontend import GraftModule
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning",
@@ -329,6 +330,14 @@ CATALOGUE = {
     "masked_scatter": (lambda: Fn(nn.Linear(6, 8), lambda s, y: y.masked_scatter(y > 0.2, (y * 3).flip(0))
                                   + torch.zeros(8, dtype=y.dtype).masked_scatter(torch.arange(8) % 3 == 0, y[0] * 2)),
                        vector),
+    # a spatial transformer: the grid from the features (its gradient too), sampled inside and
+    # beyond the image
+    **{f"grid_sample-{mode}-{pad}{'-align_corners' if ac else ''}": (
+        (lambda mode, pad, ac: lambda: Fn(conv(4), lambda s, y: F.grid_sample(
+            y, torch.tanh(s.loc(y.mean((2, 3)))).view(2, 3, 3, 2) * 1.2, mode=mode, padding_mode=pad,
+            align_corners=ac), loc=nn.Linear(4, 18)))(mode, pad, ac), image)
+       for mode, pad, ac in (("bilinear", "zeros", False), ("bilinear", "border", True), ("nearest", "zeros", False),
+                             ("bilinear", "zeros", True))},
     **{f"scatter_reduce-{red}{'' if inc else '-exclude_self'}": (
         (lambda red, inc: lambda: Fn(nn.Linear(6, 8), lambda s, y, i: y.scatter_reduce(1, i, y[:, :6] * 1.5 if red in ("sum", "mean")
                                                                                          else y[:, :6], red, include_self=inc)))(red, inc),
@@ -424,3 +433,10 @@ def test_ctc_loss_with_concatenated_targets_and_its_gradient_by_finite_differenc
     torch.testing.assert_close(g(x, flat, il, tl), m(x, targets, il, tl), rtol=1e-10, atol=1e-10)
     x = x.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda v: g(v, targets, il, tl), (x,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(padding_mode="reflection"), dict(mode="bicubic")])
+def test_grid_sample_modes_graft_lacks_are_refused_naming_them(kw):
+    model = Fn(conv(4), lambda s, y: F.grid_sample(y, torch.zeros(2, 3, 3, 2, dtype=y.dtype), align_corners=False, **kw))
+    with pytest.raises(graft.GraftError, match=list(kw.values())[0]):
+        GraftModule(model.double())(image(0)[0])
