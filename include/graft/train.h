@@ -256,9 +256,25 @@ struct OptimizerKind {
 // The built-in kind named `name` ("sgd", "adamw"), or null.
 const OptimizerKind* find_optimizer_kind(const std::string& name);
 
+// Where an optimizer keeps its per-parameter state when not in RAM (Optimizer::set_state_file;
+// Note [optimizer state on disk] in src/train/state_file.cpp).
+struct StateFileOptions {
+  std::string path;          // the file: created, or truncated if it exists
+  int64_t window_bytes = 0;  // RAM for states in flight (read ahead, being written); 0: four of
+                             // the largest parameter's state. Never less than one of them.
+  bool direct_io = true;     // O_DIRECT (no page cache); buffered + posix_fadvise where refused
+};
+// What a state file has done so far (Optimizer::state_file_stats).
+struct StateFileStats {
+  std::string path;
+  bool direct_io = false;
+  int64_t file_bytes = 0, window_bytes = 0, bytes_read = 0, bytes_written = 0, prefetch_hits = 0;
+};
+class StateFile;
+
 class Optimizer {
  public:
-  virtual ~Optimizer() = default;
+  virtual ~Optimizer();
   // One step over every parameter that has a .grad (PyTorch's optimizer.step()).
   void step();
   // The update of parameter i (params() order) with `grad`, alone: what step() does for each
@@ -267,7 +283,10 @@ class Optimizer {
   // Opens the next step: the updates that follow, until the next begin_step, belong to it. The
   // one place the step count advances; step() calls it, and so does whoever applies a step as
   // per-parameter updates (the session's step mode, data parallelism) before the first of them.
-  void begin_step() { ++t_; }
+  void begin_step() {
+    ++t_;
+    began_step();
+  }
   // Index of p in params(), or -1.
   int index_of(const Parameter& p) const;
   void zero_grad(bool set_to_none = true);
@@ -276,6 +295,14 @@ class Optimizer {
   const std::vector<Parameter*>& params() const { return params_; }
   // Where state tensors are allocated.
   Allocator& allocator() const { return *alloc_; }
+  // Keeps the per-parameter state in a file instead of RAM, streamed in the order updates come
+  // (step mode: the plan's); RAM holds a window of it. Before the first step (while no state
+  // exists); AdamW only (others throw Unsupported). Throws Io naming the path and the bytes
+  // needed when its disk cannot hold the state. Updates are bit-identical to keeping it in RAM.
+  virtual void set_state_file(const StateFileOptions& o);
+  // The state file's counters, once the writes in flight are done; path empty when the state is
+  // in RAM.
+  StateFileStats state_file_stats() const;
   // The learning rate (what a schedule sets before each step).
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
@@ -296,8 +323,10 @@ class Optimizer {
  protected:
   explicit Optimizer(std::vector<Parameter*> params, Allocator* alloc = nullptr);
   void load_steps(int64_t t) { t_ = t; }  // load_state only
+  virtual void began_step();              // begin_step's hook (the state file reads ahead)
   std::vector<Parameter*> params_;
   Allocator* alloc_;
+  std::unique_ptr<StateFile> file_;  // set_state_file: the state lives there, not in tensors
 
  private:
   int64_t t_ = 0;  // steps(): advanced by begin_step() alone
@@ -339,6 +368,7 @@ class AdamW final : public Optimizer {
  public:
   AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc = nullptr);
   void update(size_t i, const Tensor& grad) override;
+  void set_state_file(const StateFileOptions& o) override;
   const char* kind() const override { return "adamw"; }
   double lr() const override { return options.lr; }
   void set_lr(double lr) override { options.lr = lr; }
@@ -347,6 +377,7 @@ class AdamW final : public Optimizer {
   AdamWOptions options;
   std::vector<Tensor>& exp_avg() { return m_; }
   std::vector<Tensor>& exp_avg_sq() { return v_; }
+  // (In RAM only: with a state file they stay undefined; state() reads them from the file.)
   const std::vector<Tensor>& exp_avg() const { return m_; }
   const std::vector<Tensor>& exp_avg_sq() const { return v_; }
   // Steps taken per parameter (PyTorch's state['step']); 0 = no state yet.

@@ -43,6 +43,10 @@ struct TrainArgs {
   std::string lr_schedule = "constant";  // constant, linear or cosine (after the warm-up)
   int64_t warmup_steps = 0;
   int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
+  // AdamW's state in this file instead of RAM (Note [optimizer state on disk]), with this much
+  // RAM for states in flight (0: four of the largest parameter's).
+  std::string optimizer_state_file;
+  int64_t state_window = 0;
   // Data parallelism over MPI (under mpirun; docs/data-parallel.md).
   bool data_parallel = false;
   bool shard_optimizer = false;       // ZeRO-1: 1/N of the optimizer state per rank

@@ -53,6 +53,13 @@ int main(int argc, char** argv) {
                 "Clip the gradients' global 2-norm to this (PyTorch's clip_grad_norm_; 0: off; in "
                 "step mode: two passes per step)")
       ->capture_default_str();
+  t->add_option("--optimizer-state-file", tr.optimizer_state_file,
+                "Keep AdamW's moments in this file on local disk instead of RAM, streamed in the "
+                "order updates come (best in step mode); created or truncated");
+  t->add_option("--state-window", tr.state_window,
+                "RAM for optimizer states in flight with --optimizer-state-file, in bytes (0: four "
+                "of the largest parameter's)")
+      ->capture_default_str();
   t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
   t->add_option("--inputs", tr.input_files, "Input TensorProto .pb files (by name, else in order)");
   t->add_option("--freeze", tr.freeze, "Parameters not to train (repeatable)");

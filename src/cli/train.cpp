@@ -194,6 +194,11 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
     fail(ErrorKind::InvalidArgument,
          "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   }
+  if (!a.optimizer_state_file.empty()) {
+    GRAFT_CHECK(!comm, ErrorKind::Unsupported,
+                "--optimizer-state-file with --data-parallel is not supported yet");
+    opt->set_state_file({a.optimizer_state_file, a.state_window, true});
+  }
   // Updates inside backward (under data parallelism, once each bucket is averaged).
   if (so.mode == GradMode::Step && !comm) s.set_step_optimizer(opt.get());
   GRAFT_CHECK(a.clip_norm >= 0 && std::isfinite(a.clip_norm), ErrorKind::InvalidArgument,
@@ -204,9 +209,11 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   // state, inputs, activations) is compared with --max-memory, or without it with the memory the
   // machine has left (MemAvailable, the cgroup's limit); then the allocator enforces the budget for
   // the whole run, so a step that would go over it fails with an error naming the node.
-  int64_t opt_state = a.optimizer == "adamw" ? 2 * s.gradient_bytes()
-                      : a.momentum != 0      ? s.gradient_bytes()
-                                             : 0;
+  // (with a state file: its window in RAM)
+  int64_t opt_state = !a.optimizer_state_file.empty() ? opt->state_file_stats().window_bytes
+                      : a.optimizer == "adamw"        ? 2 * s.gradient_bytes()
+                      : a.momentum != 0               ? s.gradient_bytes()
+                                                      : 0;
   PlannedMemory need = s.planned_memory(opt_state);
   if (a.max_memory > 0) {
     GRAFT_CHECK(need.total() <= a.max_memory, ErrorKind::OutOfMemory,

@@ -8,6 +8,7 @@
 
 #include "graft/ops.h"
 #include "graft/train.h"
+#include "state_file.h"
 
 namespace graft {
 
@@ -60,6 +61,28 @@ std::string invalid(const AdamWOptions& o) {
 
 Optimizer::Optimizer(std::vector<Parameter*> params, Allocator* alloc)
     : params_(std::move(params)), alloc_(alloc ? alloc : &Allocator::global()) {}
+Optimizer::~Optimizer() = default;
+
+void Optimizer::set_state_file(const StateFileOptions&) {
+  fail(ErrorKind::Unsupported, std::string("a state file is not supported for the ") + kind() +
+                                   " optimizer (AdamW has one)");
+}
+void Optimizer::began_step() {
+  if (file_) file_->begin_step();
+}
+StateFileStats Optimizer::state_file_stats() const {
+  StateFileStats s;
+  if (!file_) return s;
+  file_->flush();  // the counts of a step include its writes behind
+  s.path = file_->path();
+  s.direct_io = file_->direct();
+  s.file_bytes = file_->file_bytes();
+  s.window_bytes = file_->window();
+  s.bytes_read = file_->bytes_read();
+  s.bytes_written = file_->bytes_written();
+  s.prefetch_hits = file_->prefetch_hits();
+  return s;
+}
 
 void Optimizer::zero_grad(bool set_to_none) {
   for (Parameter* p : params_) {
@@ -161,7 +184,10 @@ void AdamW::update(size_t i, const Tensor& grad) {
     GRAFT_CHECK(grad.dtype() == p.data.dtype() && grad.numel() == p.data.numel(),
                 ErrorKind::ShapeMismatch,
                 "AdamW: the gradient of '" + p.name + "' has the wrong size");
-    if (!m_[i].defined()) {
+    char* state = nullptr;  // with a state file: exp_avg then exp_avg_sq, until released
+    if (file_) {
+      state = file_->acquire(i);
+    } else if (!m_[i].defined()) {
       m_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
                             p.name + ".exp_avg");
       v_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
@@ -171,8 +197,8 @@ void AdamW::update(size_t i, const Tensor& grad) {
     by_dtype(p.data, [&]<class T>() {
       T* w = p.data.data<T>();
       const T* g = grad.data<T>();
-      T* m = m_[i].data<T>();
-      T* v = v_[i].data<T>();
+      T* m = state ? reinterpret_cast<T*>(state) : m_[i].data<T>();
+      T* v = state ? m + p.data.numel() : v_[i].data<T>();
       const int64_t n = p.data.numel();
       const double bc1 = 1 - std::pow(options.beta1, static_cast<double>(step));
       const double bc2 = 1 - std::pow(options.beta2, static_cast<double>(step));
@@ -192,7 +218,18 @@ void AdamW::update(size_t i, const Tensor& grad) {
         }
       });
     });
+    if (file_) file_->release(i);
   }
+}
+
+void AdamW::set_state_file(const StateFileOptions& o) {
+  for (size_t i = 0; i < params_.size(); ++i)
+    GRAFT_CHECK(!m_[i].defined() && steps_[i] == 0, ErrorKind::InvalidArgument,
+                "AdamW: set_state_file before the first step ('" + params_[i]->name +
+                    "' already has state)");
+  std::vector<int64_t> sizes;
+  for (const Parameter* p : params_) sizes.push_back(2 * static_cast<int64_t>(p->data.nbytes()));
+  file_ = std::make_unique<StateFile>(o, std::move(sizes), *alloc_);
 }
 
 // --- state as plain data -------------------------------------------------------------------------
@@ -326,6 +363,20 @@ OptimizerState AdamW::state() const {
   st.steps = steps();
   st.tensors.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (file_ && steps_[i] > 0) {  // read from the file (this much RAM, for a checkpoint)
+      const Parameter& p = *params_[i];
+      Tensor m = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                               p.name + ".exp_avg");
+      Tensor v = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                               p.name + ".exp_avg_sq");
+      std::vector<char> both(2 * p.data.nbytes());
+      file_->read(i, both.data());
+      std::memcpy(m.raw(), both.data(), p.data.nbytes());
+      std::memcpy(v.raw(), both.data() + p.data.nbytes(), p.data.nbytes());
+      st.tensors[i]["exp_avg"] = m;
+      st.tensors[i]["exp_avg_sq"] = v;
+      continue;
+    }
     if (m_[i].defined()) st.tensors[i]["exp_avg"] = m_[i];
     if (v_[i].defined()) st.tensors[i]["exp_avg_sq"] = v_[i];
   }
@@ -339,6 +390,14 @@ void AdamW::load_state(const OptimizerState& st) {
   for (size_t i = 0; i < params_.size(); ++i) {
     m_[i] = slot(st.tensors[i], "exp_avg");
     v_[i] = slot(st.tensors[i], "exp_avg_sq");
+    if (file_ && m_[i].defined()) {  // into the file; RAM keeps none of it
+      const size_t b = params_[i]->data.nbytes();
+      std::vector<char> both(2 * b);
+      std::memcpy(both.data(), m_[i].raw(), b);
+      std::memcpy(both.data() + b, v_[i].raw(), b);
+      file_->write(i, both.data());
+      m_[i] = v_[i] = Tensor();
+    }
   }
   steps_ = st.counters;
   load_steps(st.steps);

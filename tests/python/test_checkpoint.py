@@ -133,6 +133,34 @@ def test_step_in_backward_trains_as_the_unfused_loop(reference, opt):
     assert reference(opt, "step") == reference(opt, "accumulate")
 
 
+@pytest.mark.parametrize("mode", ["step", "accumulate"])
+def test_adamw_state_in_a_file_trains_and_resumes_bit_identically(models, reference, tmp_path, mode):
+    """--optimizer-state-file keeps AdamW's moments on disk (Note [optimizer state on disk]): the
+    same losses and parameters, bit for bit, as in RAM; a checkpoint holds the state (read back
+    from the file) and a resumed run streams it into a new file."""
+    losses, want = reference("adamw", mode)
+    sf = tmp_path / "state.bin"
+    p = run_graft(*train_args(models["small"], 7, "adamw", mode), "--optimizer-state-file", sf,
+                  "--save-params", tmp_path / "p")
+    assert [l["loss"] for l in json_lines(p.stdout)] == losses
+    assert params(tmp_path / "p") == want
+    n = sum(t.numel() for t in DropoutMLP(12, 16).parameters())
+    assert sf.stat().st_size >= 2 * 4 * n  # exp_avg and exp_avg_sq of every parameter
+    d = tmp_path / "ck"
+    run_graft(*train_args(models["small"], 3, "adamw", mode), "--checkpoint", d, "--optimizer-state-file", sf)
+    p = run_graft(*train_args(models["small"], 7, "adamw", mode), "--checkpoint", d, "--resume",
+                  "--optimizer-state-file", tmp_path / "state2.bin", "--save-params", tmp_path / "q")
+    assert f"resumed from {d}/ckpt-00000003.graft at step 3" in p.stdout
+    assert params(tmp_path / "q") == want
+
+
+def test_an_optimizer_state_file_the_disk_cannot_hold_fails_before_training(models, tmp_path):
+    p = run_graft(*train_args(models["small"], 2, "adamw"), "--optimizer-state-file",
+                  tmp_path / "no-such-dir" / "state.bin", check=False)
+    assert p.returncode != 0
+    assert "no-such-dir/state.bin" in p.stderr and '"step"' not in p.stdout
+
+
 def test_format_is_as_documented(models, tmp_path):
     d = tmp_path / "ck"
     run_graft(*train_args(models["small"], 2, "adamw"), "--checkpoint", d, "--save-params", tmp_path / "p")

@@ -1,0 +1,272 @@
+// AdamW's state in a file (Note [optimizer state on disk], src/train/state_file.cpp): updates
+// bit-identical to AdamW in RAM, in step mode and out of order; the read-ahead and write-behind
+// counted; no page of the file left in the page cache; a disk that cannot hold the state, and a
+// write that fails, are errors naming the path.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "graft/models.h"
+#include "graft/train.h"
+#include "test_util.h"
+
+using namespace graft;
+using namespace graft_test;
+
+namespace {
+constexpr int64_t B = 4, H = 48, L = 3;
+
+std::string temp_path(const std::string& name) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir && *dir ? dir : "/tmp") + "/graft_state_" + std::to_string(::getpid()) +
+         "_" + name;
+}
+
+struct Trained {
+  std::vector<std::vector<float>> weights;
+  StateFileStats stats;
+};
+
+// `steps` AdamW steps in step mode on the seed's linear stack (float32), the state in RAM
+// (path empty) or in a file with the given window.
+Trained train(int steps, const std::string& path, int64_t window = 0, bool direct = true) {
+  Allocator alloc;
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7),
+                 session_options(alloc, GradMode::Step));
+  s.set_input("x", ramp_input(alloc, B, H, DType::F32));
+  AdamWOptions ao;
+  ao.lr = 0.01;
+  AdamW opt(s.trainable(), ao, &alloc);
+  if (!path.empty()) opt.set_state_file({path, window, direct});
+  s.set_step_optimizer(&opt);
+  for (int k = 0; k < steps; ++k) s.step();
+  Trained r;
+  for (const Parameter& p : s.parameters())
+    r.weights.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  r.stats = opt.state_file_stats();
+  return r;
+}
+
+int64_t state_bytes() { return 2 * 4 * L * (H * H + H); }  // exp_avg + exp_avg_sq, float32
+
+// Pages of `path` in the page cache (mincore over a mapping of it).
+int64_t resident_pages(const std::string& path, int64_t* total) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return -1;
+  std::fseek(f, 0, SEEK_END);
+  const long size = std::ftell(f);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  *total = (size + page - 1) / page;
+  void* m = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fileno(f), 0);
+  std::fclose(f);
+  if (m == MAP_FAILED) return -1;
+  std::vector<unsigned char> v(static_cast<size_t>(*total));
+  ::mincore(m, static_cast<size_t>(size), v.data());
+  ::munmap(m, static_cast<size_t>(size));
+  int64_t n = 0;
+  for (unsigned char c : v) n += c & 1;
+  return n;
+}
+}  // namespace
+
+TEST(StateFile, AdamWStepModeIsBitIdenticalToRam) {
+  const Trained ram = train(5, "");
+  EXPECT_TRUE(ram.stats.path.empty());
+  for (int64_t window : {int64_t{1}, int64_t{0}}) {  // one parameter's state at a time; default
+    SCOPED_TRACE(window);
+    const std::string path = temp_path("exact");
+    const Trained disk = train(5, path, window);
+    EXPECT_EQ(disk.weights, ram.weights);
+    EXPECT_EQ(disk.stats.path, path);
+    // Every step writes the whole state; every step but the first reads it (the first starts
+    // from zeros and reads nothing).
+    EXPECT_EQ(disk.stats.bytes_written, 5 * state_bytes());
+    EXPECT_EQ(disk.stats.bytes_read, 4 * state_bytes());
+    EXPECT_GE(disk.stats.file_bytes, state_bytes());
+    ::unlink(path.c_str());
+  }
+}
+
+TEST(StateFile, ReadAheadFindsStatesInTheLastStepsOrder) {
+  const std::string path = temp_path("ahead");
+  const Trained disk = train(6, path, 0);
+  // 2L parameters updated per step; from step 2 on, all but possibly the first of each step are
+  // read ahead (the read of the first overlaps the backward before its gradient completes).
+  EXPECT_GE(disk.stats.prefetch_hits, 5 * (2 * L - 1)) << "prefetch hits";
+  ::unlink(path.c_str());
+}
+
+TEST(StateFile, UpdatesOutOfOrderAreStillExact) {
+  // AdamW driven by hand: each step updates the parameters in a fresh random order, so the
+  // read-ahead's prediction (the last step's order) is wrong every time.
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct);
+    Allocator alloc;
+    std::vector<Parameter> pa(5), pb(5);
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<Tensor> grads;
+    for (int i = 0; i < 5; ++i) {
+      const int64_t n = 100 + 700 * i;
+      for (auto* ps : {&pa, &pb}) {
+        (*ps)[i].name = "p" + std::to_string(i);
+        (*ps)[i].data = Tensor::zeros({n}, DType::F32, alloc, Category::Parameter);
+      }
+      Tensor g = Tensor::empty({n}, DType::F32, alloc, Category::Gradient);
+      for (int64_t k = 0; k < n; ++k) g.data<float>()[k] = u(rng);
+      grads.push_back(g);
+    }
+    std::vector<Parameter*> va, vb;
+    for (int i = 0; i < 5; ++i) va.push_back(&pa[i]), vb.push_back(&pb[i]);
+    AdamW ram(va, {}, &alloc), disk(vb, {}, &alloc);
+    const std::string path = temp_path("order");
+    disk.set_state_file({path, 1, direct});
+    std::vector<size_t> order{0, 1, 2, 3, 4};
+    for (int step = 0; step < 6; ++step) {
+      std::shuffle(order.begin(), order.end(), rng);
+      ram.begin_step();
+      disk.begin_step();
+      for (size_t i : order) {
+        if (step % 2 && i == order[0]) continue;  // and a parameter skips a step now and then
+        ram.update(i, grads[i]);
+        disk.update(i, grads[i]);
+      }
+    }
+    for (int i = 0; i < 5; ++i)
+      EXPECT_EQ(0, std::memcmp(pa[i].data.raw(), pb[i].data.raw(), pa[i].data.nbytes())) << i;
+    const OptimizerState a = ram.state(), b = disk.state();
+    EXPECT_EQ(a.counters, b.counters);
+    for (int i = 0; i < 5; ++i)
+      for (const char* t : {"exp_avg", "exp_avg_sq"})
+        EXPECT_EQ(0, std::memcmp(a.tensors[i].at(t).raw(), b.tensors[i].at(t).raw(),
+                                 a.tensors[i].at(t).nbytes()))
+            << i << " " << t;
+    ::unlink(path.c_str());
+  }
+}
+
+TEST(StateFile, TheStateSurvivesACheckpointRoundTrip) {
+  // 3 steps, the state saved (state()) and loaded into a fresh file-backed AdamW, 3 more: the
+  // same as 6 steps in RAM.
+  const Trained ram = train(6, "");
+  Allocator alloc;
+  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7),
+                 session_options(alloc, GradMode::Step));
+  s.set_input("x", ramp_input(alloc, B, H, DType::F32));
+  AdamWOptions ao;
+  ao.lr = 0.01;
+  const std::string p1 = temp_path("ck1"), p2 = temp_path("ck2");
+  OptimizerState saved;
+  {
+    AdamW opt(s.trainable(), ao, &alloc);
+    opt.set_state_file({p1});
+    s.set_step_optimizer(&opt);
+    for (int k = 0; k < 3; ++k) s.step();
+    saved = opt.state();
+  }
+  AdamW opt(s.trainable(), ao, &alloc);
+  opt.set_state_file({p2});
+  opt.load_state(saved);
+  for (const auto& t : opt.exp_avg()) EXPECT_FALSE(t.defined());  // the state is in the file
+  s.set_step_optimizer(&opt);
+  for (int k = 0; k < 3; ++k) s.step();
+  std::vector<std::vector<float>> w;
+  for (const Parameter& p : s.parameters())
+    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  EXPECT_EQ(w, ram.weights);
+  ::unlink(p1.c_str());
+  ::unlink(p2.c_str());
+}
+
+TEST(StateFile, ThePageCacheKeepsNoneOfIt) {
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct);
+    const std::string path = temp_path("cache");
+    const Trained disk = train(4, path, 0, direct);
+    int64_t total = 0;
+    const int64_t resident = resident_pages(path, &total);
+    ASSERT_GE(resident, 0);
+    EXPECT_GT(total, 0);
+    EXPECT_EQ(resident, 0) << "of " << total << " pages (direct I/O " << disk.stats.direct_io
+                           << ")";
+    ::unlink(path.c_str());
+  }
+}
+
+TEST(StateFile, ADiskThatCannotHoldItIsAnErrorBeforeTheFirstStep) {
+  Allocator alloc;
+  Parameter p;
+  p.name = "w";
+  p.data = Tensor::zeros({1 << 16}, DType::F32, alloc, Category::Parameter);
+  AdamW opt({&p}, {}, &alloc);
+  try {
+    opt.set_state_file({"/nonexistent-graft-dir/state.bin"});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Io);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-graft-dir/state.bin"), std::string::npos)
+        << e.what();
+  }
+  // A file size limit below the state's 512 KiB stands in for a full disk.
+  struct rlimit old {};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 64 << 10;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string path = temp_path("full");
+  std::string msg;
+  try {
+    opt.set_state_file({path});
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::Io);
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("524288 bytes"), std::string::npos) << msg;
+  ::unlink(path.c_str());
+}
+
+TEST(StateFile, AFailedWriteIsRaisedNamingThePath) {
+  Allocator alloc;
+  std::vector<Parameter> ps(2);
+  for (int i = 0; i < 2; ++i) {
+    ps[i].name = "w" + std::to_string(i);
+    ps[i].data = Tensor::zeros({1 << 15}, DType::F32, alloc, Category::Parameter);
+  }
+  Tensor g = Tensor::zeros({1 << 15}, DType::F32, alloc, Category::Gradient);
+  AdamW opt({&ps[0], &ps[1]}, {}, &alloc);
+  const std::string path = temp_path("failwrite");
+  opt.set_state_file({path});
+  // The second parameter's region lies past 256 KiB: a limit there fails its write.
+  struct rlimit old {};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 256 << 10;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string msg;
+  try {
+    opt.begin_step();
+    opt.update(0, g);
+    opt.update(1, g);
+    opt.begin_step();
+    opt.update(0, g);
+    opt.update(1, g);
+  } catch (const Error& e) {
+    msg = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::Io);
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  ::unlink(path.c_str());
+}
