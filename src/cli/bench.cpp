@@ -185,6 +185,7 @@ ModeResult run_mode(const BenchArgs& a, const Sizes& sz, GradMode mode, bool rec
   std::unique_ptr<Optimizer> optp;
   if (a.optimizer == "adamw") {
     optp = std::make_unique<AdamW>(s.trainable(), AdamWOptions{}, &alloc);
+    if (!a.optimizer_state_file.empty()) optp->set_state_file({a.optimizer_state_file});
   } else {
     SGDOptions o;
     o.lr = 0.01;
@@ -477,7 +478,11 @@ int cmd_bench(const BenchArgs& a) {
   GRAFT_CHECK(a.optimizer == "sgd" || a.optimizer == "adamw", ErrorKind::InvalidArgument,
               "unknown --optimizer '" + a.optimizer + "' (use sgd or adamw)");
   for (GradMode m : modes)
-    estimate = std::max(estimate, estimate_peak(sz, m, a.set_to_none, a.optimizer == "adamw"));
+    estimate =
+        std::max(estimate, estimate_peak(sz, m, a.set_to_none,
+                                         a.optimizer == "adamw" && a.optimizer_state_file.empty()));
+  GRAFT_CHECK(a.optimizer_state_file.empty() || a.optimizer == "adamw", ErrorKind::InvalidArgument,
+              "--optimizer-state-file is for --optimizer adamw");
   const int64_t sgemm_bytes = 2 * sz.A + sz.W;
   int64_t avail = mem_available();
   if (avail > 0 && std::max(estimate, sgemm_bytes) > avail)
@@ -515,6 +520,7 @@ int cmd_bench(const BenchArgs& a) {
                   {"threads", num_threads()},
                   {"dtype", "float32"},
                   {"optimizer", a.optimizer},
+                  {"optimizer_state_file", a.optimizer_state_file},
                   {"activation_budget", a.activation_budget},
                   {"precision", a.precision},
                   {"lr", a.optimizer == "adamw" ? 1e-3 : 0.01},

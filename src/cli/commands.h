@@ -62,6 +62,7 @@ struct BenchArgs {
   std::string mode = "all";       // hold, accumulate, hook, step or all
   double clip_norm = 0;           // global-norm gradient clipping (0: none)
   std::string optimizer = "sgd";  // sgd (lr 0.01) or adamw (PyTorch's defaults: lr 1e-3, wd 1e-2)
+  std::string optimizer_state_file;  // AdamW's moments on disk (Note [optimizer state on disk])
   bool set_to_none = false, json = false, timeline_json = false;
   std::string trace;
   int64_t activation_budget = 0;   // recompute under this activation peak (0: none)

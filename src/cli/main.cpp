@@ -133,6 +133,8 @@ int main(int argc, char** argv) {
   b->add_option("--optimizer", be.optimizer,
                 "sgd (lr 0.01) or adamw (lr 1e-3, weight decay 1e-2, as torch.optim.AdamW)")
       ->capture_default_str();
+  b->add_option("--optimizer-state-file", be.optimizer_state_file,
+                "Keep AdamW's moments in this file instead of RAM (created or truncated)");
   b->add_option("--threads", be.threads, "GEMM threads (0: library default)")
       ->capture_default_str();
   b->add_flag("--json", be.json, "Print one JSON object (config + rows)");

@@ -7,9 +7,11 @@
 // file, each parameter's state (exp_avg then exp_avg_sq) in its own 4 KiB-aligned region, and RAM
 // holds only a window of them:
 //
-//   * read-ahead: when a step's backward begins (Optimizer::begin_step), an I/O thread reads the
-//     states of the parameters whose gradients come first, in the last step's order, as far as
-//     the window allows; the update finds them in RAM (a prefetch hit);
+//   * read-ahead: an I/O thread reads the states of the parameters whose gradients come first,
+//     in the last step's order, as far as the window allows, from the moment the last step's
+//     final update is done (so the forward in between hides those reads; after a step out of
+//     order, from the start of the next backward, Optimizer::begin_step); the update finds them
+//     in RAM (a prefetch hit);
 //   * write-behind: after the update the state goes back to the file on the same thread, and its
 //     buffer is freed once written, making room to read further ahead;
 //   * a parameter never written (its first step) reads nothing: its state starts as zeros;
@@ -158,6 +160,11 @@ void StateFile::prefetch_locked() {
 
 void StateFile::begin_step() {
   std::lock_guard<std::mutex> lk(mu_);
+  if (primed_) {  // the last step went as predicted: reading for this one began at its end
+    primed_ = false;
+    prefetch_locked();
+    return;
+  }
   if (!next_order_.empty()) order_.swap(next_order_);
   next_order_.clear();
   pos_ = ahead_ = 0;
@@ -176,6 +183,14 @@ char* StateFile::acquire(size_t i) {
   } else if (!order_.empty()) {  // out of the predicted order: stop predicting this step
     order_.clear();
     pos_ = ahead_ = 0;
+  }
+  if (!order_.empty() && pos_ == order_.size()) {
+    // The step's last update, all as predicted: start reading for the next step now, so that
+    // its first states are in RAM by the time its backward needs them (the forward between
+    // hides the reads).
+    next_order_.clear();
+    pos_ = ahead_ = 0;
+    primed_ = true;
   }
   if (slot_[i] == Slot::Ready || slot_[i] == Slot::Reading) ++hits_;
   cv_.wait(lk, [&] { return !error_.empty() || slot_[i] != Slot::Writing; });

@@ -89,7 +89,9 @@ TEST(StateFile, AdamWStepModeIsBitIdenticalToRam) {
     // Every step writes the whole state; every step but the first reads it (the first starts
     // from zeros and reads nothing).
     EXPECT_EQ(disk.stats.bytes_written, 5 * state_bytes());
-    EXPECT_EQ(disk.stats.bytes_read, 4 * state_bytes());
+    // (and the last step reads ahead for a next step that never comes: at most one more)
+    EXPECT_GE(disk.stats.bytes_read, 4 * state_bytes());
+    EXPECT_LE(disk.stats.bytes_read, 5 * state_bytes());
     EXPECT_GE(disk.stats.file_bytes, state_bytes());
     ::unlink(path.c_str());
   }
