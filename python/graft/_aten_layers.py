@@ -659,7 +659,8 @@ def _py_function(r, out, xs, key):
     return r.emit("PythonOp", [r.v(x) for x in xs], nout=len(rec.outputs), domain="graft",
                   attrs=[("fn", "i", int(key)), ("name", "s", rec.name),
                          ("out_dtypes", "I", [elem(dt, f"an output of {rec.name}") for dt, _ in rec.outputs]),
-                         ("out_ranks", "I", [len(shape) for _, shape in rec.outputs]), ("out_dims", "I", dims)])
+                         ("out_ranks", "I", [len(shape) for _, shape in rec.outputs]), ("out_dims", "I", dims),
+                         ("saved_bytes", "i", int(getattr(rec, "saved", 0)))])
 
 
 @rule("diagonal")

@@ -19,7 +19,8 @@ keeps the Function whole: PyTorch runs its forward and its own backward, graft p
   (the Function may save them; graft reuses its buffers) and runs under autograd; its inputs and
   outputs are kept with the call (calls()) until the backward node hands the output gradients to
   torch.autograd.grad, which runs the Function's own backward. PyTorch holds what the Function
-  saves: memory graft's planner does not count.
+  saves; the capture measures it once (_probe: the bytes packed by ctx.save_for_backward) and
+  graft's planner counts it from the PythonOp to its PythonOpGrad (attribute saved_bytes).
 
 Note [backward hooks]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -65,6 +66,7 @@ class _Record:
         self.needs = needs
         self.outputs = []  # (dtype, shape) per output
         self.single = True
+        self.saved = 0  # bytes the Function saves for its backward (_probe)
 
     def rebuild(self, tensors):
         it = iter(tensors)
@@ -283,15 +285,39 @@ def _probe(rec, args):
     """The outputs' (dtype, shape): the Function's forward on real stand-ins of the trace's tensors
     (ones; zeros for integers, valid indices), with the module's real state, outside the trace. A
     Function may read values (fine: it runs in Python every call), which torch 2.x's fake tensors
-    turn into unbacked symbols the trace refuses; torch 1.13's trace has no plain tensors."""
-    with _real_tensors(), _untraced(), _real_state(), torch.no_grad():
+    turn into unbacked symbols the trace refuses; torch 1.13's trace has no plain tensors.
+
+    Where an input requires grad it runs under autograd, as a training call does, and rec.saved is
+    the bytes of what it saves for its backward (every storage packed by ctx.save_for_backward,
+    counted once): PyTorch holds them from the forward to the backward, and graft's planner counts
+    them there (src/plan/planner.cpp)."""
+    saved = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+            saved.setdefault(st.data_ptr(), st.nbytes())
+        except Exception:  # noqa: BLE001: a tensor without storage (sparse, nested) counts none
+            pass
+        return t
+
+    train = any(rec.needs)
+    with _real_tensors(), _untraced(), _real_state(), torch.set_grad_enabled(train):
         real = [(torch.ones if a.is_floating_point() else torch.zeros)(tuple(a.shape), dtype=a.dtype)
                 if isinstance(a, torch.Tensor) else a for a in args]
+        it = iter(rec.needs)
+        real = [r.requires_grad_(next(it)) if isinstance(r, torch.Tensor) else r for r in real]
         try:
-            flat = _outputs(rec, _apply(rec.cls, real))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                flat = _outputs(rec, _apply(rec.cls, real))
         except Exception as ex:  # noqa: BLE001: the Function's own error
             raise FunctionRaised(ex) from ex
-    return [(o.dtype, tuple(o.shape)) for o in flat]
+        # (read here: the outputs carry the Function's backward node, which the capture's watch,
+        # outside, would take for a Function called in the traced forward)
+        metas = [(o.dtype, tuple(o.shape)) for o in flat]
+        del flat
+    rec.saved = sum(saved.values()) if train else 0
+    return metas
 
 
 def _function_classes():

@@ -8,6 +8,7 @@
 // (forward in file order, backward in reverse). A weight gradient therefore lives from its GEMM to
 // its sink and no longer, which is what bounds the backward peak to one gradient temporary.
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <tuple>
 
@@ -211,9 +212,12 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
   for (int v : opt.release_inputs)
     if (v >= 0 && v < nv && !kept[v] && def_step[v] < 0 && p.last_use[v] >= 0)
       inputs_at[p.last_use[v]].push_back(v);
-  // Frees, and the buffer memory simulation.
+  // Frees, and the buffer memory simulation. A graft.PythonOp's `saved_bytes` (what PyTorch keeps
+  // for the Function's own backward, measured at capture: _pyfunc.py) count as live from its step
+  // until the PythonOpGrad of the same Function has run (to the end of the run without one).
   std::vector<int> remaining(nv, 0);  // live member count per buffer
   int64_t live = 0;
+  std::map<int64_t, int64_t> saved_by_fn;  // PythonOp key -> bytes PyTorch holds
   p.live_after.assign(order.size(), 0);
   for (size_t s = 0; s < order.size(); ++s) {
     const Node& n = g.nodes[order[s]];
@@ -224,9 +228,23 @@ Plan make_plan(const Graph& g, const PlanOptions& opt) {
       if (b == o && owned(g.values[o])) live += g.values[o].bytes();
       ++remaining[b];
     }
+    if (n.domain == "graft" && n.op == "PythonOp") {
+      const int64_t saved = n.attrs.get_int("saved_bytes", 0, n.label());
+      if (saved > 0) {
+        saved_by_fn[n.attrs.get_int("fn", -1, n.label())] += saved;
+        live += saved;
+      }
+    }
     if (live > p.planned_peak) {
       p.planned_peak = live;
       p.peak_step = static_cast<int>(s);
+    }
+    if (n.domain == "graft" && n.op == "PythonOpGrad") {  // the Function's backward freed it
+      auto it = saved_by_fn.find(n.attrs.get_int("fn", -1, n.label()));
+      if (it != saved_by_fn.end()) {
+        live -= it->second;
+        saved_by_fn.erase(it);
+      }
     }
     for (int v : inputs_at[s]) st.frees.push_back(v);  // a handle, not graft's memory
     for (int v : release_at[s]) {

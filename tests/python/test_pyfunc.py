@@ -94,6 +94,46 @@ def test_the_function_s_backward_is_what_runs():
     assert m.a.weight.grad.abs().max() > 1e-3
 
 
+class SavesTwo(torch.autograd.Function):
+    """Saves its input and a tensor of its own, 4x the input, for its backward."""
+    @staticmethod
+    def forward(ctx, x):
+        big = x.repeat(4, 1)
+        ctx.save_for_backward(x, big)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        x, big = ctx.saved_tensors
+        return g * 2 + 0 * big[: x.shape[0]]
+
+
+class Saver(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.a, self.function = nn.Linear(64, 64), function
+
+    def forward(self, x):
+        h = self.a(x)
+        return (SavesTwo.apply(h) if self.function else h * 2).sum()
+
+
+def test_the_plan_counts_what_a_function_saves_for_its_backward():
+    """PyTorch holds what ctx.save_for_backward keeps from the forward to the backward; the planned
+    peak counts it (measured at capture: the input, 32x64 float32, and its 4x copy)."""
+    x = torch.randn(32, 64)
+    peaks = {}
+    for name, function in (("function", True), ("plain", False)):
+        torch.manual_seed(0)
+        g = GraftModule(Saver(function))
+        g(x).backward()
+        peaks[name] = max(e.session.planned_peak() for e in g._cache.values())
+    act = 32 * 64 * 4  # one activation (float32)
+    saved = (1 + 4) * act
+    # when the Function runs: its input, its output and what it saved (counted without it: ~3 act)
+    assert peaks["function"] >= saved + 2 * act > peaks["plain"], peaks
+
+
 def test_a_function_called_under_no_grad_and_in_eval_runs_its_forward_only():
     torch.manual_seed(0)
     m = Model().double()
