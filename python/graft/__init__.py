@@ -17,7 +17,7 @@ def __getattr__(name):
     if name == "GraftModule":
         from . import frontend
         return frontend.GraftModule
-    if name in ("_graft", "frontend", "bench"):
+    if name in ("_graft", "frontend", "bench", "optim"):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(name)

@@ -252,10 +252,46 @@ std::vector<OnnxValueInfo> value_infos(const std::vector<ValueTuple>& v) {
 
 }  // namespace
 
+// graft.optim.AdamW's engine (python/graft/optim.py): graft's AdamW over parameters whose memory
+// is PyTorch's (rebound at every update: a caller may replace p.data), with its state in a file
+// (Note [optimizer state on disk]). Updates run without the GIL.
+struct PyAdamWFile {
+  std::shared_ptr<Allocator> alloc = std::make_shared<Allocator>();
+  std::vector<Parameter> params;
+  std::vector<std::string> dtypes;
+  std::unique_ptr<AdamW> opt;
+  PyAdamWFile(const std::vector<std::vector<int64_t>>& shapes,
+              const std::vector<std::string>& dtype_names, const std::string& path, int64_t window,
+              bool direct)
+      : params(shapes.size()), dtypes(dtype_names) {
+    GRAFT_CHECK(shapes.size() == dtype_names.size(), ErrorKind::InvalidArgument,
+                "AdamWFile: one dtype per shape");
+    std::vector<Parameter*> ps;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      params[i].name = "param " + std::to_string(i);
+      params[i].data = Tensor::external(nullptr, shapes[i], parse_dtype(dtype_names[i]), nullptr);
+      ps.push_back(&params[i]);
+    }
+    opt = std::make_unique<AdamW>(ps, AdamWOptions{}, alloc.get());
+    opt->set_state_file({path, window, direct});
+  }
+  void update(size_t i, uintptr_t w, uintptr_t g, double lr, double beta1, double beta2, double eps,
+              double weight_decay) {
+    GRAFT_CHECK(i < params.size(), ErrorKind::InvalidArgument,
+                "AdamWFile: no parameter " + std::to_string(i));
+    const Shape shape = params[i].data.shape();
+    params[i].data = wrap(w, shape, dtypes[i]);
+    Tensor grad = wrap(g, shape, dtypes[i]);
+    opt->options = {lr, beta1, beta2, eps, weight_decay};
+    py::gil_scoped_release nogil;
+    opt->update(i, grad);
+  }
+};
+
 PYBIND11_MODULE(_graft, m) {
   m.doc() = "graft's C++ runtime (internal; use graft.GraftModule)";
-  // Every graft::Error surfaces as the graft.errors class for its kind, with kind, node and message
-  // as fields (graft.errors is pure Python, importable without this module).
+  // Every graft::Error surfaces as the graft.errors class for its kind, with kind, node and
+  // message as fields (graft.errors is pure Python, importable without this module).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -291,10 +327,70 @@ PYBIND11_MODULE(_graft, m) {
           edit_onnx_graph(path, int_attrs, value_infos(outputs));
         });
   m.def("num_threads", &num_threads);
+  py::class_<PyAdamWFile>(m, "AdamWFile")
+      .def(py::init<const std::vector<std::vector<int64_t>>&, const std::vector<std::string>&,
+                    const std::string&, int64_t, bool>(),
+           py::arg("shapes"), py::arg("dtypes"), py::arg("path"), py::arg("window") = 0,
+           py::arg("direct_io") = true)
+      .def("update", &PyAdamWFile::update)
+      .def("steps", [](PyAdamWFile& a) { return a.opt->param_steps(); })
+      .def("stats",
+           [](PyAdamWFile& a) {
+             const StateFileStats st = a.opt->state_file_stats();
+             py::dict d;
+             d["path"] = st.path;
+             d["direct_io"] = st.direct_io;
+             d["file_bytes"] = st.file_bytes;
+             d["window_bytes"] = st.window_bytes;
+             d["bytes_read"] = st.bytes_read;
+             d["bytes_written"] = st.bytes_written;
+             d["prefetch_hits"] = st.prefetch_hits;
+             d["ram_bytes"] = a.alloc->current();
+             return d;
+           })
+      // Every parameter's exp_avg and exp_avg_sq, copied from the file to (m pointer, v pointer)
+      // of the parameter's shape and dtype (untouched where it has no state yet); returns the
+      // step counts. For state_dict().
+      .def("read_states",
+           [](PyAdamWFile& a, const std::vector<std::pair<uintptr_t, uintptr_t>>& to) {
+             const OptimizerState st = a.opt->state();
+             GRAFT_CHECK(to.size() == st.tensors.size(), ErrorKind::InvalidArgument,
+                         "AdamWFile.read_states: one entry per parameter");
+             for (size_t i = 0; i < to.size(); ++i) {
+               if (!st.tensors[i].count("exp_avg")) continue;
+               const Tensor &em = st.tensors[i].at("exp_avg"), &ev = st.tensors[i].at("exp_avg_sq");
+               std::memcpy(reinterpret_cast<void*>(to[i].first), em.raw(), em.nbytes());
+               std::memcpy(reinterpret_cast<void*>(to[i].second), ev.raw(), ev.nbytes());
+             }
+             return st.counters;
+           })
+      // Replaces every parameter's state: per parameter (m pointer, v pointer, step), 0 pointers
+      // and step 0 for none yet. For load_state_dict().
+      .def("load_state",
+           [](PyAdamWFile& a, const std::vector<std::tuple<uintptr_t, uintptr_t, int64_t>>& per) {
+             OptimizerState st = a.opt->state();
+             GRAFT_CHECK(per.size() == a.params.size(), ErrorKind::InvalidArgument,
+                         "AdamWFile.load_state: one entry per parameter");
+             for (size_t i = 0; i < per.size(); ++i) {
+               const auto& [m, v, step] = per[i];
+               st.tensors[i].clear();
+               st.counters[i] = step;
+               if (!m) continue;
+               const Shape& shape = a.params[i].data.shape();
+               for (auto [name, ptr] :
+                    {std::pair<const char*, uintptr_t>{"exp_avg", m}, {"exp_avg_sq", v}}) {
+                 Tensor t = Tensor::empty(shape, parse_dtype(a.dtypes[i]), *a.alloc,
+                                          Category::OptimizerState, name);
+                 std::memcpy(t.raw(), reinterpret_cast<void*>(ptr), t.nbytes());
+                 st.tensors[i][name] = t;
+               }
+             }
+             a.opt->load_state(st);
+           });
   // Installs fn(key, backward, node, inputs) -> outputs as the runner of graft.PythonOp nodes
-  // (python/graft/_pyfunc.py; None uninstalls). inputs: a numpy array over graft memory per input,
-  // None where absent; outputs: per output, an array of its dtype and shape (copied into graft's
-  // buffer) or None (zeros). An exception fn raises propagates to the caller unchanged.
+  // (python/graft/_pyfunc.py; None uninstalls). inputs: a numpy array over graft memory per
+  // input, None where absent; outputs: per output, an array of its dtype and shape (copied into
+  // graft's buffer) or None (zeros). An exception fn raises propagates to the caller unchanged.
   m.def("set_python_op_runner", [](py::object fn) {
     if (fn.is_none()) {
       set_python_op_runner(nullptr);

@@ -80,6 +80,7 @@ StateFile::StateFile(const StateFileOptions& o, std::vector<int64_t> sizes, Allo
   slot_.assign(n, Slot::Idle);
   buf_.resize(n);
   written_.assign(n, 0);
+  seen_.assign(n, 0);
 
   struct statvfs fs {};
   if (::statvfs(folder_of(path_).c_str(), &fs) == 0) {
@@ -160,6 +161,11 @@ void StateFile::prefetch_locked() {
 
 void StateFile::begin_step() {
   std::lock_guard<std::mutex> lk(mu_);
+  begin_step_locked();
+}
+
+void StateFile::begin_step_locked() {
+  std::fill(seen_.begin(), seen_.end(), 0);
   if (primed_) {  // the last step went as predicted: reading for this one began at its end
     primed_ = false;
     prefetch_locked();
@@ -176,6 +182,10 @@ char* StateFile::acquire(size_t i) {
   check_locked();
   GRAFT_CHECK(i < slot_.size() && slot_[i] != Slot::InUse, ErrorKind::Internal,
               "optimizer state file: parameter " + std::to_string(i) + " acquired twice");
+  // A parameter updated twice since the last step began: a new step began without begin_step
+  // (an optimizer driven one update at a time, as graft.optim.AdamW in GraftModule's step mode).
+  if (seen_[i]) begin_step_locked();
+  seen_[i] = 1;
   next_order_.push_back(i);
   if (pos_ < order_.size() && order_[pos_] == i) {
     ++pos_;
@@ -189,6 +199,7 @@ char* StateFile::acquire(size_t i) {
     // its first states are in RAM by the time its backward needs them (the forward between
     // hides the reads).
     next_order_.clear();
+    std::fill(seen_.begin(), seen_.end(), 0);
     pos_ = ahead_ = 0;
     primed_ = true;
   }

@@ -60,6 +60,7 @@ class StateFile {
   };
   void io_loop();
   void prefetch_locked();                          // mu_ held
+  void begin_step_locked();                        // mu_ held
   void take_buffer_locked(size_t i);               // mu_ held
   void check_locked();                             // mu_ held: throws the I/O thread's error
   void transfer(size_t i, char* buf, bool write);  // pread / pwrite of the padded region
@@ -73,7 +74,7 @@ class StateFile {
   int64_t total_ = 0, window_ = 0, held_ = 0;
   std::vector<Slot> slot_;
   std::vector<Buf> buf_;
-  std::vector<char> written_;
+  std::vector<char> written_, seen_;        // seen_: acquired since the step began
   std::vector<size_t> order_, next_order_;  // the last step's acquires; this step's so far
   size_t pos_ = 0, ahead_ = 0;  // order_[pos_]: the next acquire expected; ahead_ read past it
   std::deque<Job> jobs_;
