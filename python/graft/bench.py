@@ -30,6 +30,9 @@ The graft binary is --graft-bin, else $GRAFT_BIN, else bin/graft under the insta
 package was installed to (<prefix>/lib/python3/dist-packages/graft -> <prefix>/bin/graft), else
 `graft` on PATH.
 
+`python3 -m graft.bench --largest ...`: the largest Llama-style model each system trains one step of
+under a memory limit (python/graft/_largest.py has its options).
+
 The model zoo's benchmark is not part of the package: bench/zoo_bench.py in the source tree, which
 imports the helpers below (docs/bench.md).
 """
@@ -383,6 +386,10 @@ def validate(a):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--largest" in argv or "--largest-worker" in argv:  # the largest model each system trains (#32)
+        from . import _largest
+        return _largest.main(argv)
     a = build_parser().parse_args(argv)
     try:
         validate(a)

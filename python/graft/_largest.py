@@ -1,0 +1,223 @@
+"""python3 -m graft.bench --largest: the largest Llama-style model each system trains one step of.
+
+    python3 -m graft.bench --largest [--systems eager,recipe,graft,graft-file] [--params 0.5,1,2,4]
+                                     [--limit BYTES] [--seq 512] [--state-dir DIR] [--json]
+
+Systems, each candidate in its own process under a memory limit (RLIMIT_DATA: private writable
+memory, what an anonymous allocation takes; a candidate over it fails with an allocation error
+instead of the OOM killer deciding), batch 1, sequence --seq, float32 weights, exact AdamW:
+
+  eager       torch.optim.AdamW after backward (set_to_none);
+  recipe      PyTorch's best recipe: AdamW per parameter inside backward through
+              register_post_accumulate_grad_hook, with activation checkpointing
+              (gradient_checkpointing_enable); torch 2.x;
+  graft       GraftModule(gradients="step") with torch.optim.AdamW (moments in RAM);
+  graft-file  GraftModule(gradients="step") with graft.optim.AdamW, moments in a file under
+              --state-dir (Note [optimizer state on disk]).
+
+The configs: Llama with hidden size h (head size 128, SwiGLU width 8h/3 rounded to 256, vocab
+32000, untied embeddings) and depth chosen for each size in --params (billions of parameters);
+each system walks the sizes upwards and stops at its first failure. JSON rows carry system, mode,
+params, peak_anon_bytes (the child's anonymous memory sampled by this process, less its level
+before the model), step_seconds (the timed step after one warm-up), tokens_per_second, loss, and
+ok / error. The table's reference is the larger of eager's and recipe's largest.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from . import _proc
+
+SYSTEMS = ("eager", "recipe", "graft", "graft-file")
+VOCAB = 32000
+
+
+def llama_config(billions, seq, vocab=VOCAB, hidden=None):
+    """A Llama-style model of about `billions` parameters: the hidden size of Llama's own models of
+    that size (1024 below 0.3B, 2048 to 1.5B, 3072 to 4B, 4096 to 9B, else 5120), head size 128,
+    SwiGLU width 8h/3 rounded up to 256, untied embeddings, and the depth that comes closest."""
+    target = billions * 1e9
+    hidden = hidden or (1024 if billions < 0.3 else 2048 if billions < 1.5 else 3072 if billions < 4 else
+                        4096 if billions < 9 else 5120)
+    inter = (8 * hidden // 3 + 255) // 256 * 256
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    rest = 2 * vocab * hidden + hidden
+    layers = max(1, round((target - rest) / per_layer))
+    return {"hidden": hidden, "layers": layers, "intermediate": inter, "heads": max(1, hidden // 128),
+            "params": layers * per_layer + rest, "seq": seq, "vocab": vocab}
+
+
+def _apply_limit(limit):
+    if limit > 0:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def worker(a):
+    """One candidate, in this process: build, one warm-up step, one timed step; prints a JSON row."""
+    import torch
+    torch.set_num_threads(a.threads)
+    _apply_limit(a.limit)
+    cfg = json.loads(a.config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    marks = _proc.StepMarks()  # (after the imports every system makes)
+    torch.manual_seed(0)
+    vocab = cfg["vocab"]
+    hf = LlamaConfig(vocab_size=vocab, hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                     num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                     num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"],
+                     tie_word_embeddings=False)
+    model = LlamaForCausalLM(hf).train()
+    ids = torch.randint(0, vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    lr = 1e-5
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(input_ids=x, labels=x).loss
+
+    if a.system == "eager":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    elif a.system == "recipe":
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            raise RuntimeError("the recipe needs torch >= 2.1 (register_post_accumulate_grad_hook)")
+        model.gradient_checkpointing_enable()
+        opts = {p: torch.optim.AdamW([p], lr=lr) for p in model.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss.item()
+    else:
+        import graft
+        if a.system == "graft":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        else:
+            from graft.optim import AdamW
+            opt = AdamW(model.parameters(), lr=lr, state_file=os.path.join(a.state_dir, f"adamw-{os.getpid()}.state"))
+        g = graft.GraftModule(LossOf(model), gradients="step", optimizer=opt)
+
+        def step():
+            loss = g(ids)
+            loss.backward()
+            return loss.item()
+    marks.start()
+    loss = step()  # warm-up (graft: the capture and plan)
+    marks.end()
+    marks.start()
+    t0 = time.monotonic()
+    loss = step()
+    secs = time.monotonic() - t0
+    marks.end()
+    if a.system == "graft-file":
+        os.unlink(opt.state_file)
+    row = {"system": "pytorch" if a.system in ("eager", "recipe") else "graft", "mode": a.system,
+           "params": cfg["params"], "config": cfg, "step_seconds": secs,
+           "tokens_per_second": cfg["seq"] / secs, "loss": loss, "torch": torch.__version__}
+    row.update(marks.to_json(warmup=1))
+    print(json.dumps(row))
+
+
+def run_candidate(a, system, cfg):
+    cmd = [sys.executable, "-m", "graft.bench", "--largest-worker", "--system", system, "--config", json.dumps(cfg),
+           "--limit", str(a.limit), "--threads", str(a.threads), "--state-dir", a.state_dir]
+    rc, out, err, samples = _proc.run_sampled(cmd, timeout=a.timeout)
+    row = {"system": "pytorch" if system in ("eager", "recipe") else "graft", "mode": system,
+           "params": cfg["params"], "config": cfg, "ok": False}
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    if rc != 0 or not lines:
+        tail = (err.strip().splitlines() or ["(no output)"])[-1]
+        row["error"] = f"exit {rc}: {tail[:300]}"
+        return row
+    row.update(json.loads(lines[-1]))
+    before = row.get("anon_before_model_bytes", 0)
+    peak = max((b for _, b in samples), default=-1)
+    row["peak_anon_bytes"] = peak - before if peak >= 0 else None
+    row["ok"] = True
+    return row
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python3 -m graft.bench --largest", description=__doc__.splitlines()[0])
+    p.add_argument("--largest", action="store_true")
+    p.add_argument("--largest-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--params", default="0.5,1,1.5,2,3,4,5",
+                   help="sizes to try, in billions of parameters, ascending (default 0.5,...,5)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (small models for tests)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size of every config (default: by size)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="bytes of private writable memory per candidate (default: MemAvailable less 1 GiB)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--state-dir", default=os.environ.get("TMPDIR", "/tmp"),
+                   help="where graft-file keeps its state file (local disk)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per candidate")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.limit is None:
+        a.limit = max(0, _meminfo("MemAvailable") - (1 << 30))
+    if a.largest_worker:
+        worker(a)
+        return 0
+    systems = [s for s in a.systems.split(",") if s]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        print(f"--systems takes {', '.join(SYSTEMS)} (got {a.systems!r})", file=sys.stderr)
+        return 2
+    sizes = [float(x) for x in a.params.split(",") if x]
+    rows = []
+    for system in systems:
+        for b in sizes:
+            row = run_candidate(a, system, llama_config(b, a.seq, a.vocab, a.hidden))
+            rows.append(row)
+            if not a.json:
+                print(f"{system:10s} {row['params'] / 1e9:6.2f}B  "
+                      + (f"peak {row['peak_anon_bytes'] / 2**30:6.2f} GiB  {row['step_seconds']:8.1f} s  loss {row['loss']:.4f}"
+                         if row["ok"] else row["error"]), flush=True)
+            if not row["ok"]:
+                break
+    largest = {s: max((r["params"] for r in rows if r["mode"] == s and r["ok"]), default=0) for s in systems}
+    ref = max(largest.get("eager", 0), largest.get("recipe", 0))
+    out = {"config": {"seq": a.seq, "batch": 1, "limit_bytes": a.limit, "threads": a.threads, "sizes": sizes},
+           "largest": largest, "reference_params": ref,
+           "ratio": {s: (largest[s] / ref if ref else None) for s in systems}, "rows": rows}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print("largest: " + ", ".join(f"{s} {largest[s] / 1e9:.2f}B" for s in systems)
+              + (f"; against PyTorch's {ref / 1e9:.2f}B: " + ", ".join(
+                  f"{s} {largest[s] / ref:.2f}x" for s in systems if s.startswith("graft")) if ref else ""))
+    return 0
+
+
+def _meminfo(key):
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
