@@ -126,12 +126,16 @@ void StateFile::check_locked() {
   if (!error_.empty()) fail(error_);
 }
 
-void StateFile::take_buffer_locked(size_t i) {
-  Buf& b = buf_[i];
-  b.mem = alloc_.allocate(static_cast<size_t>(padded_[i] + kAlign), Category::OptimizerState,
-                          "optimizer state in flight");
+StateFile::Buf StateFile::aligned(size_t i, Category c, const char* what) {
+  Buf b;
+  b.mem = alloc_.allocate(static_cast<size_t>(padded_[i] + kAlign), c, what);
   const auto addr = reinterpret_cast<uintptr_t>(b.mem->data);
   b.data = reinterpret_cast<char*>((addr + kAlign - 1) / kAlign * kAlign);
+  return b;
+}
+
+void StateFile::take_buffer_locked(size_t i) {
+  buf_[i] = aligned(i, Category::OptimizerState, "optimizer state in flight");
   held_ += padded_[i];
 }
 
@@ -313,10 +317,8 @@ void StateFile::read(size_t i, void* dst) {
     std::memcpy(dst, buf_[i].data, static_cast<size_t>(size_[i]));
     return;
   }
-  auto tmp = alloc_.allocate(static_cast<size_t>(padded_[i] + kAlign), Category::Workspace,
-                             "optimizer state copy");
-  char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(tmp->data) + kAlign - 1) / kAlign *
-                                    kAlign);
+  const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
+  char* p = tmp.data;
   transfer(i, p, false);
   std::memcpy(dst, p, static_cast<size_t>(size_[i]));
 }
@@ -333,10 +335,8 @@ void StateFile::write(size_t i, const void* src) {
     order_.clear();
     pos_ = ahead_ = 0;
   }
-  auto tmp = alloc_.allocate(static_cast<size_t>(padded_[i] + kAlign), Category::Workspace,
-                             "optimizer state copy");
-  char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(tmp->data) + kAlign - 1) / kAlign *
-                                    kAlign);
+  const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
+  char* p = tmp.data;
   std::memset(p, 0, static_cast<size_t>(padded_[i]));
   std::memcpy(p, src, static_cast<size_t>(size_[i]));
   transfer(i, p, true);

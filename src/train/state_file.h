@@ -58,6 +58,7 @@ class StateFile {
     size_t i;
     bool write;
   };
+  Buf aligned(size_t i, Category c, const char* what);  // a 4096-aligned block of i's region
   void io_loop();
   void prefetch_locked();                          // mu_ held
   void begin_step_locked();                        // mu_ held

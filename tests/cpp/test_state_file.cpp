@@ -35,16 +35,26 @@ struct Trained {
   StateFileStats stats;
 };
 
+// A step-mode session over the seed's linear stack (float32), its input set.
+std::unique_ptr<TrainSession> step_session(Allocator& alloc) {
+  auto s = std::make_unique<TrainSession>(linear_stack(B, H, L, DType::F32, alloc, 7),
+                                          session_options(alloc, GradMode::Step));
+  s->set_input("x", ramp_input(alloc, B, H, DType::F32));
+  return s;
+}
+AdamWOptions adamw_options() {
+  AdamWOptions ao;
+  ao.lr = 0.01;
+  return ao;
+}
+
 // `steps` AdamW steps in step mode on the seed's linear stack (float32), the state in RAM
 // (path empty) or in a file with the given window.
 Trained train(int steps, const std::string& path, int64_t window = 0, bool direct = true) {
   Allocator alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7),
-                 session_options(alloc, GradMode::Step));
-  s.set_input("x", ramp_input(alloc, B, H, DType::F32));
-  AdamWOptions ao;
-  ao.lr = 0.01;
-  AdamW opt(s.trainable(), ao, &alloc);
+  auto sp = step_session(alloc);
+  TrainSession& s = *sp;
+  AdamW opt(s.trainable(), adamw_options(), &alloc);
   if (!path.empty()) opt.set_state_file({path, window, direct});
   s.set_step_optimizer(&opt);
   for (int k = 0; k < steps; ++k) s.step();
@@ -160,11 +170,9 @@ TEST(StateFile, TheStateSurvivesACheckpointRoundTrip) {
   // same as 6 steps in RAM.
   const Trained ram = train(6, "");
   Allocator alloc;
-  TrainSession s(linear_stack(B, H, L, DType::F32, alloc, 7),
-                 session_options(alloc, GradMode::Step));
-  s.set_input("x", ramp_input(alloc, B, H, DType::F32));
-  AdamWOptions ao;
-  ao.lr = 0.01;
+  auto sp = step_session(alloc);
+  TrainSession& s = *sp;
+  const AdamWOptions ao = adamw_options();
   const std::string p1 = temp_path("ck1"), p2 = temp_path("ck2");
   OptimizerState saved;
   {
