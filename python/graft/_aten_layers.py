@@ -33,9 +33,14 @@ def _channel_vector(r, w, rank):
 # --- activations ---------------------------------------------------------------------------------
 @rule("rrelu_with_noise", "rrelu_with_noise_functional")
 def _rrelu(r, out, a, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
-    if training:
-        raise NotCaptured("RReLU in training mode (a random slope per element, drawn by PyTorch)")
-    y = _leaky_relu(r, out, a, (lower + upper) / 2)  # eval: the mean slope
+    if training:  # graft's RRelu: the slopes drawn from graft's stream (as Dropout's masks)
+        if not a.is_floating_point():
+            raise NotCaptured("rrelu of integers")
+        r.has_dropout = True  # (a seed per call, as for Dropout)
+        y, _ = r.emit("RRelu", [r.v(a)], attrs=[("lower", "f", float(lower)), ("upper", "f", float(upper))],
+                      nout=2, domain="graft")
+    else:
+        y = _leaky_relu(r, out, a, (lower + upper) / 2)  # eval: the mean slope
     return [y, None] if isinstance(out, (tuple, list)) else y  # 2.x's functional form also gives the noise
 
 

@@ -82,11 +82,12 @@ void add_nodes(Graph& g, std::vector<NodeSpec> nodes, Allocator& alloc,
     const std::string label = spec_label(n, i);
     // graft's own domain: only the ops graft's PyTorch capture writes (python/graft/_aten.py, Note
     // [capture]): StopGradient (a constant for autodiff where eager's autograd stops a gradient),
-    // the math ONNX lacks (src/ops/math.cpp, Atan2 in binary.cpp), PythonOp (a custom
-    // autograd.Function), CTCLoss and Attention (fused scaled-dot-product attention,
+    // the math ONNX lacks (src/ops/math.cpp, Atan2 in binary.cpp), RRelu (dropout.cpp), PythonOp (a
+    // custom autograd.Function), CTCLoss and Attention (fused scaled-dot-product attention,
     // src/ops/attention.cpp).
-    static const std::set<std::string> kGraftOpsInFiles = {
-        "StopGradient", "Trunc", "Expm1", "Log1p", "Atan2", "PythonOp", "CTCLoss", "Attention"};
+    static const std::set<std::string> kGraftOpsInFiles = {"StopGradient", "Trunc",   "Expm1",
+                                                           "Log1p",        "Atan2",   "RRelu",
+                                                           "PythonOp",     "CTCLoss", "Attention"};
     GRAFT_CHECK(
         n.domain.empty() || n.domain == "ai.onnx" ||
             (n.domain == "graft" && kGraftOpsInFiles.count(n.op)),

@@ -1,6 +1,9 @@
-// Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity),
-// seeded by the run's seed (RunOptions::seed: a TrainSession's counter, rng_state()), drawn from
-// graft's counter-based stream (opsutil::keep_at) in parallel.
+// Dropout (a Bernoulli mask scaled by 1 / (1 - ratio) in training mode, else the identity) and
+// graft's RRelu (RReLU in training mode: a random slope per element), seeded by the run's seed
+// (RunOptions::seed: a TrainSession's counter, rng_state()), drawn from graft's counter-based
+// stream (opsutil::splitmix64) in parallel.
+
+#include <cmath>
 
 #include "util.h"
 
@@ -93,7 +96,70 @@ void grad_dropout(GradBuilder& g) {
   g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
 }
 
+// ---- graft's RRelu
+// -------------------------------------------------------------------------------- RRelu(X; lower,
+// upper, seed) -> Y, Slope: PyTorch's rrelu in training mode. Where x <= 0 the slope is drawn
+// uniformly from [lower, upper) (graft's stream, not PyTorch's generator, as Dropout's masks),
+// elsewhere it is 1; Y = X * Slope. Its gradient is dY * Slope (the slope kept, as eager keeps its
+// noise tensor).
+struct RReluAttrs {
+  double lower = 1.0 / 8, upper = 1.0 / 3;
+  uint64_t stream = 0;
+};
+RReluAttrs rrelu_attrs(const Node& n) {
+  const std::string where = n.label();
+  RReluAttrs a;
+  a.lower = n.attrs.get_float("lower", 1.0 / 8, where);
+  a.upper = n.attrs.get_float("upper", 1.0 / 3, where);
+  a.stream = node_stream(n.attrs.get_int("seed", 0, where), n.name);
+  if (!(a.lower <= a.upper) || !std::isfinite(a.lower) || !std::isfinite(a.upper))
+    fail_at(ErrorKind::InvalidModel, n.name,
+            where + ": RRelu needs finite lower <= upper (got " + std::to_string(a.lower) + ", " +
+                std::to_string(a.upper) + ")");
+  return a;
+}
+std::shared_ptr<const void> prepare_rrelu(const Node& n) { return prepared(rrelu_attrs(n)); }
+void infer_rrelu(InferCtx& c) {
+  require_float(c, 0);
+  rrelu_attrs(c.node());
+  c.set_out(0, c.dtype(0), c.shape(0));
+  c.set_out(1, c.dtype(0), c.shape(0));
+}
+void rrelu_kernel(KernelCtx& c) {
+  const RReluAttrs& a = c.attrs<RReluAttrs>();
+  const uint64_t base = stream_base(c.seed, a.stream);
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+    const T* px = c.in(0).data<T>();
+    T* py = c.out(0).data<T>();
+    T* ps = c.has_out(1) ? c.out(1).data<T>() : nullptr;
+    parallel_for(c.in(0).numel(), 8, [&](int, int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        T s = T(1);
+        if (px[i] <= T(0)) {
+          const double u =
+              static_cast<double>(splitmix64(base + static_cast<uint64_t>(i) * kGolden) >> 11) *
+              (1.0 / 9007199254740992.0);
+          s = static_cast<T>(a.lower + (a.upper - a.lower) * u);
+        }
+        if (ps) ps[i] = s;
+        py[i] = px[i] * s;
+      }
+    });
+  });
+}
+void grad_rrelu(GradBuilder& g) { g.set_dx(0, g.emit1("Mul", {g.dy(0), g.y(1)})); }
+
 const OpDef kOps[] = {
+    {.name = "RRelu",
+     .domain = "graft",
+     .max_out = 2,
+     .infer = infer_rrelu,
+     .prepare = prepare_rrelu,
+     .kernel = rrelu_kernel,
+     .grad = grad_rrelu,
+     .foldable = false,
+     .random = true,
+     .recompute = false},
     {.name = "Dropout",
      .max_in = 3,
      .max_out = 2,

@@ -183,6 +183,18 @@ std::vector<Case> cases() {
        "GridSample",
        {In::f({1, 2, 3, 4}), In::fc({1, 2, 2, 2}, -0.9, 0.9)},
        A([](Attrs& a) { a.set_string("mode", "nearest"); })},
+      // RReLU in training mode: slopes drawn from the run's stream (fixed per run here).
+      {"rrelu",
+       "RRelu",
+       {In::f({3, 4})},
+       A([](Attrs& a) {
+         a.set_float("lower", 0.1);
+         a.set_float("upper", 0.4);
+       }),
+       2,
+       1e-6,
+       1e-6,
+       "graft"},
       {"atan2", "Atan2", {In::f({2, 3}), In::f({3})}, nullptr, 1, 1e-6, 1e-6, "graft"},
       {"neg", "Neg", {In::f({5})}},
       {"reciprocal", "Reciprocal", {In::f({5}, kPos, 2)}},

@@ -369,14 +369,30 @@ def test_large_float32_inputs_give_eager_s_finite_values(name):
     assert g.export_method == "capture", g.export_method
 
 
-def test_rrelu_in_training_mode_is_not_captured():
-    """Its random slopes are PyTorch's draw: the capture says so (and the exporter is tried)."""
-    g = GraftModule(nn.Sequential(nn.Linear(6, 8), nn.RReLU()))
-    try:
-        g(torch.randn(5, 6))
-    except Exception:  # noqa: BLE001  (the exporter's graph may be refused too)
-        pass
-    assert "RReLU in training mode" in g.export_method, g.export_method
+def test_rrelu_in_training_mode_with_one_slope_trains_as_eager():
+    """lower == upper: eager's draw is that slope, so graft's RRelu must give eager's numbers."""
+    torch.manual_seed(0)
+    g = train_both(nn.Sequential(nn.Linear(6, 8), nn.RReLU(0.2, 0.2), nn.Linear(8, 3)), vector)
+    assert g.export_method == "capture", g.export_method
+
+
+def test_rrelu_in_training_mode_draws_slopes_in_range_and_differentiates_through_them():
+    """Slopes drawn by graft's stream (as Dropout's masks): each negative input's slope in
+    [lower, upper), positive inputs pass, a new draw every call, and the input's gradient is the
+    slope the forward used."""
+    g = GraftModule(nn.RReLU(0.1, 0.3).double())
+    x = torch.linspace(-3, 3, 301, dtype=torch.float64).reshape(7, 43).requires_grad_(True)
+    y = g(x)
+    y.sum().backward()
+    neg = x.detach() < 0
+    slope = (y.detach() / x.detach())
+    assert torch.equal(y.detach()[~neg], x.detach()[~neg])
+    assert slope[neg].min() >= 0.1 and slope[neg].max() < 0.3 and slope[neg].std() > 0.03
+    torch.testing.assert_close(x.grad[neg], slope[neg])
+    assert torch.all(x.grad[x.detach() > 0] == 1)
+    assert not torch.equal(g(x).detach(), y.detach())  # the next call draws again
+    g.eval()
+    torch.testing.assert_close(g(x).detach()[neg], x.detach()[neg] * 0.2)  # eval: the mean slope
 
 
 class MaskedSelect(nn.Module):
