@@ -323,7 +323,7 @@ class Optimizer {
  protected:
   explicit Optimizer(std::vector<Parameter*> params, Allocator* alloc = nullptr);
   void load_steps(int64_t t) { t_ = t; }  // load_state only
-  virtual void began_step();              // begin_step's hook (the state file reads ahead)
+  void began_step();                      // begin_step's hook (the state file reads ahead)
   std::vector<Parameter*> params_;
   Allocator* alloc_;
   std::unique_ptr<StateFile> file_;  // set_state_file: the state lives there, not in tensors

@@ -8,7 +8,7 @@ a large x) would be NaN.
 import torch
 
 from ._aten import NotCaptured, elem
-from ._aten_rules import RULES, _axis, _reduce_axes, rule
+from ._aten_rules import RULES, _axis, _operands, _p_norm, _reduce_axes, rule
 
 _leaky_relu = RULES["leaky_relu"]
 
@@ -356,6 +356,13 @@ def _gather(r, out, a, dim, index, sparse_grad=False):
     return r.emit("GatherND", [r.v(a), coords])
 
 
+def _one_hot(r, index, n):
+    """For each element of index, a row of n booleans, true where the index is: index's shape + [n]."""
+    rank = index.dim()
+    return r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
+                            r.v(torch.arange(n).view([1] * rank + [n]))])
+
+
 def _scatter_sums(r, dt, a, dim, index, srcs):
     """For each of srcs, the sum of its elements into their index along dim, in a's shape, as a
     one-hot product: for each element of index, a row of a.shape[dim] (1 where the index is), times
@@ -364,9 +371,7 @@ def _scatter_sums(r, dt, a, dim, index, srcs):
     rank = a.dim()
     dim = _axis(dim, rank)
     shape, n = list(index.shape), a.shape[dim]
-    hot = r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
-                           r.v(torch.arange(n).view([1] * rank + [n]))])
-    hot = r.emit("Cast", [hot], attrs=[("to", "i", elem(dt))])
+    hot = r.emit("Cast", [_one_hot(r, index, n)], attrs=[("to", "i", elem(dt))])
     perm = list(range(dim)) + [rank - 1] + list(range(dim, rank - 1))
     pad = [0 if d == dim else a.shape[d] - shape[d] for d in range(rank)]
     ys = []
@@ -752,7 +757,6 @@ def _graft_attention(r, out, q, k, v, mask, dropout_p, is_causal, scale):
 # --- distances, products, masked and reducing scatters --------------------------------------------
 @rule("atan2", "atan2_", "arctan2")
 def _atan2(r, out, y, x):
-    from ._aten_rules import _operands
     if not out.is_floating_point():
         raise NotCaptured("atan2 of integers")
     return r.emit("Atan2", _operands(r, out, y, x, dtype=out.dtype), domain="graft")
@@ -767,16 +771,6 @@ def _prod(r, out, a, dim=None, keepdim=False, dtype=None):
     return r.emit("ReduceProd", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
 
 
-def _p_norm_last(r, d, p, keepdim=False):
-    """The p-norm of d over its last axis, for p = 1 or 2 (the 2-norm's gradient is 0 where the norm
-    is, as PyTorch's cdist / pdist backward)."""
-    if p == 2:
-        return r.emit("ReduceL2", [d], attrs=[("axes", "I", [-1]), ("keepdims", "i", int(keepdim))])
-    if p == 1:
-        return r.emit("ReduceSum", [r.emit("Abs", [d]), r.ints([-1])], attrs=[("keepdims", "i", int(keepdim))])
-    raise NotCaptured(f"a distance of order p={p} (graft has p = 1 and 2)")
-
-
 @rule("_cdist_forward", "cdist", "_euclidean_dist")
 def _cdist(r, out, x1, x2, p=2.0, compute_mode=None):
     """torch.cdist as the norm of every pairwise difference ([..., P, 1, M] - [..., 1, R, M]): exact
@@ -786,7 +780,7 @@ def _cdist(r, out, x1, x2, p=2.0, compute_mode=None):
     rank = x1.dim()
     d = r.emit("Sub", [r.emit("Unsqueeze", [r.v(x1), r.ints([rank - 1])]),
                        r.emit("Unsqueeze", [r.v(x2), r.ints([rank - 2])])])
-    return _p_norm_last(r, d, float(p))
+    return _p_norm(r, d, [-1], float(p))
 
 
 @rule("_pdist_forward", "pdist")
@@ -796,7 +790,7 @@ def _pdist(r, out, x, p=2.0):
     i, j = torch.triu_indices(n, n, offset=1)
     a = r.emit("Gather", [r.v(x), r.v(i.contiguous())], attrs=[("axis", "i", 0)])
     b = r.emit("Gather", [r.v(x), r.v(j.contiguous())], attrs=[("axis", "i", 0)])
-    return _p_norm_last(r, r.emit("Sub", [a, b]), float(p))
+    return _p_norm(r, r.emit("Sub", [a, b]), [-1], float(p))
 
 
 @rule("masked_scatter", "masked_scatter_")
@@ -840,8 +834,7 @@ def _scatter_reduce(r, out, a, dim, index, src, reduce, include_self=True):
         raise NotCaptured(f"scatter_reduce({reduce!r}) with an index shaped {shape} for input {list(a.shape)} "
                           f"and src {list(src.shape)} (graft needs index and src alike, matching the input "
                           f"on every axis but dim)")
-    hot = r.emit("Equal", [r.emit("Unsqueeze", [r.v(index, torch.int64), r.ints([rank])]),
-                           r.v(torch.arange(n).view([1] * rank + [n]))])
+    hot = _one_hot(r, index, n)
     hit = r.emit("ReduceMax", [r.emit("Cast", [hot], attrs=[("to", "i", elem(dt))])],
                  attrs=[("axes", "I", [dim]), ("keepdims", "i", 1)])  # [..., 1 at dim, ..., n]
     worst = float("-inf") if reduce == "amax" else float("inf")

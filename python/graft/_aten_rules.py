@@ -320,19 +320,24 @@ def _sum(r, out, a, dims=None, keepdim=False, dtype=None):
     return r.emit("ReduceSum", [r.v(a), r.ints(_reduce_axes(a, dims))], attrs=[("keepdims", "i", int(keepdim))])
 
 
+def _p_norm(r, x, axes, p, keepdim=False):
+    """The p-norm of graph value x over `axes`, p = 2 (ReduceL2; its gradient 0 where the norm is,
+    as PyTorch's norm, cdist and pdist backward) or 1."""
+    if p == 2:
+        return r.emit("ReduceL2", [x], attrs=[("axes", "I", list(axes)), ("keepdims", "i", int(keepdim))])
+    if p == 1:
+        return r.emit("ReduceSum", [r.emit("Abs", [x]), r.ints(axes)], attrs=[("keepdims", "i", int(keepdim))])
+    raise NotCaptured(f"a norm of order {p} (graft has the 1- and 2-norms)")
+
+
 @rule("norm", "linalg_vector_norm")
 def _norm(r, out, a, p=2, dim=None, keepdim=False, dtype=None):
+    """The 2-norm and the 1-norm over `dim` or all axes (torch.norm, F.normalize, spectral_norm's
+    power iteration)."""
     p = 2 if p is None else p
-    """The 2-norm (ReduceL2; its gradient 0 where the norm is, as PyTorch's) and the 1-norm, over
-    `dim` or all axes (torch.norm, F.normalize, spectral_norm's power iteration)."""
     if dtype is not None and dtype != a.dtype:
         raise NotCaptured("a norm with a dtype")
-    axes = _reduce_axes(a, dim)
-    if p == 2:
-        return r.emit("ReduceL2", [r.v(a)], attrs=[("axes", "I", axes), ("keepdims", "i", int(keepdim))])
-    if p == 1:
-        return r.emit("ReduceSum", [r.emit("Abs", [r.v(a)]), r.ints(axes)], attrs=[("keepdims", "i", int(keepdim))])
-    raise NotCaptured(f"a norm of order {p} (graft has the 1- and 2-norms)")
+    return _p_norm(r, r.v(a), _reduce_axes(a, dim), p, keepdim)
 
 
 @rule("_weight_norm_interface")

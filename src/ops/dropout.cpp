@@ -96,12 +96,11 @@ void grad_dropout(GradBuilder& g) {
   g.set_dx(0, g.emit1("Mul", {g.emit1("Mul", {g.dy(0), m}), g.scalar(1.0 / (1.0 - p), dt)}));
 }
 
-// ---- graft's RRelu
-// -------------------------------------------------------------------------------- RRelu(X; lower,
-// upper, seed) -> Y, Slope: PyTorch's rrelu in training mode. Where x <= 0 the slope is drawn
-// uniformly from [lower, upper) (graft's stream, not PyTorch's generator, as Dropout's masks),
-// elsewhere it is 1; Y = X * Slope. Its gradient is dY * Slope (the slope kept, as eager keeps its
-// noise tensor).
+// ---- graft's RRelu ------------------------------------------------------------------------------
+// RRelu(X; lower, upper, seed) -> Y, Slope: PyTorch's rrelu in training mode. Where x <= 0 the
+// slope is drawn uniformly from [lower, upper) (graft's stream, not PyTorch's generator, as
+// Dropout's masks), elsewhere it is 1; Y = X * Slope. Its gradient is dY * Slope (the slope kept,
+// as eager keeps its noise tensor).
 struct RReluAttrs {
   double lower = 1.0 / 8, upper = 1.0 / 3;
   uint64_t stream = 0;
@@ -135,12 +134,9 @@ void rrelu_kernel(KernelCtx& c) {
     parallel_for(c.in(0).numel(), 8, [&](int, int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         T s = T(1);
-        if (px[i] <= T(0)) {
-          const double u =
-              static_cast<double>(splitmix64(base + static_cast<uint64_t>(i) * kGolden) >> 11) *
-              (1.0 / 9007199254740992.0);
-          s = static_cast<T>(a.lower + (a.upper - a.lower) * u);
-        }
+        if (px[i] <= T(0))
+          s = static_cast<T>(a.lower +
+                             (a.upper - a.lower) * uniform_at(base, static_cast<uint64_t>(i)));
         if (ps) ps[i] = s;
         py[i] = px[i] * s;
       }

@@ -77,29 +77,28 @@ Src source(double g, int64_t size, const GridAttrs& a) {
 struct Taps {
   int64_t off[4] = {0, 0, 0, 0};
   double w[4] = {0, 0, 0, 0};
+  bool inside[4] = {false, false, false, false};
   int n = 0;
-  // bilinear: the corners' coordinates and fractions, for dGrid
-  int64_t x0 = 0, y0 = 0;
-  double fx = 0, fy = 0;
+  double fx = 0, fy = 0;  // bilinear: the fractions past the first corner, for dGrid
 };
 Taps taps(const Src& sx, const Src& sy, int64_t H, int64_t W, const GridAttrs& a) {
   Taps t;
-  auto in = [&](int64_t y, int64_t x) { return y >= 0 && y < H && x >= 0 && x < W; };
+  auto tap = [&](int k, int64_t y, int64_t x, double w) {
+    t.inside[k] = y >= 0 && y < H && x >= 0 && x < W;
+    if (t.inside[k]) t.off[k] = y * W + x, t.w[k] = w;
+  };
   if (a.nearest) {
-    const int64_t x = static_cast<int64_t>(std::nearbyint(sx.v)),
-                  y = static_cast<int64_t>(std::nearbyint(sy.v));
     t.n = 1;
-    if (in(y, x)) t.off[0] = y * W + x, t.w[0] = 1;
+    tap(0, static_cast<int64_t>(std::nearbyint(sy.v)), static_cast<int64_t>(std::nearbyint(sx.v)),
+        1);
     return t;
   }
-  t.x0 = static_cast<int64_t>(std::floor(sx.v)), t.y0 = static_cast<int64_t>(std::floor(sy.v));
-  t.fx = sx.v - static_cast<double>(t.x0), t.fy = sy.v - static_cast<double>(t.y0);
+  const int64_t x0 = static_cast<int64_t>(std::floor(sx.v)),
+                y0 = static_cast<int64_t>(std::floor(sy.v));
+  t.fx = sx.v - static_cast<double>(x0), t.fy = sy.v - static_cast<double>(y0);
   t.n = 4;
   const double wx[2] = {1 - t.fx, t.fx}, wy[2] = {1 - t.fy, t.fy};
-  for (int k = 0; k < 4; ++k) {
-    const int64_t y = t.y0 + (k >> 1), x = t.x0 + (k & 1);
-    if (in(y, x)) t.off[k] = y * W + x, t.w[k] = wy[k >> 1] * wx[k & 1];
-  }
+  for (int k = 0; k < 4; ++k) tap(k, y0 + (k >> 1), x0 + (k & 1), wy[k >> 1] * wx[k & 1]);
   return t;
 }
 
@@ -162,12 +161,8 @@ void grid_grad_kernel(KernelCtx& c) {
               // v = sum_k w_k v_k with w = (1-fy or fy) * (1-fx or fx); a tap outside is 0.
               const T* plane = px + (n * C + ch) * H * W;
               double v[4];
-              for (int k = 0; k < 4; ++k) {
-                const int64_t yy = t.y0 + (k >> 1), xx = t.x0 + (k & 1);
-                v[k] = (yy >= 0 && yy < H && xx >= 0 && xx < W)
-                           ? static_cast<double>(plane[yy * W + xx])
-                           : 0.0;
-              }
+              for (int k = 0; k < 4; ++k)
+                v[k] = t.inside[k] ? static_cast<double>(plane[t.off[k]]) : 0.0;
               gx += d * ((v[1] - v[0]) * (1 - t.fy) + (v[3] - v[2]) * t.fy);
               gy += d * ((v[2] - v[0]) * (1 - t.fx) + (v[3] - v[1]) * t.fx);
             }

@@ -294,10 +294,19 @@ inline uint64_t node_stream(int64_t seed_attr, const std::string& name) {
 inline uint64_t stream_base(uint64_t run_seed, uint64_t stream) {
   return splitmix64(run_seed * kGolden + stream);
 }
-// Element i's keep decision for a drop probability p: its top 53 bits at least p * 2^53.
-inline uint64_t keep_threshold(double p) { return static_cast<uint64_t>(p * 9007199254740992.0); }
+// Element i of stream `base`, as 53 random bits.
+inline uint64_t bits53_at(uint64_t base, uint64_t i) {
+  return splitmix64(base + i * kGolden) >> 11;
+}
+inline constexpr double kTwo53 = 9007199254740992.0;
+// Element i as a uniform draw from [0, 1).
+inline double uniform_at(uint64_t base, uint64_t i) {
+  return static_cast<double>(bits53_at(base, i)) / kTwo53;
+}
+// Element i's keep decision for a drop probability p: its 53 bits at least p * 2^53.
+inline uint64_t keep_threshold(double p) { return static_cast<uint64_t>(p * kTwo53); }
 inline bool keep_at(uint64_t base, uint64_t i, uint64_t threshold) {
-  return (splitmix64(base + i * kGolden) >> 11) >= threshold;
+  return bits53_at(base, i) >= threshold;
 }
 
 }  // namespace graft::opsutil

@@ -113,7 +113,7 @@ StateFile::StateFile(const StateFileOptions& o, std::vector<int64_t> sizes, Allo
 StateFile::~StateFile() {
   {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });
+    cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });  // (an error is not raised here)
     stop_ = true;
   }
   cv_.notify_all();
@@ -299,16 +299,20 @@ void StateFile::io_loop() {
   }
 }
 
-void StateFile::flush() {
-  std::unique_lock<std::mutex> lk(mu_);
+void StateFile::drain_locked(std::unique_lock<std::mutex>& lk) {
   cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });
   check_locked();
+}
+
+void StateFile::flush() {
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
   if (::fdatasync(fd_) != 0) fail("fdatasync failed: " + durable::errno_str());
 }
 
 void StateFile::read(size_t i, void* dst) {
-  flush();
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
   if (!written_[i]) {
     std::memset(dst, 0, static_cast<size_t>(size_[i]));
     return;
@@ -318,14 +322,13 @@ void StateFile::read(size_t i, void* dst) {
     return;
   }
   const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
-  char* p = tmp.data;
-  transfer(i, p, false);
-  std::memcpy(dst, p, static_cast<size_t>(size_[i]));
+  transfer(i, tmp.data, false);
+  std::memcpy(dst, tmp.data, static_cast<size_t>(size_[i]));
 }
 
 void StateFile::write(size_t i, const void* src) {
-  flush();
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
   GRAFT_CHECK(slot_[i] == Slot::Idle || slot_[i] == Slot::Ready, ErrorKind::Internal,
               "optimizer state file: parameter " + std::to_string(i) + " written while in use");
   if (slot_[i] == Slot::Ready) {  // a read-ahead copy would now be stale
@@ -336,12 +339,10 @@ void StateFile::write(size_t i, const void* src) {
     pos_ = ahead_ = 0;
   }
   const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
-  char* p = tmp.data;
-  std::memset(p, 0, static_cast<size_t>(padded_[i]));
-  std::memcpy(p, src, static_cast<size_t>(size_[i]));
-  transfer(i, p, true);
+  std::memset(tmp.data, 0, static_cast<size_t>(padded_[i]));
+  std::memcpy(tmp.data, src, static_cast<size_t>(size_[i]));
+  transfer(i, tmp.data, true);
   written_[i] = 1;
-  if (!direct_) ::fdatasync(fd_);
 }
 
 int64_t StateFile::bytes_read() const {

@@ -36,7 +36,8 @@ class StateFile {
   void begin_step();
   // Every write done and on disk (fdatasync). Rethrows a failed read or write.
   void flush();
-  // Synchronous whole-state copies (state() / load_state()); flush first.
+  // Synchronous whole-state copies (state() / load_state()), after the jobs in flight; no
+  // fdatasync (flush() makes the file durable).
   void read(size_t i, void* dst);
   void write(size_t i, const void* src);
 
@@ -60,11 +61,12 @@ class StateFile {
   };
   Buf aligned(size_t i, Category c, const char* what);  // a 4096-aligned block of i's region
   void io_loop();
-  void prefetch_locked();                          // mu_ held
-  void begin_step_locked();                        // mu_ held
-  void take_buffer_locked(size_t i);               // mu_ held
-  void check_locked();                             // mu_ held: throws the I/O thread's error
-  void transfer(size_t i, char* buf, bool write);  // pread / pwrite of the padded region
+  void prefetch_locked();                               // mu_ held
+  void begin_step_locked();                             // mu_ held
+  void take_buffer_locked(size_t i);                    // mu_ held
+  void check_locked();                                  // mu_ held: throws the I/O thread's error
+  void drain_locked(std::unique_lock<std::mutex>& lk);  // every job done; then check_locked
+  void transfer(size_t i, char* buf, bool write);       // pread / pwrite of the padded region
   [[noreturn]] void fail(const std::string& what) const;
 
   std::string path_;
