@@ -137,6 +137,10 @@ def worker(a):
     print(json.dumps(row))
 
 
+# How each system says that an allocation was refused: PyTorch's CPU allocator, Python itself, graft.
+_OOM_MARKS = ("can't allocate memory", "MemoryError", "GraftOutOfMemoryError", "std::bad_alloc")
+
+
 def run_candidate(a, system, cfg):
     cmd = [sys.executable, "-m", "graft.bench", "--largest-worker", "--system", system, "--config", json.dumps(cfg),
            "--limit", str(a.limit), "--threads", str(a.threads), "--state-dir", a.state_dir]
@@ -147,6 +151,9 @@ def run_candidate(a, system, cfg):
     if rc != 0 or not lines:
         tail = (err.strip().splitlines() or ["(no output)"])[-1]
         row["error"] = f"exit {rc}: {tail[:300]}"
+        # An allocation refused under the limit (what this benchmark looks for), told apart from
+        # any other failure, which is a bug to report rather than a size that does not fit.
+        row["out_of_memory"] = any(m in err for m in _OOM_MARKS)
         return row
     row.update(json.loads(lines[-1]))
     before = row.get("anon_before_model_bytes", 0)
