@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -198,7 +199,11 @@ class TrainSession {
   CompiledStep c_;  // compiled once; its plan moved into exec_ (exec_->plan())
   const BackwardGraph& bg_ = c_.bg;
   std::unique_ptr<Executor> exec_;
-  std::vector<Parameter> params_;    // the one home of parameter memory and .grad
+  std::vector<Parameter> params_;  // the one home of parameter memory and .grad
+  // Guards params_[i].data between bind_parameter and forward's reading of the bindings: the
+  // front end rebinds before every call while other threads' forwards run (a Tensor is a
+  // shared_ptr; copying one while it is reassigned can read a freed storage).
+  mutable std::mutex bind_mu_;
   std::vector<int> param_of_value_;  // value id -> index in params_, -1
   std::vector<int> param_of_sink_;   // node id -> index in params_ (gradient sinks), -1
   std::map<std::string, Tensor> default_inputs_;  // set_input

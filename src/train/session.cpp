@@ -157,6 +157,7 @@ void TrainSession::bind_parameter(const std::string& name, Tensor data) {
                           : "nothing"));
   GRAFT_CHECK(data.nbytes() == 0 || data.raw() != nullptr, ErrorKind::InvalidArgument,
               "parameter '" + name + "' was given a tensor with no memory (a null data pointer)");
+  std::lock_guard<std::mutex> lk(bind_mu_);
   p.data = std::move(data);
 }
 
@@ -212,6 +213,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
                                                  bool keep_for_backward, std::optional<bool> bf16) {
   auto st = std::make_shared<StepState>();
   std::vector<std::pair<int, Tensor>> bind;
+  std::unique_lock<std::mutex> bound(bind_mu_);  // the bindings, read once (bind_parameter)
   for (const Parameter& p : params_) {
     GRAFT_CHECK(p.data.defined(), ErrorKind::InvalidArgument,
                 "parameter '" + p.name + "' has no data (bind_parameter shares memory for it)");
@@ -224,6 +226,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
             " (assign a tensor of the planned shape, or build a new session)");
     bind.emplace_back(p.value, p.data);
   }
+  bound.unlock();
   for (const auto& [name, t] : inputs) {
     int v = g_.find(name);
     GRAFT_CHECK(v >= 0 && g_.values[v].kind == ValueKind::Input, ErrorKind::InvalidArgument,

@@ -3,6 +3,7 @@
 // values, and forwards may run on several threads; bad bindings are refused up front.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <thread>
 
@@ -93,6 +94,42 @@ TEST(Steps, ForwardsOnSeveralThreadsGiveEachTheirOwnResult) {
     EXPECT_NEAR(sums[k], want, 1e-12) << k;
   }
   EXPECT_EQ(a.current(Category::Activation), 0);
+}
+
+// The PyTorch front end binds the module's parameters (bind_parameter) before every forward, while
+// forwards of other threads may be running: a forward reads the binding it started with, and a
+// binding replaced meanwhile is neither torn nor freed under it (under AddressSanitizer a freed
+// binding would be a use after free; without it, a wrong result).
+TEST(Steps, BindingParametersWhileForwardsRunIsSafe) {
+  Allocator a;
+  TrainSession s(reciprocal_model(a), session_options(a));
+  std::vector<double> w(4);
+  for (int i = 0; i < 4; ++i) w[i] = 0.5 + i;
+  std::atomic<bool> done{false};
+  std::thread binder([&] {
+    while (!done.load())
+      s.bind_parameter("w", Tensor::external(w.data(), {4}, DType::F64, nullptr));
+  });
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> ts;
+  for (int k = 0; k < 4; ++k)
+    ts.emplace_back([&, k] {
+      double want = 0;
+      for (int i = 0; i < 4; ++i) want += 1.0 / ((1.0 + k) * (0.5 + i));
+      for (int rep = 0; rep < 2000; ++rep) {
+        double xv = 1.0 + k;
+        try {
+          auto st = s.forward({{"x", vec(a, {xv, xv, xv, xv})}}, std::nullopt, false);
+          wrong[k] += std::abs(st->loss.at(0) - want) > 1e-12;
+        } catch (const Error&) {
+          ++wrong[k];  // a torn binding read as a wrong shape
+        }
+      }
+    });
+  for (auto& t : ts) t.join();
+  done = true;
+  binder.join();
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(wrong[k], 0) << k;
 }
 
 TEST(Steps, RefusesTensorsWithoutMemory) {
