@@ -33,6 +33,10 @@ package was installed to (<prefix>/lib/python3/dist-packages/graft -> <prefix>/b
 `python3 -m graft.bench --largest ...`: the largest Llama-style model each system trains one step of
 under a memory limit (python/graft/_largest.py has its options).
 
+`python3 -m graft.bench --real [MODEL ...]`: step time, first call and memory of GPT-2 124M,
+BERT-base, ResNet-50, ViT-B/16 and a 1B Llama against PyTorch eager and torch.compile
+(python/graft/_real.py has its options).
+
 The model zoo's benchmark is not part of the package: bench/zoo_bench.py in the source tree, which
 imports the helpers below (docs/bench.md).
 """
@@ -390,6 +394,9 @@ def main(argv=None):
     if "--largest" in argv or "--largest-worker" in argv:  # the largest model each system trains (#32)
         from . import _largest
         return _largest.main(argv)
+    if "--real" in argv or "--real-worker" in argv:  # speed on the models people train, at real size (#33)
+        from . import _real
+        return _real.main(argv)
     a = build_parser().parse_args(argv)
     try:
         validate(a)
