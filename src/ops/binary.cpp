@@ -142,6 +142,30 @@ void pow_kernel(KernelCtx& c) {
   if (c.in(0).dtype() == DType::I64) return pow_int_kernel(c);
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& b = c.in(1);
+    if (b.numel() == 1 && c.out(0).shape() == c.in(0).shape()) {
+      // One exponent (x ** 3 in GELU's tanh form, x ** 2 in its gradient and in RMSNorm): small
+      // integer and half powers by multiplication or sqrt, as PyTorch's pow with a scalar does,
+      // in a loop the compiler vectorizes; other exponents by std::pow.
+      const T e = static_cast<T>(b.at(0));
+      const T* x = c.in(0).data<T>();
+      T* y = c.out(0).data<T>();
+      auto each = [&](int64_t cost, auto f) {
+        parallel_for(c.in(0).numel(), cost, [&](int, int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) y[i] = f(x[i]);
+        });
+      };
+      if (e == T(2))
+        each(kCheap, [](T v) { return v * v; });
+      else if (e == T(3))
+        each(kCheap, [](T v) { return v * v * v; });
+      else if (e == T(1))
+        each(kCheap, [](T v) { return v; });
+      else if (e == T(0.5))
+        each(kCheap, [](T v) { return std::sqrt(v); });
+      else
+        each(kMath, [e](T v) { return std::pow(v, e); });
+      return;
+    }
     if (b.dtype() == c.in(0).dtype()) {
       binary_loop<T>(
           c.in(0), b, c.out(0),

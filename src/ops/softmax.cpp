@@ -197,34 +197,44 @@ SceView sce_view(const Shape& s) {
   for (size_t i = 2; i < s.size(); ++i) v.D *= s[i];
   return v;
 }
-// Per-position log-softmax over C into `lp` (may be null), loss terms and weights.
+// Every label is a class or the ignored index (checked before the parallel loops, which cannot
+// throw); returns the sum of the weights of the positions that count (the mean's divisor).
 template <class T>
-void sce_forward(const KernelCtx& c, const T* x, const int64_t* lab, const T* w, SceView v,
-                 int64_t ignore, bool has_ignore, T* lp, std::vector<double>& term,
-                 std::vector<double>& wt) {
-  term.assign(v.N * v.D, 0.0);
-  wt.assign(v.N * v.D, 0.0);
-  for (int64_t nn = 0; nn < v.N; ++nn)
-    for (int64_t d = 0; d < v.D; ++d) {
-      const T* p = x + nn * v.C * v.D + d;
-      double mx = p[0];
-      for (int64_t k = 1; k < v.C; ++k) mx = std::max<double>(mx, p[k * v.D]);
-      double s = 0;
-      for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
-      double lse = std::log(s) + mx;
-      if (lp)
-        for (int64_t k = 0; k < v.C; ++k)
-          lp[nn * v.C * v.D + k * v.D + d] = static_cast<T>(p[k * v.D] - lse);
-      int64_t y = lab[nn * v.D + d];
-      if (has_ignore && y == ignore) continue;
-      if (y < 0 || y >= v.C)
-        c.error(ErrorKind::InvalidArgument,
-                "label " + std::to_string(y) + " is out of range [0, " + std::to_string(v.C) + ")");
-      double ww = w ? static_cast<double>(w[y]) : 1.0;
-      term[nn * v.D + d] = -ww * (p[y * v.D] - lse);
-      wt[nn * v.D + d] = ww;
-    }
+double sce_check_labels(const KernelCtx& c, const int64_t* lab, const T* w, int64_t positions,
+                        int64_t C, int64_t ignore, bool has_ignore) {
+  double sw = 0;
+  for (int64_t i = 0; i < positions; ++i) {
+    const int64_t y = lab[i];
+    if (has_ignore && y == ignore) continue;
+    if (y < 0 || y >= C)
+      c.error(ErrorKind::InvalidArgument,
+              "label " + std::to_string(y) + " is out of range [0, " + std::to_string(C) + ")");
+    sw += w ? static_cast<double>(w[y]) : 1.0;
+  }
+  return sw;
 }
+// One position's line of C scores (stride st): its max, and the sum of exp(x - max) in double.
+// float32 contiguous lines with vmath: the exps by the vector exp into `e` (left there for the
+// caller), summed in 8 fixed partial sums; otherwise libm's exp in double.
+template <class T>
+GRAFT_INLINE void sce_line(const T* p, int64_t C, int64_t st, float* e, double& mx, double& sum) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (e) {
+      const float m = vmath::max_of(p, C);
+      for (int64_t k = 0; k < C; ++k) e[k] = p[k] - m;
+      vmath::map(vmath::Fn::Exp, e, e, C);
+      mx = m;
+      sum = sum8(C, [&](int64_t k) { return static_cast<double>(e[k]); });
+      return;
+    }
+  }
+  mx = p[0];
+  for (int64_t k = 1; k < C; ++k) mx = std::max<double>(mx, p[k * st]);
+  sum = 0;
+  for (int64_t k = 0; k < C; ++k) sum += std::exp(p[k * st] - mx);
+}
+// Positions in parallel (a language model's head: B*T lines of the vocabulary); each position's
+// sums run in a fixed order, so results do not depend on the thread count.
 void sce_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
   SceView v = sce_view(x.shape());
@@ -233,24 +243,44 @@ void sce_kernel(KernelCtx& c) {
   const int64_t ignore = a.ignore_index;
   const Reduction red = a.reduction;
   dispatch_float(x.dtype(), c, [&]<class T>() {
-    std::vector<double> term, wt;
-    sce_forward<T>(c, x.data<T>(), c.in(1).data<int64_t>(),
-                   c.has_in(2) ? c.in(2).data<T>() : nullptr, v, ignore, has_ignore,
-                   c.has_out(1) ? c.out(1).data<T>() : nullptr, term, wt);
+    const T* px = x.data<T>();
+    const int64_t* lab = c.in(1).data<int64_t>();
+    const T* w = c.has_in(2) ? c.in(2).data<T>() : nullptr;
+    T* lp = c.has_out(1) ? c.out(1).data<T>() : nullptr;
+    const int64_t P = v.N * v.D;
+    const double sw = sce_check_labels<T>(c, lab, w, P, v.C, ignore, has_ignore);
+    std::vector<double> term(P, 0.0);
+    const bool vec = std::is_same_v<T, float> && vmath::active() && v.D == 1;
+    parallel_for(P, (vec ? 8 : 24) * v.C, [&](int, int64_t l0, int64_t l1) {
+      std::vector<float> e(vec ? v.C : 0);
+      for (int64_t pos = l0; pos < l1; ++pos) {
+        const int64_t nn = pos / v.D, d = pos % v.D;
+        const T* p = px + nn * v.C * v.D + d;
+        double mx, sum;
+        sce_line<T>(p, v.C, v.D, vec ? e.data() : nullptr, mx, sum);
+        const double lse = std::log(sum) + mx;
+        if (lp)
+          for (int64_t k = 0; k < v.C; ++k)
+            lp[nn * v.C * v.D + k * v.D + d] = static_cast<T>(p[k * v.D] - lse);
+        const int64_t y = lab[pos];
+        if (has_ignore && y == ignore) continue;
+        term[pos] = -(w ? static_cast<double>(w[y]) : 1.0) * (p[y * v.D] - lse);
+      }
+    });
     T* loss = c.out(0).data<T>();
     if (red == Reduction::None) {
-      for (size_t i = 0; i < term.size(); ++i) loss[i] = static_cast<T>(term[i]);
+      for (int64_t i = 0; i < P; ++i) loss[i] = static_cast<T>(term[i]);
       return;
     }
-    double s = 0, sw = 0;
-    for (size_t i = 0; i < term.size(); ++i) {
-      s += term[i];
-      sw += wt[i];
-    }
+    double s = 0;
+    for (int64_t i = 0; i < P; ++i) s += term[i];
     loss[0] = static_cast<T>(red == Reduction::Sum ? s : (sw != 0 ? s / sw : 0.0));
   });
 }
-// SoftmaxCrossEntropyLossGrad(dloss, scores, labels[, weights]) -> dscores.
+// SoftmaxCrossEntropyLossGrad(dloss, scores, labels[, weights]) -> dscores
+//   = coef * (softmax(scores) - onehot(label)), coef = dloss * weight (/ the weights' sum for the
+// mean). One pass per position: float32 contiguous lines write the exps straight into dscores and
+// scale them there.
 void infer_sce_grad(InferCtx& c) { c.set_out(0, c.dtype(1), c.shape(1)); }
 void sce_grad_kernel(KernelCtx& c) {
   const Tensor& x = c.in(1);
@@ -265,32 +295,41 @@ void sce_grad_kernel(KernelCtx& c) {
     const T* w = c.has_in(3) ? c.in(3).data<T>() : nullptr;
     const T* dl = c.in(0).data<T>();
     T* dx = c.out(0).data<T>();
-    std::vector<double> term, wt;
-    sce_forward<T>(c, px, lab, w, v, ignore, has_ignore, nullptr, term, wt);
-    double sw = 0;
-    for (double z : wt) sw += z;
-    for (int64_t nn = 0; nn < v.N; ++nn)
-      for (int64_t d = 0; d < v.D; ++d) {
-        const int64_t pos = nn * v.D + d;
+    const int64_t P = v.N * v.D;
+    const double sw = sce_check_labels<T>(c, lab, w, P, v.C, ignore, has_ignore);
+    const bool vec = std::is_same_v<T, float> && vmath::active() && v.D == 1;
+    parallel_for(P, (vec ? 6 : 40) * v.C, [&](int, int64_t l0, int64_t l1) {
+      for (int64_t pos = l0; pos < l1; ++pos) {
+        const int64_t nn = pos / v.D, d = pos % v.D, y = lab[pos];
         const T* p = px + nn * v.C * v.D + d;
         T* q = dx + nn * v.C * v.D + d;
-        double coef = red == Reduction::None  ? dl[pos]
-                      : red == Reduction::Sum ? dl[0]
-                                              : (sw != 0 ? dl[0] / sw : 0.0);
-        coef *= wt[pos];
+        double coef = 0;
+        if (!(has_ignore && y == ignore)) {
+          coef = red == Reduction::None  ? dl[pos]
+                 : red == Reduction::Sum ? dl[0]
+                                         : (sw != 0 ? dl[0] / sw : 0.0);
+          coef *= w ? static_cast<double>(w[y]) : 1.0;
+        }
         if (coef == 0) {
           for (int64_t k = 0; k < v.C; ++k) q[k * v.D] = T(0);
           continue;
         }
-        double mx = p[0];
-        for (int64_t k = 1; k < v.C; ++k) mx = std::max<double>(mx, p[k * v.D]);
-        double s = 0;
-        for (int64_t k = 0; k < v.C; ++k) s += std::exp(p[k * v.D] - mx);
-        int64_t y = lab[pos];
+        double mx, sum;
+        if (vec) {
+          float* e = reinterpret_cast<float*>(q);
+          sce_line<T>(p, v.C, 1, e, mx, sum);
+          const double ey = e[y];
+          const float scale = static_cast<float>(coef / sum);
+          for (int64_t k = 0; k < v.C; ++k) e[k] *= scale;
+          e[y] = static_cast<float>(coef * (ey / sum - 1.0));
+          continue;
+        }
+        sce_line<T>(p, v.C, v.D, nullptr, mx, sum);
         for (int64_t k = 0; k < v.C; ++k)
           q[k * v.D] =
-              static_cast<T>(coef * (std::exp(p[k * v.D] - mx) / s - (k == y ? 1.0 : 0.0)));
+              static_cast<T>(coef * (std::exp(p[k * v.D] - mx) / sum - (k == y ? 1.0 : 0.0)));
       }
+    });
   });
 }
 void grad_sce(GradBuilder& g) {

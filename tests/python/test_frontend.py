@@ -777,3 +777,40 @@ def test_op_times_with_graft_profile(monkeypatch):
     assert "Gemm" in ops or "MatMul" in ops
     assert any(o.endswith("Grad") or o == "GradSink" for o in ops[len(fwd):])  # backward ops recorded
     assert sum(s for _, _, s in both[len(fwd):]) <= wall  # times are the backward's own
+
+
+# SoftmaxCrossEntropyLoss and its gradient in float32 (the vectorized path: positions in parallel,
+# vmath's exp; a language model's head), with class weights, an ignored index, each reduction, and
+# the class axis contiguous ([N, C]) or strided ([N, C, T]): the loss and the weight gradient as eager's.
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_cross_entropy_in_float32_matches_eager(reduction, weighted, strided):
+    torch.manual_seed(0)
+    w = torch.rand(37) + 0.5 if weighted else None
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(16, 37)
+
+        def forward(self, x, y):
+            z = self.l(x)
+            if strided:
+                z = z.transpose(1, 2)
+            else:
+                z, y = z.reshape(-1, 37), y.reshape(-1)
+            out = F.cross_entropy(z, y, weight=w, ignore_index=3, reduction=reduction)
+            return out.sum() if reduction == "none" else out
+
+    m = M()
+    e = copy.deepcopy(m)
+    g = GraftModule(m)
+    x, y = torch.randn(4, 9, 16) * 3, torch.randint(0, 37, (4, 9))
+    y[0, :3] = 3
+    le, lg = e(x, y), g(x, y)
+    le.backward()
+    lg.backward()
+    torch.testing.assert_close(lg, le, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m.l.weight.grad, e.l.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.l.bias.grad, e.l.bias.grad, rtol=1e-5, atol=1e-6)
