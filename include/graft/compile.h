@@ -28,6 +28,10 @@ struct CompileOptions {
   // in backward, cheapest first; if even the most that can be dropped does not fit, an
   // InvalidArgument error states the smallest peak reachable.
   int64_t activation_budget = 0;
+  // Recompute chains of pointwise ops in backward from the value they start at, instead of keeping
+  // each intermediate, where that lowers the activation peak (Note [pointwise recompute],
+  // src/plan/recompute.cpp).
+  bool recompute_pointwise = true;
 };
 
 // One training step, compiled: the backward graph (its nodes appended to the graph) and the plan
@@ -64,6 +68,10 @@ std::vector<SavedValue> live_at(const Graph& g, const Plan& p, int step);
 // Re-plans `plan` (made from `po`) so that its activation peak fits `budget`, recomputing in
 // backward the cheapest kept forward buffers; rewrites g and (step mode) its update ordering.
 // Sets *recomputed to the number of nodes cloned. InvalidArgument when no choice fits.
+// Note [pointwise recompute]: every kept buffer recomputable through pointwise ops dropped at once,
+// if that lowers the peak (else `plan` is returned as it was); *recomputed += the nodes cloned.
+Plan plan_with_pointwise_recompute(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
+                                   bool step_mode, int* recomputed);
 Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
                        int64_t budget, bool step_mode, int* recomputed);
 

@@ -176,6 +176,11 @@ struct OpDef {
   bool recompute = true;
   // Arithmetic FLOPs of a node (see FlopsFn); nullptr: elementwise (node_flops gives 0).
   FlopsFn flops = nullptr;
+  // Each output element depends on the inputs' elements at the same place only (after
+  // broadcasting), at a few operations per element: Add, Mul, Tanh, Gelu, Cast, ... The planner
+  // recomputes chains of such ops in backward instead of keeping their results (Note [pointwise
+  // recompute], src/plan/recompute.cpp).
+  bool pointwise = false;
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");

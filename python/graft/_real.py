@@ -28,8 +28,9 @@ step: capture / compilation / planning included), peak_anon_bytes (the child's a
 sampled by this process during the timed steps, less its level before the model was built; the
 protocol of ../shared/DESIGN.md), items_per_second (tokens or images), loss of the first step, and
 gemm_fraction: the step's matrix-product FLOPs (torch.utils.flop_counter over one forward and
-backward) over step_seconds times the GEMM ceiling, a float32 (bf16 rows: bfloat16) torch.mm of
-2048^3 timed in this run with the same threads. Repeated rounds give the median step and first-call
+backward) over step_seconds times the GEMM ceiling: a float32 (bf16 rows: bfloat16) product of
+2048^3 timed in this run with the same threads, by torch.mm and by graft, the faster of the two
+(both rates are in the JSON's measures; torch's CPU wheel multiplies with MKL, graft with oneDNN). Repeated rounds give the median step and first-call
 times and the largest peak. --scale tiny shrinks every model (for the tests).
 """
 import argparse
@@ -178,28 +179,43 @@ def worker(a):
     print(json.dumps(row))
 
 
+def _best_rate(fn, flops, reps=8):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.monotonic()
+        fn()
+        best = min(best, time.monotonic() - t0)
+    return flops / best
+
+
 def measure_worker(a):
-    """This model's matrix-product FLOPs for one forward + backward, and the GEMM ceilings (float32
-    and bfloat16 torch.mm of 2048^3 with --threads), as one JSON line."""
+    """The GEMM ceilings (a 2048^3 product with --threads, float32 and bfloat16, by torch.mm and by
+    graft's matrix product, each the best of 8 calls; the ceiling is the faster library's), then
+    this model's matrix-product FLOPs for one forward + backward, as one JSON line."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+    import graft
     torch.set_num_threads(a.threads)
+
+    class MatMul(torch.nn.Module):
+        def forward(self, x, y):
+            return x @ y
+
+    n = 2048
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    rates = {}
+    with torch.no_grad():
+        for dtype, precision in (("float32", "fp32"), ("bfloat16", "bf16")):
+            xd, yd = x.to(getattr(torch, dtype)), y.to(getattr(torch, dtype))
+            g = graft.GraftModule(MatMul(), precision=precision)
+            rates[dtype] = {"torch.mm": _best_rate(lambda: torch.mm(xd, yd), 2 * n ** 3),
+                            "graft": _best_rate(lambda: g(x, y), 2 * n ** 3)}
     module, inputs, _, _ = build(a.model, a.scale)
     with FlopCounterMode(display=False) as counter:
         module(*inputs).backward()
-    flops = counter.get_total_flops()
-    ceiling = {}
-    n = 2048
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(x, y)
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.monotonic()
-            torch.mm(x, y)
-            best = min(best, time.monotonic() - t0)
-        ceiling[str(dtype).split(".")[-1]] = 2 * n ** 3 / best
-    print(json.dumps({"model": a.model, "flops_per_step": flops, "gemm_flops_per_second": ceiling}))
+    print(json.dumps({"model": a.model, "flops_per_step": counter.get_total_flops(), "gemm_rates": rates,
+                      "gemm_flops_per_second": {k: max(v.values()) for k, v in rates.items()}}))
 
 
 def _child(a, args):

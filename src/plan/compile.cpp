@@ -67,6 +67,8 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
     for (size_t i = 0; i < bg.params.size(); ++i) c.grad_keep[i] = keep(bg.param_grads[i]);
   for (int v : bg.input_grads) c.input_grad_keep.push_back(keep(v));
   c.plan = make_plan(g, po);
+  if (co.recompute_pointwise)
+    c.plan = plan_with_pointwise_recompute(g, bg, std::move(c.plan), po, step_mode, &c.recomputed);
   if (co.activation_budget > 0 && c.plan.planned_peak > co.activation_budget)
     c.plan = plan_under_budget(g, bg, std::move(c.plan), po, co.activation_budget, step_mode,
                                &c.recomputed);

@@ -39,8 +39,11 @@ double node_cost(const Graph& g, const Node& n) {
   return node_flops(g, n) + 8 * moved;
 }
 
+// pointwise_only: groups whose recomputation runs only pointwise ops and views (OpDef::pointwise,
+// OpDef::alias), at most kMaxPointwiseChain nodes (Note [pointwise recompute]).
+constexpr size_t kMaxPointwiseChain = 8;
 std::vector<std::vector<int>> recompute_candidates(const Graph& g, const BackwardGraph& bg,
-                                                   const Plan& p) {
+                                                   const Plan& p, bool pointwise_only = false) {
   const int nf = bg.n_forward_nodes;
   const size_t nv = g.values.size();
   std::vector<bool> saved(nv, false);
@@ -75,7 +78,8 @@ std::vector<std::vector<int>> recompute_candidates(const Graph& g, const Backwar
       if (!nodes.insert(val.producer).second) continue;
       const Node& n = g.nodes[val.producer];
       const OpDef& d = op_for(n);
-      if (d.sink || (!d.kernel && !d.alias) || !d.recompute) {  // OpDef::recompute
+      if (d.sink || (!d.kernel && !d.alias) || !d.recompute ||  // OpDef::recompute
+          (pointwise_only && ((!d.pointwise && !d.alias) || nodes.size() > kMaxPointwiseChain))) {
         ok = false;
         break;
       }
@@ -100,6 +104,40 @@ std::vector<std::vector<int>> recompute_candidates(const Graph& g, const Backwar
 
 }  // namespace
 
+// Note [pointwise recompute]
+// What torch.compile's partitioner does by default, and eager cannot: a chain of pointwise ops
+// (GELU written out as 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3))), as GPT-2's gelu_new is;
+// SiLU's x * sigmoid(x); casts) leaves each intermediate kept for its own gradient, several
+// buffers the size of the chain's input per layer, while the chain's input alone suffices: every
+// intermediate is a few operations per element away from it. So after the plan is made, every
+// kept buffer that can be recomputed from values the backward keeps anyway through pointwise ops
+// and views only (at most 8 nodes) is dropped and recomputed in backward, just before its first
+// use (recompute_in_backward, as under an activation budget), all such buffers at once, and the
+// new plan is taken if its activation peak is lower; otherwise the plan stays as it was. The cost
+// is a few passes over activations in backward (memory-bound, small next to the GEMMs); results
+// are bit-identical (the same deterministic kernels on the same inputs). CompileOptions::
+// recompute_pointwise turns it off.
+Plan plan_with_pointwise_recompute(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
+                                   bool step_mode, int* recomputed) {
+  const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan, true);
+  if (cand.empty()) return plan;
+  std::vector<bool> available(g.values.size(), false);
+  for (size_t v = 0; v < g.values.size(); ++v) available[v] = plan.last_use[v] >= plan.barrier_step;
+  std::vector<int> drop;
+  for (const auto& c : cand) drop.insert(drop.end(), c.begin(), c.end());
+  Graph trial = g;
+  PlanOptions tpo = po;
+  tpo.late_gradient_free = true;
+  for (int ni : recompute_in_backward(trial, bg, drop, available)) tpo.late_nodes.push_back(ni);
+  if (step_mode) order_updates_after_reads(trial, bg);
+  Plan tp = make_plan(trial, tpo);
+  if (tp.planned_peak >= plan.planned_peak) return plan;
+  if (recomputed) *recomputed += static_cast<int>(tpo.late_nodes.size() - po.late_nodes.size());
+  g = std::move(trial);
+  po = std::move(tpo);
+  return tp;
+}
+
 Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
                        int64_t budget, bool step_mode, int* recomputed) {
   const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan);
@@ -121,7 +159,7 @@ Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions
       if (step_mode) order_updates_after_reads(g, bg);
       po.late_nodes.insert(po.late_nodes.end(), late.begin(), late.end());
       po.late_gradient_free = true;
-      if (recomputed) *recomputed = static_cast<int>(late.size());
+      if (recomputed) *recomputed += static_cast<int>(late.size());
       return make_plan(g, po);
     }
   }

@@ -285,13 +285,16 @@ Graph mlp_blocks(Allocator& alloc, int blocks) {
 }
 
 struct BudgetRun {
-  int64_t planned = 0, measured = 0;
+  int64_t planned = 0, measured = 0, saved = 0;  // saved: what the forward keeps for backward
   std::vector<std::vector<double>> grads;
 };
-BudgetRun budget_run(int64_t budget) {
+// pointwise: Note [pointwise recompute] (on by default) would already recompute the GELU outputs,
+// leaving the budget nothing to choose, so the budget's tests run without it.
+BudgetRun budget_run(int64_t budget, bool pointwise = false) {
   Allocator alloc;
   SessionOptions o = session_options(alloc);
   o.activation_budget = budget;
+  o.recompute_pointwise = pointwise;
   TrainSession s(mlp_blocks(alloc, 3), o);
   Tensor x = Tensor::empty({BM, HM}, DType::F64, alloc, Category::Workspace);
   for (int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = std::sin(0.37 * i);
@@ -300,6 +303,7 @@ BudgetRun budget_run(int64_t budget) {
   s.zero_grad(true);
   BudgetRun r;
   r.planned = s.plan().planned_peak;
+  for (const SavedValue& v : saved_for_backward(s.graph(), s.plan())) r.saved += v.bytes;
   const int64_t start = alloc.current(Category::Activation);
   alloc.reset_peak();
   s.step();
@@ -309,6 +313,19 @@ BudgetRun budget_run(int64_t budget) {
   return r;
 }
 }  // namespace
+
+// Note [pointwise recompute]: each block's GELU output is recomputed in backward from its input
+// (kept anyway, for GELU's gradient) instead of kept: a lower planned and measured peak, the
+// same gradients bit for bit.
+TEST(RecomputePointwise, LowersThePeakAndIsBitIdentical) {
+  const BudgetRun keep = budget_run(0, false), recompute = budget_run(0, true);
+  // The three GELU outputs (BM x 4HM doubles each) are no longer kept for backward.
+  EXPECT_EQ(recompute.saved, keep.saved - 3 * BM * 4 * HM * 8);
+  EXPECT_LT(recompute.planned, keep.planned);
+  EXPECT_LE(recompute.measured, recompute.planned);
+  EXPECT_LT(recompute.measured, keep.measured);
+  EXPECT_EQ(recompute.grads, keep.grads);
+}
 
 TEST(RecomputeUnderBudget, FitsIsBitIdenticalAndMonotone) {
   const BudgetRun free = budget_run(0);
