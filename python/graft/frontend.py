@@ -616,7 +616,11 @@ class GraftModule(torch.nn.Module):
         key = (static_key, tuple(sig), state, frozen)
         entry = self._entry(args, kwargs, tensors, key)
         entry.calls += 1
-        in_tensors = [tensors[i] for i in entry.input_index]
+        # A call tensor the module writes into (x.mul_(2) in its forward) is bound to graft as a copy:
+        # its new value is written into the caller's tensor after the forward, while the backward
+        # may still read the old one (a value recomputed from it, Note [pointwise recompute]).
+        written = {key for _, (kind, key) in entry.state_updates if kind == "input"}
+        in_tensors = [tensors[i].clone() if i in written else tensors[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
         targets = [self._target(kind, key, entry, tensors) for _, (kind, key) in entry.state_updates]

@@ -787,12 +787,12 @@ def test_op_times_with_graft_profile(monkeypatch):
 @pytest.mark.parametrize("strided", [False, True])
 def test_cross_entropy_in_float32_matches_eager(reduction, weighted, strided):
     torch.manual_seed(0)
-    w = torch.rand(37) + 0.5 if weighted else None
 
     class M(nn.Module):
         def __init__(self):
             super().__init__()
             self.l = nn.Linear(16, 37)
+            self.register_buffer("w", torch.rand(37) + 0.5 if weighted else None)
 
         def forward(self, x, y):
             z = self.l(x)
@@ -800,7 +800,7 @@ def test_cross_entropy_in_float32_matches_eager(reduction, weighted, strided):
                 z = z.transpose(1, 2)
             else:
                 z, y = z.reshape(-1, 37), y.reshape(-1)
-            out = F.cross_entropy(z, y, weight=w, ignore_index=3, reduction=reduction)
+            out = F.cross_entropy(z, y, weight=self.w, ignore_index=3, reduction=reduction)
             return out.sum() if reduction == "none" else out
 
     m = M()

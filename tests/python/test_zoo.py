@@ -234,11 +234,12 @@ def test_saved_for_backward_at_most_eager(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_recompute_through_gemms_meets_a_third_of_the_activation_peak(name, monkeypatch):
+def test_recompute_through_gemms_meets_two_fifths_of_the_activation_peak(name, monkeypatch):
     """activation_budget on transformers whose attention dominates the activations (6 layers,
     sequence 128): the planner recomputes through the attention's batched GEMMs and the projections,
-    so a third of the unconstrained activation peak fits; every budget of a sweep is met, a smaller
-    budget never plans a higher peak, and the gradients stay bit for bit those without a budget."""
+    so 40% of the unconstrained activation peak fits (which already recomputes pointwise chains,
+    Note [pointwise recompute]); every budget of a sweep is met, a smaller budget never plans a
+    higher peak, and the gradients stay bit for bit those without a budget."""
     monkeypatch.setattr(zoo, "SEQ", 128)
     monkeypatch.setattr(zoo, "LAYERS", 6)
     z = zoo.build(name, dropout=False)
@@ -249,7 +250,7 @@ def test_recompute_through_gemms_meets_a_third_of_the_activation_peak(name, monk
     peak = lambda gm: max(e.session.planned_peak() for e in gm._cache.values())  # noqa: E731
     P, kept = peak(g), sum(s[3] for s in g.saved_for_backward())
     prev = P
-    for f in (0.75, 0.5, 1 / 3):
+    for f in (0.75, 0.5, 0.4):
         m = copy.deepcopy(z.model)
         gm = graft.GraftModule(m, activation_budget=int(f * P))
         z.loss_fn(graft_call(gm, batch, 0), batch).backward()
