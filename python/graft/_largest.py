@@ -31,6 +31,7 @@ import sys
 import time
 
 from . import _proc
+from ._real import lm_loss
 
 SYSTEMS = ("eager", "recipe", "graft", "graft-file")
 VOCAB = 32000
@@ -74,14 +75,6 @@ def worker(a):
     ids = torch.randint(0, vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
     lr = 1e-5
 
-    class LossOf(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            return self.m(input_ids=x, labels=x).loss
-
     if a.system == "eager":
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -114,7 +107,7 @@ def worker(a):
         else:
             from graft.optim import AdamW
             opt = AdamW(model.parameters(), lr=lr, state_file=os.path.join(a.state_dir, f"adamw-{os.getpid()}.state"))
-        g = graft.GraftModule(LossOf(model), gradients="step", optimizer=opt)
+        g = graft.GraftModule(lm_loss(model), gradients="step", optimizer=opt)
 
         def step():
             loss = g(ids)

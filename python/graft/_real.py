@@ -47,6 +47,21 @@ SYSTEMS = ("eager", "compile", "compile-max", "graft-hook", "graft-step", "eager
 _VOCAB_TINY = 512
 
 
+def lm_loss(model):
+    """A transformers language model as a module whose forward(ids) returns its loss on ids as
+    labels (what each system of --real and --largest runs)."""
+    import torch
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(input_ids=x, labels=x).loss
+    return LossOf(model)
+
+
 def _hf_lm(name, scale):
     """(module returning the loss, its one input) for the transformers models."""
     import torch
@@ -74,15 +89,7 @@ def _hf_lm(name, scale):
     if tiny:
         seq = 32
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-
-    class LossOf(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            return self.m(input_ids=x, labels=x).loss
-    return LossOf(model.train()), (ids,), batch * seq, "tokens"
+    return lm_loss(model.train()), (ids,), batch * seq, "tokens"
 
 
 def _vision(name, scale):

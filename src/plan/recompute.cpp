@@ -102,6 +102,22 @@ std::vector<std::vector<int>> recompute_candidates(const Graph& g, const Backwar
   return out;
 }
 
+// What the forward keeps for the backward (the values recomputation may read).
+std::vector<bool> kept_for_backward(const Graph& g, const Plan& plan) {
+  std::vector<bool> kept(g.values.size(), false);
+  for (size_t v = 0; v < g.values.size(); ++v) kept[v] = plan.last_use[v] >= plan.barrier_step;
+  return kept;
+}
+
+// `drop` recomputed in backward on `trial` (a copy of the graph), planned with `tpo` (a copy of
+// the plan options, given the recomputations as late nodes).
+Plan plan_trial(Graph& trial, PlanOptions& tpo, const BackwardGraph& bg,
+                const std::vector<int>& drop, const std::vector<bool>& available, bool step_mode) {
+  tpo.late_gradient_free = true;
+  for (int ni : recompute_in_backward(trial, bg, drop, available)) tpo.late_nodes.push_back(ni);
+  if (step_mode) order_updates_after_reads(trial, bg);
+  return make_plan(trial, tpo);
+}
 }  // namespace
 
 // Note [pointwise recompute]
@@ -121,16 +137,11 @@ Plan plan_with_pointwise_recompute(Graph& g, const BackwardGraph& bg, Plan plan,
                                    bool step_mode, int* recomputed) {
   const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan, true);
   if (cand.empty()) return plan;
-  std::vector<bool> available(g.values.size(), false);
-  for (size_t v = 0; v < g.values.size(); ++v) available[v] = plan.last_use[v] >= plan.barrier_step;
   std::vector<int> drop;
   for (const auto& c : cand) drop.insert(drop.end(), c.begin(), c.end());
   Graph trial = g;
   PlanOptions tpo = po;
-  tpo.late_gradient_free = true;
-  for (int ni : recompute_in_backward(trial, bg, drop, available)) tpo.late_nodes.push_back(ni);
-  if (step_mode) order_updates_after_reads(trial, bg);
-  Plan tp = make_plan(trial, tpo);
+  Plan tp = plan_trial(trial, tpo, bg, drop, kept_for_backward(g, plan), step_mode);
   if (tp.planned_peak >= plan.planned_peak) return plan;
   if (recomputed) *recomputed += static_cast<int>(tpo.late_nodes.size() - po.late_nodes.size());
   g = std::move(trial);
@@ -141,18 +152,14 @@ Plan plan_with_pointwise_recompute(Graph& g, const BackwardGraph& bg, Plan plan,
 Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
                        int64_t budget, bool step_mode, int* recomputed) {
   const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan);
-  std::vector<bool> available(g.values.size(), false);  // kept for backward by the forward
-  for (size_t v = 0; v < g.values.size(); ++v) available[v] = plan.last_use[v] >= plan.barrier_step;
+  const std::vector<bool> available = kept_for_backward(g, plan);
   int64_t best = plan.planned_peak;
   std::vector<int> drop;
   for (size_t k = 1; k <= cand.size(); ++k) {
     drop.insert(drop.end(), cand[k - 1].begin(), cand[k - 1].end());
     Graph trial = g;
     PlanOptions tpo = po;
-    tpo.late_gradient_free = true;
-    for (int ni : recompute_in_backward(trial, bg, drop, available)) tpo.late_nodes.push_back(ni);
-    if (step_mode) order_updates_after_reads(trial, bg);
-    Plan tp = make_plan(trial, tpo);
+    Plan tp = plan_trial(trial, tpo, bg, drop, available, step_mode);
     best = std::min(best, tp.planned_peak);
     if (tp.planned_peak <= budget) {
       std::vector<int> late = recompute_in_backward(g, bg, drop, available);
