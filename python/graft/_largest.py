@@ -177,7 +177,7 @@ def main(argv):
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.limit is None:
-        a.limit = max(0, _meminfo("MemAvailable") - (1 << 30))
+        a.limit = max(0, _proc.meminfo_bytes("MemAvailable") - (1 << 30))
     if a.largest_worker:
         worker(a)
         return 0
@@ -209,15 +209,4 @@ def main(argv):
         print("largest: " + ", ".join(f"{s} {largest[s] / 1e9:.2f}B" for s in systems)
               + (f"; against PyTorch's {ref / 1e9:.2f}B: " + ", ".join(
                   f"{s} {largest[s] / ref:.2f}x" for s in systems if s.startswith("graft")) if ref else ""))
-    return 0
-
-
-def _meminfo(key):
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return 0

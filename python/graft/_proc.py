@@ -8,16 +8,26 @@ import time
 from typing import Tuple
 
 
-def status_bytes(key: str) -> int:
-    """A "Key:  123 kB" field of /proc/self/status (VmRSS, VmHWM) in bytes; -1 if absent."""
+def _kb_field(path: str, key: str, missing: int) -> int:
+    """A "Key:  123 kB" line of a /proc file, in bytes; `missing` if absent or unreadable."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return -1
+    return missing
+
+
+def status_bytes(key: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM) in bytes; -1 if absent."""
+    return _kb_field("/proc/self/status", key, -1)
+
+
+def meminfo_bytes(key: str) -> int:
+    """A field of /proc/meminfo (MemAvailable) in bytes; 0 if absent."""
+    return _kb_field("/proc/meminfo", key, 0)
 
 
 def reset_peak() -> bool:

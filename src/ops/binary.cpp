@@ -149,11 +149,7 @@ void pow_kernel(KernelCtx& c) {
       const T e = static_cast<T>(b.at(0));
       const T* x = c.in(0).data<T>();
       T* y = c.out(0).data<T>();
-      auto each = [&](int64_t cost, auto f) {
-        parallel_for(c.in(0).numel(), cost, [&](int, int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) y[i] = f(x[i]);
-        });
-      };
+      auto each = [&](int64_t cost, auto f) { map1(x, y, c.in(0).numel(), cost, f); };
       if (e == T(2))
         each(kCheap, [](T v) { return v * v; });
       else if (e == T(3))

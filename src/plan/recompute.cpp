@@ -96,7 +96,6 @@ std::vector<std::vector<int>> recompute_candidates(const Graph& g, const Backwar
   std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
     return a.ratio != b.ratio ? a.ratio > b.ratio : a.root < b.root;
   });
-  if (cand.size() > 256) cand.resize(256);  // bound the search (each trial is one plan)
   std::vector<std::vector<int>> out;
   for (Cand& c : cand) out.push_back(std::move(c.values));
   return out;
@@ -151,7 +150,8 @@ Plan plan_with_pointwise_recompute(Graph& g, const BackwardGraph& bg, Plan plan,
 
 Plan plan_under_budget(Graph& g, const BackwardGraph& bg, Plan plan, PlanOptions& po,
                        int64_t budget, bool step_mode, int* recomputed) {
-  const std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan);
+  std::vector<std::vector<int>> cand = recompute_candidates(g, bg, plan);
+  if (cand.size() > 256) cand.resize(256);  // bound the search (each trial is one plan)
   const std::vector<bool> available = kept_for_backward(g, plan);
   int64_t best = plan.planned_peak;
   std::vector<int> drop;
