@@ -124,7 +124,7 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.stop = stop
         self.fake = fake  # tracing fake tensors (torch 2.x)
-        self.shadows = {}  # id(fake constant) -> (it, its real value): _shadow
+        self.shadows = {}  # id(fake constant) -> (it, computes its call's real outputs, index): _shadow
         self.graph = {id(t): t for t in graph_tensors}   # values from the inputs or state (kept alive)
         self.random = {}                                  # values from a random draw
         self.warnings = []
@@ -139,8 +139,10 @@ class _Watch(TorchFunctionMode):
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
         inner = torch._from_functional_tensor(t) if torch._is_functional_tensor(t) else t
         if _is_fake(inner):  # torch 2.x traces without data: only a constant has a value
-            hit = self.shadows.get(id(t))
-            inner = hit[1] if hit is not None and hit[0] is t else getattr(inner, "constant", None)
+            try:
+                inner = self._value(t)
+            except LookupError:
+                inner = getattr(inner, "constant", None)
             if inner is None or id(t) in self.random:
                 what = "a random draw (LayerDrop with p > 0)" if id(t) in self.random else "a value"
                 raise GraftUnsupportedError(
@@ -163,28 +165,50 @@ class _Watch(TorchFunctionMode):
     def _shadow(self, func, args, kwargs, out):
         """On fake tensors, a call on constants only (a causal mask from torch.full and triu) is
         also computed on real tensors beside the trace, so that what the forward reads of it
-        (nn.Transformer compares its mask with a causal one) has a value."""
+        (nn.Transformer compares its mask with a causal one) has a value. It is computed when read
+        (_value): a symbolic size it takes (Note [dynamic shapes]) is then made a constant of the
+        trace (a guard), and only then."""
+        if not all(self._has_value(x) for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)):
+            return
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+        done = []
 
         def real(x):
             if isinstance(x, torch.Tensor):
-                hit = self.shadows.get(id(x))
-                if hit is None or hit[0] is not x:
-                    raise LookupError
-                return hit[1]
+                return self._value(x)
+            if isinstance(x, _SYMBOLIC):  # guards the size (int() specializes it)
+                return int(x) if isinstance(x, torch.SymInt) else float(x) if isinstance(x, torch.SymFloat) else bool(x)
             if isinstance(x, (list, tuple)):
                 return type(x)(real(y) for y in x)
             return x
+
+        def compute():
+            if not done:
+                ra, rk = real(tuple(args)), {k: real(v) for k, v in kwargs.items()}
+                with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                    done.append(list(_leaves(func(*ra, **rk))))
+            return done[0]
+        for i, f in enumerate(_leaves(out)):
+            if isinstance(f, torch.Tensor):
+                self.shadows[id(f)] = (f, compute, i)
+
+    def _has_value(self, t):
+        hit = self.shadows.get(id(t))
+        return hit is not None and hit[0] is t
+
+    def _value(self, t):
+        """The real value beside the trace of a constant fake tensor (_shadow); LookupError if none."""
+        hit = self.shadows.get(id(t))
+        if hit is None or hit[0] is not t:
+            raise LookupError
         try:
-            ra, rk = real(tuple(args)), {k: real(v) for k, v in kwargs.items()}
-            with unset_fake_temporarily(), disable_proxy_modes_tracing():
-                got = func(*ra, **rk)
-        except Exception:  # noqa: BLE001  (no shadow of an input, or a call that needs the trace)
-            return
-        for f, r in zip(_leaves(out), _leaves(got)):
-            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor) and not _is_fake(r):
-                self.shadows[id(f)] = (f, r)
+            r = hit[1]()[hit[2]]
+        except Exception:  # noqa: BLE001  (a call that needs the trace)
+            raise LookupError from None
+        if not isinstance(r, torch.Tensor) or _is_fake(r):
+            raise LookupError
+        return r
 
     def _follow(self, out, ins, func):
         dep = any(id(a) in self.graph for a in ins)
@@ -217,6 +241,11 @@ class _Watch(TorchFunctionMode):
                 return out
         if _SDPA is not None and func is _SDPA and self.fake:
             out = _attention_with_dropout(*args, **kwargs)
+            if out is not None:
+                self._follow(out, ins, func)
+                return out
+        if func is torch.nn.functional.interpolate and self.fake:
+            out = _interpolate_whole(*args, **kwargs)
             if out is not None:
                 self._follow(out, ins, func)
                 return out
@@ -283,6 +312,63 @@ def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is
         out = _attention_op()(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                               None if scale is None else float(scale))
     if any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        out.requires_grad_(True)
+    return out
+
+
+# F.interpolate's aten ops, which graft runs as its Resize (_aten_layers._upsample). Traced with
+# symbolic sizes, PyTorch's Python dispatcher takes each apart into index arithmetic and
+# _unsafe_index (its decompositions for torch.compile); graft::upsample keeps the op whole.
+# (name -> whether it takes align_corners)
+_UPSAMPLE = {n: n in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d")
+             for n in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+                       "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d",
+                       "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d")}
+
+
+def _upsample_op():
+    """graft::upsample(x, the aten op's name, output size, align_corners, scales): one of _UPSAMPLE."""
+    def args(op, size, align, scales):
+        return ([size] + ([align] if _UPSAMPLE[op] else []) + (list(scales) if scales else [None] * len(size)))
+
+    def meta(x, op, size, align, scales):
+        return x.new_empty(tuple(x.shape[:2]) + tuple(size))
+
+    def real(x, op, size, align, scales):  # (outside a trace: PyTorch's own)
+        return getattr(torch.ops.aten, op).default(x, *args(op, size, align, scales))
+    return graft_op("upsample", "upsample(Tensor x, str op, SymInt[] size, bool align_corners, float[]? scales) "
+                                "-> Tensor", {"CompositeExplicitAutograd": real, "Meta": meta})
+
+
+_INTERPOLATE = {("nearest", 1): "upsample_nearest1d", ("nearest", 2): "upsample_nearest2d",
+                ("nearest", 3): "upsample_nearest3d", ("nearest-exact", 1): "_upsample_nearest_exact1d",
+                ("nearest-exact", 2): "_upsample_nearest_exact2d", ("nearest-exact", 3): "_upsample_nearest_exact3d",
+                ("linear", 1): "upsample_linear1d", ("bilinear", 2): "upsample_bilinear2d",
+                ("trilinear", 3): "upsample_trilinear3d", ("bicubic", 2): "upsample_bicubic2d"}
+
+
+def _interpolate_whole(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                       recompute_scale_factor=None, antialias=False):
+    """F.interpolate as graft::upsample (torch 2.x's trace); None where F.interpolate is to run as
+    it is (a mode graft::upsample lacks, or arguments it refuses)."""
+    if not isinstance(input, torch.Tensor) or input.dim() < 3 or antialias or recompute_scale_factor:
+        return None
+    dim = input.dim() - 2
+    op = _INTERPOLATE.get((mode, dim))
+    if op is None or (size is None) == (scale_factor is None) or (align_corners is not None and not _UPSAMPLE[op]):
+        return None
+    sizes = list(size) if isinstance(size, (list, tuple)) else None if size is None else [size] * dim
+    scales = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else \
+        None if scale_factor is None else [scale_factor] * dim
+    if any(len(v) != dim for v in (sizes, scales) if v is not None):
+        return None
+    from torch._decomp.decompositions import upsample_compute_output_size
+    from ._pyfunc import _no_function_modes
+    osize = upsample_compute_output_size(input.size(), sizes, scales)
+    with _no_function_modes():
+        out = _upsample_op()(input, op, list(osize), bool(align_corners),
+                             None if scales is None else [float(s) for s in scales])
+    if input.requires_grad:
         out.requires_grad_(True)
     return out
 
@@ -579,8 +665,107 @@ def elem(dtype, what="a value") -> int:
     return e
 
 
+# Note [dynamic shapes]
+# On torch 2.x the call's tensors are traced with symbolic sizes (backed symbols in a ShapeEnv, as
+# torch.compile's dynamic shapes; the module's parameters and buffers keep theirs), so one trace
+# serves every batch size and sequence length. Where the forward decides something on a size (a
+# branch, a reshape to a fixed width, PyTorch's own 0/1 specialization), the ShapeEnv records a
+# guard, and the trace is reused only for calls whose sizes pass every guard (Trace.fits); another
+# call is traced anew. graft's plan is per concrete shape: translate() builds graft's nodes from the
+# same trace with each symbolic size evaluated at the call's sizes (Trace.sizes), so a new sequence
+# length costs a translation and graft's compile, not a trace of the module. torch 1.13 traces on
+# the real tensors (its symbolic tracing is a prototype that functionalization does not support):
+# a trace there fits only calls of its exact shapes.
+
+
+class Trace:
+    """One trace of the forward, before translation (Note [dynamic shapes])."""
+
+    def __init__(self, gm, box, stops, fakes, shape_env, state, tensors):
+        self.gm, self.box, self.stops = gm, box, stops
+        self.fakes, self.shape_env = fakes, shape_env  # None on torch 1.13
+        self.state_sig = [(n, tuple(t.shape), t.dtype) for n, t in state]
+        self.call_sig = [(tuple(t.shape), t.dtype) for t in tensors]
+        self._guards = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether any of the call's sizes is symbolic."""
+        return self.fakes is not None and any(
+            not _expr(d).is_number for f in self.fakes[len(self.state_sig):] for d in f.shape)
+
+    def fits(self, state, tensors) -> bool:
+        """Whether this trace is the forward's for a call with these state and call tensors."""
+        if [(n, tuple(t.shape), t.dtype) for n, t in state] != self.state_sig or len(tensors) != len(self.call_sig):
+            return False
+        for t, (shape, dtype) in zip(tensors, self.call_sig):
+            if t.dtype != dtype or t.dim() != len(shape):
+                return False
+        if self.fakes is None:
+            return all(tuple(t.shape) == shape for t, (shape, _) in zip(tensors, self.call_sig))
+        for t, f in zip(tensors, self.fakes[len(self.state_sig):]):  # sizes the ShapeEnv made constants
+            if any(e.is_number and int(e) != n for e, n in zip(map(_expr, f.shape), t.shape)):
+                return False
+        if self._guards is None:
+            self._guards = self.shape_env.produce_guards_expression(self.fakes) or ""
+        flat = [t for _, t in state] + list(tensors)
+        return not self._guards or bool(self.shape_env.evaluate_guards_expression(self._guards, flat))
+
+    def sizes(self, state, tensors):
+        """The concrete value of a size of this trace (a SymInt, SymFloat or SymBool) at the call's
+        sizes; anything else as it is."""
+        if self.fakes is None:
+            return lambda x: x
+        bindings = self.shape_env.bind_symbols(self.fakes, [t for _, t in state] + list(tensors))
+        memo = {}
+
+        def size(x):
+            if not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return x
+            e = x.node.expr
+            v = memo.get(e)
+            if v is None:
+                r = e.xreplace(bindings)  # a plain int where e is one symbol
+                if getattr(r, "free_symbols", None):  # a size of data (masked_select's): as traced
+                    return x
+                kind = int if isinstance(x, torch.SymInt) else float if isinstance(x, torch.SymFloat) else bool
+                v = memo[e] = kind(r)
+            return v
+        return size
+
+
+def _expr(d):
+    """A size as a sympy expression (a plain int as a number)."""
+    import sympy
+    return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
+
+
+def _symbolic_fakes(flat, n_state, dynamic):
+    """Fake tensors for `flat` (the module's state, then the call's tensors): the state's with its
+    sizes, the call's with symbolic ones where `dynamic` (Note [dynamic shapes]); and their ShapeEnv."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    env = ShapeEnv(duck_shape=False)  # equal sizes at the capture are not assumed equal later
+    mode = FakeTensorMode(shape_env=env)
+    fakes = [mode.from_tensor(t, static_shapes=True) for t in flat[:n_state]]
+    for i, t in enumerate(flat[n_state:]):
+        if not dynamic:
+            fakes.append(mode.from_tensor(t, static_shapes=True))
+            continue
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())
+        fakes.append(mode.from_tensor(t, source=LocalSource(f"input_{i}"), symbolic_context=ctx))
+    return fakes, env
+
+
 def capture(module, args, kwargs, tensors, name) -> Captured:
     """Traces module(*args, **kwargs) (its tensors flattened in `tensors`) and translates it."""
+    return translate(trace(module, args, kwargs, tensors, name), module, tensors, name)
+
+
+def trace(module, args, kwargs, tensors, name) -> "Trace":
+    """Traces module(*args, **kwargs) (its tensors flattened in `tensors`): the aten graph, before
+    translation (Note [dynamic shapes])."""
     _refuse_early(module, name)
     stop = _stop_gradient_op()
     state = _state(module)
@@ -641,19 +826,29 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
                 torch._disable_functionalization()
         return f
 
-    def trace(flat):
+    def trace_flat(flat):
+        """(the aten graph, the tensors it was traced on if fake, their ShapeEnv)"""
         if _TRACING_MODE == "real":  # torch 1.13: one pass, the module under functionalization
-            return make_fx(functionalized(run), decomposition_table=_decompositions())(*flat)
+            return make_fx(functionalized(run), decomposition_table=_decompositions())(*flat), None, None
         # torch 2.x: the module on fake tensors as they are (Note [capture]), then that graph under
-        # functionalization.
+        # functionalization. The call's tensors have symbolic sizes (Note [dynamic shapes]); where
+        # PyTorch's tracer cannot take them so, the trace is made again at the call's sizes.
+        try:
+            return trace_fake(*_symbolic_fakes(flat, n_state, dynamic=True))
+        except Exception:  # noqa: BLE001  (a refusal, if any, is said by the trace at the call's sizes)
+            torch.set_rng_state(rng)
+            return trace_fake(*_symbolic_fakes(flat, n_state, dynamic=False))
+
+    def trace_fake(flat, shape_env):
         first = make_fx(lambda *fl: tuple(x for part in run(list(fl)) for x in part),
-                        decomposition_table=_decompositions(), tracing_mode="fake")(*flat)
+                        decomposition_table=_decompositions(), tracing_mode="symbolic")(*flat)
         n = box["n_out"]
 
         def again(wrapped):
             outs = first(*wrapped)
             return list(outs[:n]), wrapped
-        return make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="fake")(*flat)
+        gm = make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="symbolic")(*flat)
+        return gm, flat, shape_env
 
     rng = torch.get_rng_state()
     # On torch 1.13 the trace computes on the real tensors: parameters as they are (nothing writes
@@ -666,7 +861,7 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
         # Custom autograd.Functions become graft::py_function calls (Note [PythonOp], _pyfunc.py).
         with warnings.catch_warnings(), _pyfunc.intercept():
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # torch 2.x
-            gm = trace(flat)
+            gm, fakes, shape_env = trace_flat(flat)
     except (GraftUnsupportedError, NotCaptured):
         raise
     except _pyfunc.FunctionRaised as ex:  # a custom autograd.Function's forward raised: as in eager
@@ -686,12 +881,18 @@ def capture(module, args, kwargs, tensors, name) -> Captured:
     del flat
     stops = any(getattr(n.target, "_schema", None) is not None and n.target._schema.name.split("::")[-1] in _STOPS
                 for n in gm.graph.nodes if n.op == "call_function")
+    return Trace(gm, box, stops, fakes, shape_env, state, tensors)
+
+
+def translate(tr: "Trace", module, tensors, name) -> Captured:
+    """Graft's nodes for a trace, at the sizes of the call's `tensors` (which tr.fits)."""
+    state = _state(module)
     try:
-        c = _translate(gm, module, state, tensors, box, name)
-        c.stops = stops
+        c = _translate(tr.gm, module, state, tensors, tr.box, name, tr.sizes(state, tensors))
+        c.stops = tr.stops
         return c
     except NotCaptured as ex:
-        if stops:
+        if tr.stops:
             raise GraftUnsupportedError(
                 f"{ex}; and torch.onnx.export, graft's other way in, would differentiate through the "
                 "places where the forward stops a gradient (detach(), torch.no_grad, .data)", "unsupported") \
@@ -766,16 +967,21 @@ class _Builder:
         return names[0] if outputs is None and nout == 1 else names
 
 
-def _meta(tm):
-    """Meta tensors (shape and dtype, no data) for a node's TensorMetadata (or a tuple of them)."""
+def _meta(tm, size=lambda x: x):
+    """Meta tensors (shape and dtype, no data) for a node's TensorMetadata (or a tuple of them), each
+    symbolic size evaluated by `size` (Trace.sizes)."""
     if tm is None:
         return None
     if isinstance(tm, (tuple, list)) and not hasattr(tm, "dtype"):
-        return type(tm)(_meta(x) for x in tm)
+        return type(tm)(_meta(x, size) for x in tm)
+    shape = tuple(size(d) for d in tm.shape)
     stride = getattr(tm, "stride", None)
     if stride is not None and len(stride) == len(tm.shape):
-        return torch.empty_strided(tuple(tm.shape), tuple(stride), dtype=tm.dtype, device="meta")
-    return torch.empty(tuple(tm.shape), dtype=tm.dtype, device="meta")
+        return torch.empty_strided(shape, tuple(size(d) for d in stride), dtype=tm.dtype, device="meta")
+    return torch.empty(shape, dtype=tm.dtype, device="meta")
+
+
+_SYMBOLIC = tuple(getattr(torch, n) for n in ("SymInt", "SymFloat", "SymBool") if hasattr(torch, n))
 
 
 def _is_graph_value(x):
@@ -852,7 +1058,7 @@ def _state_slot(t, state):
     return None
 
 
-def _translate(gm, module, state, tensors, box, name) -> Captured:
+def _translate(gm, module, state, tensors, box, name, size) -> Captured:
     from . import _aten_rules as rules
     b = _Builder()
     c = Captured()
@@ -861,7 +1067,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
     n_state = len(state)
     graph_names = [PREFIX + n for n, _ in state] + [f"input_{i}" for i in range(len(tensors))]
     for node, gname in zip(placeholders, graph_names):
-        m = _meta(node.meta.get("tensor_meta"))
+        m = _meta(node.meta.get("tensor_meta"), size)
         b.bind(m, gname)
         vals[node] = m
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -880,6 +1086,9 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
             continue
         if node.op != "call_function":
             raise NotCaptured(f"an fx node of kind {node.op}")
+        if isinstance(node.meta.get("val"), _SYMBOLIC):  # a size (Note [dynamic shapes]): at this call's sizes
+            vals[node] = size(node.meta["val"])
+            continue
         a, kw = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: vals[n])
         if node.target is operator.getitem:
             vals[node] = a[0][a[1]]
@@ -892,9 +1101,10 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
                 continue
             if opname not in rules.RULES:  # a draw graft cannot make anew each call: never baked in
                 raise NotCaptured(f"random numbers (aten::{opname}) feed the graph{_where(node)}")
-        out = _meta(node.meta.get("tensor_meta"))
+        out = _meta(node.meta.get("tensor_meta"), size)
         if out is None:  # several outputs (torch 1.13 keeps no metadata for those): from their readers
-            got = {u.args[1]: _meta(u.meta.get("tensor_meta")) for u in node.users if u.target is operator.getitem}
+            got = {u.args[1]: _meta(u.meta.get("tensor_meta"), size) for u in node.users
+                   if u.target is operator.getitem}
             out = [got.get(i) for i in range(max(got) + 1)] if got else []
         if opname in _STOPS:
             made = b.emit("StopGradient", [b.v(a[0])], domain="graft")
@@ -945,7 +1155,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
         oname = f"update_{k}"
         b.nodes.append(("Identity", "", f"upd_{k}", [new], [oname], []))
         tm = ph.meta["tensor_meta"]
-        c.outputs.append((oname, elem(tm.dtype, f"'{gname}'"), list(tm.shape)))
+        c.outputs.append((oname, elem(tm.dtype, f"'{gname}'"), [size(d) for d in tm.shape]))
         c.updates.append((oname, ("state", state[k][0]) if k < n_state else ("input", k - n_state)))
     c.nodes = _live(b.nodes, {o for o, _, _ in c.outputs})
     read = {i for n in c.nodes for i in n[3]}
@@ -954,7 +1164,7 @@ def _translate(gm, module, state, tensors, box, name) -> Captured:
             continue
         tm = ph.meta["tensor_meta"]
         what = f"parameter '{state[k][0]}'" if k < n_state else f"input {k - n_state}"
-        c.inputs.append((gname, elem(tm.dtype, what), list(tm.shape)))
+        c.inputs.append((gname, elem(tm.dtype, what), [size(d) for d in tm.shape]))
         if k < n_state:
             c.params.append((gname, state[k][0]))
         else:

@@ -239,10 +239,16 @@ def _export_mode():
     return mode
 
 
-def _capture_prepare(module, args, kwargs, tensors, opset, name):
-    """As _prepare, with PyTorch's own capture (Note [capture], _aten.py). Raises
+def _capture_prepare(module, args, kwargs, tensors, opset, name, traces):
+    """As _prepare, with PyTorch's own capture (Note [capture], _aten.py): from a trace in `traces`
+    that fits the call (Note [dynamic shapes]), else from a new one, appended to it. Raises
     _aten.NotCaptured (GraftModule then exports) or GraftUnsupportedError (refused)."""
-    c = _aten.capture(module, args, kwargs, tensors, name)
+    state = _aten._state(module)
+    tr = next((t for t in traces if t.fits(state, tensors)), None)
+    if tr is None:
+        tr = _aten.trace(module, args, kwargs, tensors, name)
+        traces.append(tr)
+    c = _aten.translate(tr, module, tensors, name)
     ex = _export.Exported(path=None, input_names=c.input_names, input_index=c.input_index, params=c.params,
                           output_names=c.output_names, output_template=c.output_template,
                           has_dropout=c.has_dropout, warnings=c.warnings)
@@ -347,6 +353,10 @@ class GraftModule(torch.nn.Module):
         self.cache_size = cache_size
         self._cache: "collections.OrderedDict[Any, _Entry]" = collections.OrderedDict()
         self._exports = 0
+        # How many times the forward was traced (Note [dynamic shapes], _aten.py); the traces kept,
+        # per call signature without the sizes, most recently used last.
+        self.captures = 0
+        self._traces: "collections.OrderedDict[Any, list]" = collections.OrderedDict()
         self.export_method = ""  # how the latest export was made: "capture" or "torch.onnx.export (...)"
         self._warned = set()
         self._under_ddp = False
@@ -360,6 +370,7 @@ class GraftModule(torch.nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_cache"] = collections.OrderedDict()
+        state["_traces"] = collections.OrderedDict()
         state.pop("_lock", None)
         return state
 
@@ -430,13 +441,20 @@ class GraftModule(torch.nn.Module):
             warnings.warn(GraftWarning(f"{self._name()}: {msg}"), stacklevel=4)
 
     # --- building an entry ---
-    def _build(self, args, kwargs, tensors, capture=True) -> _Entry:
+    def _build(self, args, kwargs, tensors, trace_key=None, capture=True) -> _Entry:
         name = self._name()
         mode = _export_mode()
         if capture and mode == "capture":
+            traces = self._traces.pop(trace_key, [])
+            self._traces[trace_key] = traces  # most recently used last
+            while len(self._traces) > self.cache_size:
+                self._traces.popitem(last=False)
+            n = len(traces)
             try:
-                prep = _capture_prepare(self.module, args, kwargs, tensors, self.opset, name)
+                prep = _capture_prepare(self.module, args, kwargs, tensors, self.opset, name, traces)
                 self.export_method = "capture"
+                self.captures += len(traces) - n
+                del traces[:-self.cache_size]
                 return self._build_from(prep, args, kwargs, tensors)
             except _aten.NotCaptured as why:
                 self.export_method = f"torch.onnx.export (not captured: {why})"
@@ -514,7 +532,7 @@ class GraftModule(torch.nn.Module):
             raise type(err)(f"{name}: {msg}", err.kind, err.node) from None
         return e
 
-    def _entry(self, args, kwargs, tensors, key) -> _Entry:
+    def _entry(self, args, kwargs, tensors, key, trace_key) -> _Entry:
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None and not entry.params_current(self._name()):
@@ -523,13 +541,15 @@ class GraftModule(torch.nn.Module):
             if entry is not None:
                 self._cache.move_to_end(key)
                 return entry
-            entry = self._build(args, kwargs, tensors)
+            traced = self.captures
+            entry = self._build(args, kwargs, tensors, trace_key)
             # The exporter's trace ran the forward with autograd on; its traced modules, graph
             # and outputs form reference cycles that hold every activation of that forward until
             # Python's cyclic collector happens to run (many steps later: a training loop makes
-            # few Python objects). Collect them now, once per export, so that the first step
-            # does not hold the activations twice.
-            gc.collect()
+            # few Python objects). Collect them now, once per trace or export, so that the first
+            # step does not hold the activations twice.
+            if self.captures != traced or self.export_method != "capture":
+                gc.collect()
             self._cache[key] = entry
             self._exports += 1
             while len(self._cache) > self.cache_size:
@@ -614,7 +634,9 @@ class GraftModule(torch.nn.Module):
         state = _flatten.module_state(self.module)
         frozen = tuple(p.requires_grad for p in self.module.parameters())
         key = (static_key, tuple(sig), state, frozen)
-        entry = self._entry(args, kwargs, tensors, key)
+        # The traces that may serve this call: same everything but the sizes (Note [dynamic shapes]).
+        trace_key = (static_key, tuple((len(s), d, g) for s, d, g in sig), state, frozen)
+        entry = self._entry(args, kwargs, tensors, key, trace_key)
         entry.calls += 1
         # A call tensor the module writes into (x.mul_(2) in its forward) is bound to graft as a copy:
         # its new value is written into the caller's tensor after the forward, while the backward

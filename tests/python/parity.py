@@ -13,8 +13,8 @@ def close(a, b, what, rtol=1e-4, atol=1e-5):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def train_both(model, make_inputs, mode="hook", steps=2, dtype=torch.float32, rtol=1e-3, atol=1e-4):
-    """The model (cast to dtype) in GraftModule(gradients=mode) and an eager copy, `steps` SGD steps
+def train_both(model, make_inputs, mode="hook", steps=2, dtype=torch.float32, rtol=1e-3, atol=1e-4, lr=0.1):
+    """The model (cast to dtype) in GraftModule(gradients=mode) and an eager copy, `steps` SGD steps (lr)
     on make_inputs(step): the outputs, the loss (the output's dot product with a fixed random tensor,
     or the output itself where it is a scalar), every .grad (None exactly where eager's is), the
     buffers after every step and the parameters at the end compared. A gradient is judged against
@@ -24,8 +24,8 @@ def train_both(model, make_inputs, mode="hook", steps=2, dtype=torch.float32, rt
     model = model.to(dtype)
     eager = copy.deepcopy(model)
     g = GraftModule(model, gradients=mode)
-    opt_g = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(model.parameters(), lr=lr)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=lr)
     for step in range(steps):
         args = make_inputs(step)
         for o in (opt_g, opt_e):
