@@ -1,6 +1,7 @@
 """GraftModule's capture of a module's forward, on PyTorch's own machinery (Note [capture]).
 
-    captured = capture(module, args, kwargs, tensors, name)   # an aten graph, as graft nodes
+    tr = trace(module, args, kwargs, tensors, name)             # the aten graph (Note [dynamic shapes])
+    captured = translate(tr, module, _state(module), tensors, name)  # as graft nodes, at the call's sizes
 
 What it cannot take raises NotCaptured (GraftModule then tries torch.onnx.export, a documented
 fallback); what graft must not run at all (module hooks, a custom autograd.Function) raises
@@ -319,17 +320,24 @@ def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is
 # F.interpolate's aten ops, which graft runs as its Resize (_aten_layers._upsample). Traced with
 # symbolic sizes, PyTorch's Python dispatcher takes each apart into index arithmetic and
 # _unsafe_index (its decompositions for torch.compile); graft::upsample keeps the op whole.
-# (name -> whether it takes align_corners)
-_UPSAMPLE = {n: n in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d")
-             for n in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
-                       "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d",
-                       "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d")}
+# (mode, spatial rank) -> the aten op
+_INTERPOLATE = {("nearest", 1): "upsample_nearest1d", ("nearest", 2): "upsample_nearest2d",
+                ("nearest", 3): "upsample_nearest3d", ("nearest-exact", 1): "_upsample_nearest_exact1d",
+                ("nearest-exact", 2): "_upsample_nearest_exact2d", ("nearest-exact", 3): "_upsample_nearest_exact3d",
+                ("linear", 1): "upsample_linear1d", ("bilinear", 2): "upsample_bilinear2d",
+                ("trilinear", 3): "upsample_trilinear3d", ("bicubic", 2): "upsample_bicubic2d"}
+
+
+def takes_align_corners(op) -> bool:
+    """Whether the upsampling aten op `op` (one of _INTERPOLATE's) takes align_corners."""
+    return "nearest" not in op
 
 
 def _upsample_op():
-    """graft::upsample(x, the aten op's name, output size, align_corners, scales): one of _UPSAMPLE."""
+    """graft::upsample(x, the aten op's name, output size, align_corners, scales): one of _INTERPOLATE's."""
     def args(op, size, align, scales):
-        return ([size] + ([align] if _UPSAMPLE[op] else []) + (list(scales) if scales else [None] * len(size)))
+        return ([size] + ([align] if takes_align_corners(op) else [])
+                + (list(scales) if scales else [None] * len(size)))
 
     def meta(x, op, size, align, scales):
         return x.new_empty(tuple(x.shape[:2]) + tuple(size))
@@ -340,13 +348,6 @@ def _upsample_op():
                                 "-> Tensor", {"CompositeExplicitAutograd": real, "Meta": meta})
 
 
-_INTERPOLATE = {("nearest", 1): "upsample_nearest1d", ("nearest", 2): "upsample_nearest2d",
-                ("nearest", 3): "upsample_nearest3d", ("nearest-exact", 1): "_upsample_nearest_exact1d",
-                ("nearest-exact", 2): "_upsample_nearest_exact2d", ("nearest-exact", 3): "_upsample_nearest_exact3d",
-                ("linear", 1): "upsample_linear1d", ("bilinear", 2): "upsample_bilinear2d",
-                ("trilinear", 3): "upsample_trilinear3d", ("bicubic", 2): "upsample_bicubic2d"}
-
-
 def _interpolate_whole(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
                        recompute_scale_factor=None, antialias=False):
     """F.interpolate as graft::upsample (torch 2.x's trace); None where F.interpolate is to run as
@@ -355,7 +356,7 @@ def _interpolate_whole(input, size=None, scale_factor=None, mode="nearest", alig
         return None
     dim = input.dim() - 2
     op = _INTERPOLATE.get((mode, dim))
-    if op is None or (size is None) == (scale_factor is None) or (align_corners is not None and not _UPSAMPLE[op]):
+    if op is None or (size is None) == (scale_factor is None) or (align_corners is not None and not takes_align_corners(op)):
         return None
     sizes = list(size) if isinstance(size, (list, tuple)) else None if size is None else [size] * dim
     scales = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else \
@@ -688,12 +689,6 @@ class Trace:
         self.call_sig = [(tuple(t.shape), t.dtype) for t in tensors]
         self._guards = None
 
-    @property
-    def dynamic(self) -> bool:
-        """Whether any of the call's sizes is symbolic."""
-        return self.fakes is not None and any(
-            not _expr(d).is_number for f in self.fakes[len(self.state_sig):] for d in f.shape)
-
     def fits(self, state, tensors) -> bool:
         """Whether this trace is the forward's for a call with these state and call tensors."""
         if [(n, tuple(t.shape), t.dtype) for n, t in state] != self.state_sig or len(tensors) != len(self.call_sig):
@@ -756,11 +751,6 @@ def _symbolic_fakes(flat, n_state, dynamic):
         ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())
         fakes.append(mode.from_tensor(t, source=LocalSource(f"input_{i}"), symbolic_context=ctx))
     return fakes, env
-
-
-def capture(module, args, kwargs, tensors, name) -> Captured:
-    """Traces module(*args, **kwargs) (its tensors flattened in `tensors`) and translates it."""
-    return translate(trace(module, args, kwargs, tensors, name), module, tensors, name)
 
 
 def trace(module, args, kwargs, tensors, name) -> "Trace":
@@ -884,9 +874,9 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
     return Trace(gm, box, stops, fakes, shape_env, state, tensors)
 
 
-def translate(tr: "Trace", module, tensors, name) -> Captured:
-    """Graft's nodes for a trace, at the sizes of the call's `tensors` (which tr.fits)."""
-    state = _state(module)
+def translate(tr: "Trace", module, state, tensors, name) -> Captured:
+    """Graft's nodes for a trace, at the sizes of the call's `tensors` (which tr.fits; state:
+    _state(module))."""
     try:
         c = _translate(tr.gm, module, state, tensors, tr.box, name, tr.sizes(state, tensors))
         c.stops = tr.stops

@@ -7,7 +7,7 @@ a large x) would be NaN.
 """
 import torch
 
-from ._aten import _UPSAMPLE, NotCaptured, elem
+from ._aten import _INTERPOLATE, NotCaptured, elem, takes_align_corners
 from ._aten_rules import RULES, _axis, _operands, _p_norm, _reduce_axes, rule
 
 _leaky_relu = RULES["leaky_relu"]
@@ -521,10 +521,10 @@ for _n, _m, _lin, _ex in (("upsample_nearest1d", "nearest", False, False), ("ups
 
 @rule("upsample")
 def _upsample_whole(r, out, x, op, size, align_corners, scales):
-    """graft::upsample (_aten._upsample_whole): the aten op's rule, on its .vec arguments."""
-    if op not in _UPSAMPLE:
+    """graft::upsample (_aten._interpolate_whole): the aten op's rule, on its .vec arguments."""
+    if op not in _INTERPOLATE.values():
         raise NotCaptured(f"graft::upsample of {op}")
-    return RULES[op](r, out, x, size, *([align_corners] if _UPSAMPLE[op] else []), scales)
+    return RULES[op](r, out, x, size, *([align_corners] if takes_align_corners(op) else []), scales)
 
 
 # --- unary math (src/ops/math.cpp) and what composes from it ---------------------------------------

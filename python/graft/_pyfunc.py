@@ -7,7 +7,7 @@ memory-saving recompute, BLOOM's GeLU, reentrant torch.utils.checkpoint), so dif
 ops of its forward would not give eager's gradients. As ORTModule does with its PythonOp, graft
 keeps the Function whole: PyTorch runs its forward and its own backward, graft plans around it.
 
-* Capture: while the forward is traced (_aten.capture), Function.apply of every Function class is
+* Capture: while the forward is traced (_aten.trace), Function.apply of every Function class is
   redirected on the capturing thread (intercept()): the call becomes graft::py_function(tensors,
   key), an op of graft's own whose record (the class, the non-tensor arguments, which tensors
   require grad, the outputs' dtypes and shapes) is kept under `key`. The Function's forward runs

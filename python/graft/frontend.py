@@ -248,7 +248,7 @@ def _capture_prepare(module, args, kwargs, tensors, opset, name, traces):
     if tr is None:
         tr = _aten.trace(module, args, kwargs, tensors, name)
         traces.append(tr)
-    c = _aten.translate(tr, module, tensors, name)
+    c = _aten.translate(tr, module, state, tensors, name)
     ex = _export.Exported(path=None, input_names=c.input_names, input_index=c.input_index, params=c.params,
                           output_names=c.output_names, output_template=c.output_template,
                           has_dropout=c.has_dropout, warnings=c.warnings)
@@ -451,10 +451,12 @@ class GraftModule(torch.nn.Module):
                 self._traces.popitem(last=False)
             n = len(traces)
             try:
-                prep = _capture_prepare(self.module, args, kwargs, tensors, self.opset, name, traces)
+                try:
+                    prep = _capture_prepare(self.module, args, kwargs, tensors, self.opset, name, traces)
+                finally:  # a new trace counts, whether or not graft takes its graph
+                    self.captures += len(traces) - n
+                    del traces[:-self.cache_size]
                 self.export_method = "capture"
-                self.captures += len(traces) - n
-                del traces[:-self.cache_size]
                 return self._build_from(prep, args, kwargs, tensors)
             except _aten.NotCaptured as why:
                 self.export_method = f"torch.onnx.export (not captured: {why})"
