@@ -121,7 +121,7 @@ class _Watch(TorchFunctionMode):
     inputs or state, refused (the trace would replay this call's value); a constant, read; a random
     draw, read and said (LayerDrop: graft replays this call's branch, as torch.onnx.export did)."""
 
-    def __init__(self, stop, graph_tensors, fake=False):
+    def __init__(self, stop, graph_tensors, state, fake=False):
         super().__init__()
         self.stop = stop
         self.fake = fake  # tracing fake tensors (torch 2.x)
@@ -129,6 +129,26 @@ class _Watch(TorchFunctionMode):
         self.graph = {id(t): t for t in graph_tensors}   # values from the inputs or state (kept alive)
         self.random = {}                                  # values from a random draw
         self.warnings = []
+        self.state = state  # the module's parameters and buffers, as they are
+        self.free: Dict[int, torch.Tensor] = {}  # Note [free tensors]
+
+    def _note_free(self, ins):
+        """Note [free tensors]: records each tensor a call takes that the trace did not make and
+        that is neither the call's nor the module's state."""
+        for t in ins:
+            if id(t) in self.graph or id(t) in self.free:
+                continue
+            made = _is_fake(t) if self.fake else torch._is_functional_tensor(t)
+            if made or _state_slot(t, self.state) is not None or _in_dispatch():
+                continue
+            if t.requires_grad:
+                raise GraftUnsupportedError(
+                    f"the forward reads a tensor that requires grad but is neither an input nor a parameter of the "
+                    f"module (shape {tuple(t.shape)}, a global, a closure or a plain attribute){_user_line()}; eager "
+                    "would give it a gradient, graft cannot. Register it on the module (nn.Parameter) or pass it in "
+                    "as an argument.", "unsupported")
+            self.free[id(t)] = t
+            self.graph[id(t)] = t
 
     def _read(self, func, t, args, kwargs):
         if id(t) in self.graph:
@@ -179,7 +199,7 @@ class _Watch(TorchFunctionMode):
             if isinstance(x, torch.Tensor):
                 return self._value(x)
             if isinstance(x, _SYMBOLIC):  # guards the size (int() specializes it)
-                return int(x) if isinstance(x, torch.SymInt) else float(x) if isinstance(x, torch.SymFloat) else bool(x)
+                return _plain(x)(x)
             if isinstance(x, (list, tuple)):
                 return type(x)(real(y) for y in x)
             return x
@@ -222,6 +242,15 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self._note_free(ins)
+        if self.free:
+            written = [args[0]] if args and _writes(func) else []
+            written += [o for o in _leaves(kwargs.get("out")) if isinstance(o, torch.Tensor)]
+            if any(id(t) in self.free for t in written):
+                raise GraftUnsupportedError(
+                    f"the forward writes into a tensor that is neither an input nor a buffer of the module (a global, "
+                    f"a closure or a plain attribute){_user_line()}; graft's graph would not repeat the write. "
+                    "Register it as a buffer (register_buffer), or keep this module in eager mode.", "unsupported")
         if func in _READ_FUNCS and ins:
             return self._read(func, ins[0], args, kwargs)
         for a in ins:
@@ -396,6 +425,25 @@ def _ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank=0, r
     if reduction == "mean":
         return (res / tl.clamp_min(1).to(res.dtype)).mean()
     return res.sum() if reduction == "sum" else res
+
+
+def _in_dispatch() -> bool:
+    """Whether this call comes from below autograd (a __torch_dispatch__: make_fx's tracer, or a
+    composite op's parts, which torch 1.13 shows the mode too) rather than from the forward."""
+    import sys
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "__torch_dispatch__":
+            return True
+        f = f.f_back
+    return False
+
+
+def _writes(func) -> bool:
+    """Whether a torch function writes into its first argument (add_, x += 1, x[i] = v)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__invert__"))
 
 
 def _is_fake(t):
@@ -653,6 +701,8 @@ class Captured:
         # the output template is then (the user's output, [(args[, output]) per call]).
         self.hook_calls: List[tuple] = []
         self.weight_hooks: List[tuple] = []  # Note [weight hooks]: (submodule path, hook key)
+        # Note [free tensors]: fed after the call's tensors (input_index counts on from them).
+        self.free: List[torch.Tensor] = []
 
 
 PREFIX = _export.PREFIX  # graph inputs bound to module state: PREFIX + its state_dict name
@@ -679,6 +729,59 @@ def elem(dtype, what="a value") -> int:
 # a trace there fits only calls of its exact shapes.
 
 
+# Note [free tensors]
+# A tensor the forward reads that is neither the call's nor the module's state (a global such as a
+# class-weight tensor for cross_entropy, a closure, a plain tensor attribute that is not a buffer) is
+# read by eager at every call, with its value then. The trace records each (_Watch._note_free) and
+# graft's graph takes it as an input, fed from that same tensor at every call: a change in place is
+# seen as in eager. Where the capture found the name it is bound to (a module attribute, a global
+# of a forward's module, a closure variable of a forward), the name is checked at every call, and a name bound to another tensor, or
+# a tensor of another shape, means a new trace. Refused: such a tensor that requires grad (eager
+# would give it a gradient), a write into one (graft would not repeat it), a read of its value into
+# Python. Without this, torch 1.13's trace kept the first call's value as a constant (silently
+# stale after a change) and torch 2.x's fake tensors refused the module.
+
+
+class FreeTensors:
+    """The free tensors of a trace (Note [free tensors]) and the names bound to them."""
+
+    def __init__(self, tensors, modules):
+        self.tensors = list(tensors)
+        self.sigs = [(tuple(t.shape), t.dtype) for t in self.tensors]
+        modules = list(modules) if self.tensors else []
+        self.bindings = [_bindings(t, modules) for t in self.tensors]
+
+    def current(self) -> bool:
+        """Whether the tensors are still those the forward reads, with their shapes."""
+        for t, sig, binds in zip(self.tensors, self.sigs, self.bindings):
+            if (tuple(t.shape), t.dtype) != sig or any(read() is not t for read in binds):
+                return False
+        return True
+
+
+def _bindings(t, modules):
+    """A reader of each name bound to `t` that the capture can see: a module attribute, a global of a
+    forward's module, a closure variable of a forward."""
+    found, seen = [], set()
+
+    def cell(c):
+        try:
+            return c.cell_contents
+        except ValueError:  # emptied
+            return None
+    for m in modules:
+        fn = getattr(type(m).forward, "__func__", type(m).forward)
+        for d in (vars(m), getattr(fn, "__globals__", None)):
+            if d is not None and id(d) not in seen:
+                seen.add(id(d))
+                found += [lambda d=d, k=k: d.get(k) for k, v in list(d.items()) if v is t]
+        for c in getattr(fn, "__closure__", None) or ():
+            if id(c) not in seen and cell(c) is t:
+                seen.add(id(c))
+                found.append(lambda c=c: cell(c))
+    return found
+
+
 class Trace:
     """One trace of the forward, before translation (Note [dynamic shapes])."""
 
@@ -687,11 +790,14 @@ class Trace:
         self.fakes, self.shape_env = fakes, shape_env  # None on torch 1.13
         self.state_sig = [(n, tuple(t.shape), t.dtype) for n, t in state]
         self.call_sig = [(tuple(t.shape), t.dtype) for t in tensors]
+        self.free = box.get("free") or FreeTensors((), ())
         self._guards = None
 
     def fits(self, state, tensors) -> bool:
         """Whether this trace is the forward's for a call with these state and call tensors."""
         if [(n, tuple(t.shape), t.dtype) for n, t in state] != self.state_sig or len(tensors) != len(self.call_sig):
+            return False
+        if not self.free.current():
             return False
         for t, (shape, dtype) in zip(tensors, self.call_sig):
             if t.dtype != dtype or t.dim() != len(shape):
@@ -715,7 +821,7 @@ class Trace:
         memo = {}
 
         def size(x):
-            if not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if not isinstance(x, _SYMBOLIC):
                 return x
             e = x.node.expr
             v = memo.get(e)
@@ -723,8 +829,7 @@ class Trace:
                 r = e.xreplace(bindings)  # a plain int where e is one symbol
                 if getattr(r, "free_symbols", None):  # a size of data (masked_select's): as traced
                     return x
-                kind = int if isinstance(x, torch.SymInt) else float if isinstance(x, torch.SymFloat) else bool
-                v = memo[e] = kind(r)
+                v = memo[e] = _plain(x)(r)
             return v
         return size
 
@@ -742,7 +847,7 @@ def _symbolic_fakes(flat, n_state, dynamic):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     env = ShapeEnv(duck_shape=False)  # equal sizes at the capture are not assumed equal later
-    mode = FakeTensorMode(shape_env=env)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)  # Note [free tensors]
     fakes = [mode.from_tensor(t, static_shapes=True) for t in flat[:n_state]]
     for i, t in enumerate(flat[n_state:]):
         if not dynamic:
@@ -776,7 +881,7 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
                 t.requires_grad_(True)
         st = dict(zip(names, flat[:n_state]))
         a, kw = _flatten.rebuild((args, kwargs), iter(flat[n_state:]))
-        watch = _Watch(stop, flat, fake=_TRACING_MODE == "fake")
+        watch = _Watch(stop, flat, state, fake=_TRACING_MODE == "fake")
         # oneDNN off: torch 2.x runs nn.LSTM / nn.GRU as one mkldnn_rnn_layer op per layer with it
         # on, and as the cells' ops (which graft has) without; the values are the same.
         calls, data = [], []
@@ -785,6 +890,7 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
                 _recording_hooks(module, name, calls, data), _hook_boundaries(module):
             out = _functional_call(module, st, a, kw)
         box["warnings"] = watch.warnings
+        box["free"] = FreeTensors(watch.free.values(), module.modules())
         box["hook_calls"] = calls
         if calls:  # the hooks' arguments are outputs too: (the user's output, [(args[, output]) per call])
             out = (out, data)
@@ -831,13 +937,15 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
 
     def trace_fake(flat, shape_env):
         first = make_fx(lambda *fl: tuple(x for part in run(list(fl)) for x in part),
-                        decomposition_table=_decompositions(), tracing_mode="symbolic")(*flat)
+                        decomposition_table=_decompositions(), tracing_mode="symbolic",
+                        _allow_non_fake_inputs=True)(*flat)
         n = box["n_out"]
 
         def again(wrapped):
             outs = first(*wrapped)
             return list(outs[:n]), wrapped
-        gm = make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="symbolic")(*flat)
+        gm = make_fx(functionalized(again), decomposition_table=_decompositions(), tracing_mode="symbolic",
+                     _allow_non_fake_inputs=True)(*flat)
         return gm, flat, shape_env
 
     rng = torch.get_rng_state()
@@ -882,6 +990,11 @@ def translate(tr: "Trace", module, state, tensors, name) -> Captured:
         c.stops = tr.stops
         return c
     except NotCaptured as ex:
+        if tr.free.tensors:
+            raise GraftUnsupportedError(
+                f"{ex}; and torch.onnx.export, graft's other way in, would keep this call's value of the tensors "
+                "the forward reads that are neither inputs nor buffers (a global, a closure, a plain attribute)",
+                "unsupported") from None
         if tr.stops:
             raise GraftUnsupportedError(
                 f"{ex}; and torch.onnx.export, graft's other way in, would differentiate through the "
@@ -974,6 +1087,11 @@ def _meta(tm, size=lambda x: x):
 _SYMBOLIC = tuple(getattr(torch, n) for n in ("SymInt", "SymFloat", "SymBool") if hasattr(torch, n))
 
 
+def _plain(x):
+    """The Python type of a symbolic value's concrete ones: int, float or bool."""
+    return int if isinstance(x, torch.SymInt) else float if isinstance(x, torch.SymFloat) else bool
+
+
 def _is_graph_value(x):
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
@@ -1056,6 +1174,7 @@ def _translate(gm, module, state, tensors, box, name, size) -> Captured:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_state = len(state)
     graph_names = [PREFIX + n for n, _ in state] + [f"input_{i}" for i in range(len(tensors))]
+    free = box["free"].tensors if "free" in box else []
     for node, gname in zip(placeholders, graph_names):
         m = _meta(node.meta.get("tensor_meta"), size)
         b.bind(m, gname)
@@ -1068,6 +1187,12 @@ def _translate(gm, module, state, tensors, box, name, size) -> Captured:
             continue
         if node.op == "get_attr":
             t = getattr(gm, node.target)
+            j = next((j for j, f in enumerate(free) if f is t), None)
+            if j is not None:  # Note [free tensors]: a graph input, fed from that tensor at every call
+                m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                b.bind(m, f"free_{j}")
+                vals[node] = m
+                continue
             k = _state_slot(t, state)
             # A parameter or buffer the forward reached other than through its module attribute
             # (nn.LSTM's cached _flat_weights on torch 1.13): the trace saw it as a constant; it is
@@ -1160,6 +1285,12 @@ def _translate(gm, module, state, tensors, box, name, size) -> Captured:
         else:
             c.input_names.append(gname)
             c.input_index.append(k - n_state)
+    for j, t in enumerate(free):
+        if f"free_{j}" in read:
+            c.inputs.append((f"free_{j}", elem(t.dtype, f"a free tensor of shape {tuple(t.shape)}"), list(t.shape)))
+            c.input_names.append(f"free_{j}")
+            c.input_index.append(len(tensors) + len(c.free))
+            c.free.append(t)
     c.output_template = box["template"]
     c.hook_calls = list(box.get("hook_calls", ()))
     c.weight_hooks = weight_hooks(module)

@@ -464,14 +464,13 @@ def _convolution(r, out, x, w, b, stride, padding, dilation, transposed, output_
 
 @rule("nll_loss_forward")
 def _nll_loss(r, out, logp, target, weight, reduction, ignore_index):
-    if weight is not None:
-        raise NotCaptured("nll_loss with class weights")
     name = r.v(logp)
     prod = r.producer.get(name)
     if prod is None or prod[0] != "LogSoftmax" or dict((a[0], a[2]) for a in prod[2]).get("axis") != 1:
         raise NotCaptured("nll_loss of something other than log_softmax over axis 1")
     red = {0: "none", 1: "mean", 2: "sum"}[reduction]
-    loss = r.emit("SoftmaxCrossEntropyLoss", [prod[1][0], r.v(target)],
+    weights = [] if weight is None else [r.v(weight, logp.dtype)]  # as PyTorch: mean over the labels' weights
+    loss = r.emit("SoftmaxCrossEntropyLoss", [prod[1][0], r.v(target)] + weights,
                   attrs=[("reduction", "s", red), ("ignore_index", "i", int(ignore_index))])
     return [loss]  # total_weight (output 1) is not captured: reading it is refused
 

@@ -87,6 +87,8 @@ class _Entry:
     output_template: Any = None
     hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
     weight_hooks: list = dataclasses.field(default_factory=list)  # Note [weight hooks] (_aten.py)
+    free: List[torch.Tensor] = dataclasses.field(default_factory=list)  # Note [free tensors] (_aten.py)
+    free_check: Any = None
     has_dropout: bool = False
     optimizer: Any = None  # gradients="step": the torch.optim optimizer applied inside backward
     step_flags: Any = None  # gradients="step": the GraftModule's {"defer": bool} (defer_step)
@@ -189,6 +191,8 @@ class _Prepared:
     stops: bool = False  # the captured graph stops a gradient: torch.onnx.export is no way in
     hook_calls: list = dataclasses.field(default_factory=list)  # Note [forward hooks]
     weight_hooks: list = dataclasses.field(default_factory=list)  # Note [weight hooks] (_aten.py)
+    free: list = dataclasses.field(default_factory=list)  # Note [free tensors] (_aten.py): fed after the call's
+    free_check: Any = None                                # _aten.FreeTensors: whether they still are the same
 
 
 def _bind_params(module, params, e):
@@ -260,6 +264,7 @@ def _capture_prepare(module, args, kwargs, tensors, opset, name, traces):
     p.stops = c.stops
     p.hook_calls = c.hook_calls
     p.weight_hooks = c.weight_hooks
+    p.free, p.free_check = c.free, tr.free
     return p
 
 
@@ -496,12 +501,13 @@ class GraftModule(torch.nn.Module):
         e.output_names, e.output_template, e.has_dropout = ex.output_names, ex.output_template, ex.has_dropout
         e.hook_calls = prep.hook_calls
         e.weight_hooks = prep.weight_hooks
+        e.free, e.free_check = prep.free, prep.free_check
         module = self.module
         _bind_params(module, ex.params, e)
         e.refresh_trainable()
         trainable = {g for g, _ in e.trainable}
         freeze = [g for g in e.param_inputs if g not in trainable]
-        in_tensors = [tensors[i] for i in e.input_index]
+        in_tensors = [(tensors + e.free)[i] for i in e.input_index]
         e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
         e.float_outputs = prep.float_outputs
         e.state_updates = prep.state_updates
@@ -537,7 +543,8 @@ class GraftModule(torch.nn.Module):
     def _entry(self, args, kwargs, tensors, key, trace_key) -> _Entry:
         with self._lock:
             entry = self._cache.get(key)
-            if entry is not None and not entry.params_current(self._name()):
+            if entry is not None and not (entry.params_current(self._name()) and
+                                          (entry.free_check is None or entry.free_check.current())):
                 del self._cache[key]
                 entry = None
             if entry is not None:
@@ -644,7 +651,8 @@ class GraftModule(torch.nn.Module):
         # its new value is written into the caller's tensor after the forward, while the backward
         # may still read the old one (a value recomputed from it, Note [pointwise recompute]).
         written = {key for _, (kind, key) in entry.state_updates if kind == "input"}
-        in_tensors = [tensors[i].clone() if i in written else tensors[i] for i in entry.input_index]
+        fed = tensors + entry.free if entry.free else tensors  # Note [free tensors] (_aten.py)
+        in_tensors = [fed[i].clone() if i in written else fed[i] for i in entry.input_index]
         training_run = torch.is_grad_enabled() and (bool(entry.trainable) or bool(entry.input_grads))
         params = entry.trainable_params() if training_run and not (self.gradients == "hook" and self._under_ddp) else []
         targets = [self._target(kind, key, entry, tensors) for _, (kind, key) in entry.state_updates]
