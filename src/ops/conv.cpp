@@ -442,7 +442,7 @@ void conv_kernel(KernelCtx& c) {
     }
     if constexpr (std::is_same_v<T, float>) {
       const ConvShape cs = conv_shape(w, N, C, M, g);
-      if (const DnnlConv* d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr)) {
+      if (const auto d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr)) {
         Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
         dnnl_conv_forward(*d, px, pw, b, y, scratch.data<float>());
         return;
@@ -603,8 +603,8 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
     if constexpr (std::is_same_v<T, float>) {
       const ConvShape cs = conv_shape(w, N, C, M, g);
       const bool bf16 = bf16_gemm_active();
-      const DnnlConv* dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
-      const DnnlConv* wgrad =
+      const auto dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
+      const auto wgrad =
           dw ? dnnl_conv(cs, ConvPass::BackwardWeights, bf16, db != nullptr) : nullptr;
       if ((!dx || dgrad) && (!dw || wgrad)) {
         Tensor scratch = dnnl_scratch(

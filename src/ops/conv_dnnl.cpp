@@ -22,15 +22,14 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 
 #include "graft/core.h"
+#include "lru.h"
 #include "util.h"
 
 namespace graft::opsutil {
@@ -188,24 +187,19 @@ DnnlConv create(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   return e;
 }
 
-// The cached pass, or null when oneDNN cannot run this convolution.
-const DnnlConv* cached(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
-  static std::mutex mu;
-  static std::map<Key, std::unique_ptr<DnnlConv>> cache;
-  std::lock_guard<std::mutex> lk(mu);
-  const Key key = key_of(s, pass, bf16, bias);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second.get();
-  std::unique_ptr<DnnlConv> e;
-  const size_t rank = s.in.size() + 2;
-  if (rank >= 3 && rank <= 5) {
+// The cached pass, or null when oneDNN cannot run this convolution (Note [primitive caches],
+// lru.h).
+std::shared_ptr<const DnnlConv> cached(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+  static LruCache<Key, const DnnlConv> cache(kPrimitiveCacheCapacity);
+  return cache.get(key_of(s, pass, bf16, bias), [&]() -> std::shared_ptr<const DnnlConv> {
+    const size_t rank = s.in.size() + 2;
+    if (rank < 3 || rank > 5) return nullptr;
     try {
-      e = std::make_unique<DnnlConv>(create(s, pass, bf16, bias));
+      return std::make_shared<const DnnlConv>(create(s, pass, bf16, bias));
     } catch (const dnnl::error&) {
-      e.reset();  // no implementation (e.g. bf16 on a CPU without AVX-512): the im2col path
+      return nullptr;  // no implementation (e.g. bf16 on a CPU without AVX-512): the im2col path
     }
-  }
-  return cache.emplace(key, std::move(e)).first->second.get();
+  });
 }
 
 // Runs e: a and b are inputs, c the output, `bias` the bias (forward) or its gradient (weights),
@@ -234,7 +228,7 @@ void run(const DnnlConv& e, const float* a, const float* b, float* c, const floa
 }
 }  // namespace
 
-const DnnlConv* dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   static const bool on = [] {
     const char* v = std::getenv("GRAFT_CONV");
     return !(v && std::string(v) == "im2col");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace graft::opsutil {
@@ -15,12 +16,12 @@ struct ConvShape {
 enum class ConvPass : uint8_t { Forward, BackwardData, BackwardWeights };
 
 // One pass of one convolution, ready to run: its primitive, layout reorders and scratch layout,
-// created on first use and cached for the process (conv_dnnl.cpp).
+// created on first use and cached (Note [primitive caches], lru.h); hold it while it runs.
 struct DnnlConv;
 // The pass, or null when oneDNN has no primitive for it or GRAFT_CONV=im2col is set (the A/B switch
 // of bench_conv and the tests): then the caller runs im2col + GEMM. `bf16`: operands rounded to
 // bfloat16, float32 accumulation and results (Note [bf16 GEMMs]).
-const DnnlConv* dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
+std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
 // The scratch bytes the pass needs (layout reorders and oneDNN's scratchpad; the caller allocates
 // them, so they are counted like every other workspace).
 int64_t dnnl_conv_scratch(const DnnlConv& c);

@@ -47,13 +47,12 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 
 #include "graft/ops.h"
+#include "lru.h"
 #include "util.h"
 
 namespace graft {
@@ -120,38 +119,42 @@ struct Prim {
   dnnl::memory::desc a, b, c, scratch;
 };
 
-Prim& primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                int64_t ldc, float alpha, float beta, bool bf16) {
-  static std::mutex mu;
-  static std::map<Key, Prim> cache;
-  std::lock_guard<std::mutex> lk(mu);
+opsutil::LruCache<Key, const Prim>& primitives() {
+  static opsutil::LruCache<Key, const Prim> cache(
+      opsutil::kPrimitiveCacheCapacity);  // Note [primitive caches] (lru.h)
+  return cache;
+}
+
+std::shared_ptr<const Prim> primitive(bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                                      int64_t lda, int64_t ldb, int64_t ldc, float alpha,
+                                      float beta, bool bf16) {
   const Key key{M, N, K, ta, tb, lda, ldb, ldc, alpha, beta, bf16};
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  using dt = dnnl::memory::data_type;
-  const dt in = bf16 ? dt::bf16 : dt::f32;
-  // op(A) is M x K, stored as M rows of stride lda (K x M, stride lda, when transposed); likewise
-  // op(B): strides express the transposition, so no transposing copy is made.
-  dnnl::memory::desc a({M, K}, in, ta ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1});
-  dnnl::memory::desc b({K, N}, in, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
-  dnnl::memory::desc c({M, N}, dt::f32, dnnl::memory::dims{ldc, 1});
-  dnnl::primitive_attr attr;
-  if (!bf16) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.f) {
-    dnnl::post_ops po;
-    po.append_sum(beta);
-    attr.set_post_ops(po);
-  }
-  try {
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
-    return cache.emplace(key, Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()}).first->second;
-  } catch (const dnnl::error& e) {
-    if (!bf16) throw;  // the caller falls back to OpenBLAS
-    fail(ErrorKind::Unsupported,
-         std::string("bf16 matrix products are not available on this CPU (oneDNN: ") + e.what() +
-             "); they need AVX-512 (fast with AVX512-BF16 or AMX): use fp32 precision");
-  }
+  return primitives().get(key, [&]() -> std::shared_ptr<const Prim> {
+    using dt = dnnl::memory::data_type;
+    const dt in = bf16 ? dt::bf16 : dt::f32;
+    // op(A) is M x K, stored as M rows of stride lda (K x M, stride lda, when transposed); likewise
+    // op(B): strides express the transposition, so no transposing copy is made.
+    dnnl::memory::desc a({M, K}, in, ta ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1});
+    dnnl::memory::desc b({K, N}, in, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
+    dnnl::memory::desc c({M, N}, dt::f32, dnnl::memory::dims{ldc, 1});
+    dnnl::primitive_attr attr;
+    if (!bf16) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+    if (beta != 0.f) {
+      dnnl::post_ops po;
+      po.append_sum(beta);
+      attr.set_post_ops(po);
+    }
+    try {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
+      return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()});
+    } catch (const dnnl::error& e) {
+      if (!bf16) throw;  // the caller falls back to OpenBLAS
+      fail(ErrorKind::Unsupported,
+           std::string("bf16 matrix products are not available on this CPU (oneDNN: ") + e.what() +
+               "); they need AVX-512 (fast with AVX512-BF16 or AMX): use fp32 precision");
+    }
+  });
 }
 
 // GRAFT_GEMM=openblas: every float32 GEMM on OpenBLAS (Note [float32 GEMM backend]; any other
@@ -215,15 +218,16 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                 static_cast<blasint>(ldc));
     return;
   }
-  Prim& p = primitive(ta, tb, M, N, K, ta ? M : K, tb ? K : N, ldc, alpha, beta, true);
+  const std::shared_ptr<const Prim> p =
+      primitive(ta, tb, M, N, K, ta ? M : K, tb ? K : N, ldc, alpha, beta, true);
   uint16_t* a = t_a.get(static_cast<size_t>(M * K));
   uint16_t* b = t_b.get(static_cast<size_t>(K * N));
   to_bf16(A, ra, ca, lda, a);
   to_bf16(B, rb, cb, ldb, b);
   dnnl::stream s(opsutil::dnnl_engine());
-  dnnl::memory ma(p.a, opsutil::dnnl_engine(), a), mb(p.b, opsutil::dnnl_engine(), b),
-      mc(p.c, opsutil::dnnl_engine(), C);
-  p.mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  dnnl::memory ma(p->a, opsutil::dnnl_engine(), a), mb(p->b, opsutil::dnnl_engine(), b),
+      mc(p->c, opsutil::dnnl_engine(), C);
+  p->mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
 }
 
@@ -233,9 +237,9 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   if (sgemm_openblas_only() || macs < (int64_t{1} << 18)) return false;
   // Note [a ragged N]: large products with B not transposed and N not a multiple of 16.
   if (!tb && N % 16 != 0 && macs >= (int64_t{1} << 31)) return false;
-  Prim* p;
+  std::shared_ptr<const Prim> p;
   try {
-    p = &primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
+    p = primitive(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, false);
   } catch (const dnnl::error&) {
     return false;  // no float32 matmul for this CPU or layout: OpenBLAS runs it
   }
@@ -254,6 +258,8 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   s.wait();
   return true;
 }
+
+size_t dnnl_gemm_primitives() { return primitives().size(); }
 
 }  // namespace opsutil
 }  // namespace graft

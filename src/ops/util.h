@@ -141,6 +141,8 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 // and returns true, or returns false (the size or GRAFT_GEMM says OpenBLAS) without touching C.
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// How many GEMM primitives are cached now (Note [primitive caches], lru.h; for the tests).
+size_t dnnl_gemm_primitives();
 
 // Broadcasting by rows: the output's dims collapsed (size-1 dims dropped, neighbours merged where
 // every input is contiguous across them) into outer dims and one inner dim, along which each

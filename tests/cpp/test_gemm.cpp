@@ -6,10 +6,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../../src/ops/lru.h"
 #include "../../src/ops/util.h"
 
 using namespace graft;
@@ -125,4 +128,60 @@ TEST(Gemm, OneDnnLeavesLargeRaggedProductsToOpenBlas) {
   EXPECT_TRUE(opsutil::gemm_f32_dnnl(false, false, M, 1040, K, 1.f, A.data(), K, B.data(), 1040,
                                      0.f, C.data(), 1040));
   EXPECT_EQ(C[0], 0.f);
+}
+
+// Note [primitive caches] (src/ops/lru.h): the primitives made per shape are bounded, the least
+// recently used dropped first, and one a caller still holds stays valid after it is dropped.
+TEST(PrimitiveCache, DropsTheLeastRecentlyUsedBeyondItsCapacity) {
+  opsutil::LruCache<int, const int> cache(3);
+  int made = 0;
+  auto get = [&](int k) {
+    return cache.get(k, [&] {
+      ++made;
+      return std::make_shared<const int>(10 * k);
+    });
+  };
+  const std::shared_ptr<const int> held = get(1);
+  get(2);
+  get(3);
+  EXPECT_EQ(*get(1), 10);  // a hit: 1 becomes the most recently used
+  EXPECT_EQ(made, 3);
+  get(4);  // drops 2, the least recently used
+  EXPECT_EQ(cache.size(), 3u);
+  get(1);
+  get(3);
+  EXPECT_EQ(made, 4);
+  get(2);  // made again (drops 4)
+  EXPECT_EQ(made, 5);
+  get(5);
+  get(6);
+  get(7);  // 1 is dropped now, while `held` still holds its value
+  EXPECT_EQ(cache.size(), 3u);
+  EXPECT_EQ(*held, 10);
+  EXPECT_THROW(cache.get(8, []() -> std::shared_ptr<const int> { throw std::runtime_error("no"); }),
+               std::runtime_error);
+  EXPECT_EQ(cache.size(), 3u);  // a failed make leaves the cache as it was
+  EXPECT_EQ(made, 8);
+}
+
+// Every new shape makes a primitive; more shapes than the cache holds leave it at its capacity
+// and every product still right (run through gemm_f32_dnnl, the float32 path).
+TEST(PrimitiveCache, GemmsOfMoreShapesThanItHoldsStayBoundedAndRight) {
+  if (const char* v = std::getenv("GRAFT_GEMM"); v && std::string(v) == "openblas")
+    GTEST_SKIP() << "GRAFT_GEMM=openblas: oneDNN runs no float32 GEMM";
+  const int64_t N = 64, K = 64,
+                shapes = static_cast<int64_t>(opsutil::kPrimitiveCacheCapacity) + 40;
+  std::vector<float> A((64 + shapes) * K), B(K * N), C((64 + shapes) * N);
+  for (size_t i = 0; i < A.size(); ++i) A[i] = static_cast<float>(i % 7) - 3.f;
+  for (size_t i = 0; i < B.size(); ++i) B[i] = static_cast<float>(i % 5) - 2.f;
+  for (int64_t s = 0; s < shapes; ++s) {
+    const int64_t M = 64 + s;
+    ASSERT_TRUE(opsutil::gemm_f32_dnnl(false, false, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f,
+                                       C.data(), N));
+    const int64_t r = M - 1, col = s % N;  // one element, exactly (small integers)
+    float want = 0.f;
+    for (int64_t k = 0; k < K; ++k) want += A[r * K + k] * B[k * N + col];
+    ASSERT_EQ(C[r * N + col], want) << "M=" << M;
+  }
+  EXPECT_EQ(opsutil::dnnl_gemm_primitives(), opsutil::kPrimitiveCacheCapacity);
 }
