@@ -135,11 +135,12 @@ class _Watch(TorchFunctionMode):
     def _note_free(self, ins):
         """Note [free tensors]: records each tensor a call takes that the trace did not make and
         that is neither the call's nor the module's state."""
-        for t in ins:
-            if id(t) in self.graph or id(t) in self.free:
-                continue
-            made = _is_fake(t) if self.fake else torch._is_functional_tensor(t)
-            if made or _state_slot(t, self.state) is not None or _in_dispatch():
+        made = _is_fake if self.fake else torch._is_functional_tensor
+        seen = [t for t in ins if id(t) not in self.graph and not made(t)]
+        if not seen or _in_dispatch():
+            return
+        for t in seen:
+            if _state_slot(t, self.state) is not None:
                 continue
             if t.requires_grad:
                 raise GraftUnsupportedError(
