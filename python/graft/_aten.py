@@ -45,9 +45,11 @@ from .errors import GraftUnsupportedError
 # tensors do not work there). torch 2.x traces on fake tensors (shapes, no data: no compute and no
 # memory at capture, as torch.export): first the module as it is, so that libraries asking "am I
 # being traced" (Hugging Face's masks) see fake tensors and build masks from tensor ops instead of
-# reading the mask, then that graph under functionalization. Why not torch.export itself: it runs
-# the same two pieces, but with autograd off in the graph it returns, so graft could no longer tell
-# a torch.no_grad region from the rest; driving them directly gives one path on both versions.
+# reading the mask, then that graph under functionalization (skipped where the first graph writes
+# nothing: no op with a mutable schema, so functionalization would return it unchanged). Why not
+# torch.export itself: it runs the same two pieces, but with autograd off in the graph it returns,
+# so graft could no longer tell a torch.no_grad region from the rest; driving them directly gives
+# one path on both versions.
 #
 # Then each aten op becomes graft nodes by a rule in _aten_rules.RULES (the aten -> graft table).
 # An op whose operands are all constants (no input, parameter or buffer reaches it: a causal mask,
@@ -940,6 +942,9 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
         first = make_fx(lambda *fl: tuple(x for part in run(list(fl)) for x in part),
                         decomposition_table=_decompositions(), tracing_mode="symbolic",
                         _allow_non_fake_inputs=True)(*flat)
+        if not any(getattr(getattr(node.target, "_schema", None), "is_mutable", False)
+                   for node in first.graph.nodes if node.op == "call_function"):
+            return first, flat, shape_env  # nothing written: functionalization would give the same graph
         n = box["n_out"]
 
         def again(wrapped):
