@@ -734,15 +734,16 @@ def elem(dtype, what="a value") -> int:
 
 # Note [free tensors]
 # A tensor the forward reads that is neither the call's nor the module's state (a global such as a
-# class-weight tensor for cross_entropy, a closure, a plain tensor attribute that is not a buffer) is
-# read by eager at every call, with its value then. The trace records each (_Watch._note_free) and
-# graft's graph takes it as an input, fed from that same tensor at every call: a change in place is
-# seen as in eager. Where the capture found the name it is bound to (a module attribute, a global
-# of a forward's module, a closure variable of a forward), the name is checked at every call, and a name bound to another tensor, or
-# a tensor of another shape, means a new trace. Refused: such a tensor that requires grad (eager
-# would give it a gradient), a write into one (graft would not repeat it), a read of its value into
-# Python. Without this, torch 1.13's trace kept the first call's value as a constant (silently
-# stale after a change) and torch 2.x's fake tensors refused the module.
+# class-weight tensor for cross_entropy, a closure, a plain tensor attribute that is not a buffer)
+# is read by eager at every call, with its value then. The trace records each (_Watch._note_free)
+# and graft's graph takes it as an input, fed from that same tensor at every call: a change in
+# place is seen as in eager. Where the capture found a name bound to it (a module attribute, a
+# global of a forward's module, a closure variable of a forward), the name is checked at every
+# call; a name bound to another tensor, or a tensor of another shape, means a new trace. Refused:
+# such a tensor that requires grad (eager would give it a gradient), a write into one (graft would
+# not repeat it), a read of its value into Python. Without this, torch 1.13's trace kept the first
+# call's value as a constant (silently stale after a change) and torch 2.x's fake tensors refused
+# the module.
 
 
 class FreeTensors:
