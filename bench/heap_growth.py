@@ -51,7 +51,7 @@ def main(argv):
               f"peak so far {(peak[0] - base) / gib:.3f} GiB", flush=True)
     done.set()
     if system == "graft":
-        session = next(reversed(run._cache.values())).session
+        session = run._latest_entry().session
         print(f"graft's allocator: peak {session.memory()['peak'] / gib:.3f} GiB, planned "
               f"{session.planned_peak() / gib:.3f} GiB")
     return 0

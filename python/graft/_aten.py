@@ -794,7 +794,7 @@ class Trace:
         self.fakes, self.shape_env = fakes, shape_env  # None on torch 1.13
         self.state_sig = [(n, tuple(t.shape), t.dtype) for n, t in state]
         self.call_sig = [(tuple(t.shape), t.dtype) for t in tensors]
-        self.free = box.get("free") or FreeTensors((), ())
+        self.free = box["free"]  # set by every run of the forward
         self._guards = None
 
     def fits(self, state, tensors) -> bool:
@@ -1181,7 +1181,7 @@ def _translate(gm, module, state, tensors, box, name, size) -> Captured:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_state = len(state)
     graph_names = [PREFIX + n for n, _ in state] + [f"input_{i}" for i in range(len(tensors))]
-    free = box["free"].tensors if "free" in box else []
+    free = box["free"].tensors
     for node, gname in zip(placeholders, graph_names):
         m = _meta(node.meta.get("tensor_meta"), size)
         b.bind(m, gname)

@@ -507,7 +507,8 @@ class GraftModule(torch.nn.Module):
         e.refresh_trainable()
         trainable = {g for g, _ in e.trainable}
         freeze = [g for g in e.param_inputs if g not in trainable]
-        in_tensors = [(tensors + e.free)[i] for i in e.input_index]
+        fed = tensors + e.free  # Note [free tensors] (_aten.py): after the call's tensors
+        in_tensors = [fed[i] for i in e.input_index]
         e.input_grads = [n for n, t in zip(e.input_names, in_tensors) if t.requires_grad and t.is_floating_point()]
         e.float_outputs = prep.float_outputs
         e.state_updates = prep.state_updates
