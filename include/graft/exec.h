@@ -22,6 +22,9 @@ struct RunOptions {
   // Mixed precision: float32 matrix products in bfloat16 on AMX with float32 accumulation and
   // results; everything else stays float32 (Note [bf16 GEMMs], graft/ops.h Bf16MatmulScope).
   bool bf16 = false;
+  // Called after each plan step with (steps done, steps in the plan): a progress line
+  // (Note [step progress], src/train/progress.cpp).
+  std::function<void(int done, int total)> progress;
 };
 
 struct OpTime {

@@ -58,6 +58,7 @@ struct SessionOptions : AutodiffOptions, RunOptions, CompileOptions {
 class Optimizer;
 class Delivery;
 class StepDelivery;
+class StepProgress;
 
 struct StepState {
   std::unique_ptr<Run> run;
@@ -211,9 +212,10 @@ class TrainSession {
   std::vector<OpTime> last_times_;
   GradHook hook_;
   std::function<void(Parameter&)> ready_;
-  std::unique_ptr<Delivery> delivery_;  // one per mode (src/train/delivery.h)
-  StepDelivery* step_ = nullptr;        // delivery_ in step mode, else null
-  std::atomic<uint64_t> rng_{0};        // rng_state()
+  std::unique_ptr<Delivery> delivery_;      // one per mode (src/train/delivery.h)
+  std::unique_ptr<StepProgress> progress_;  // a line on stderr (src/train/progress.h), or null
+  StepDelivery* step_ = nullptr;            // delivery_ in step mode, else null
+  std::atomic<uint64_t> rng_{0};            // rng_state()
   bool defer_step_ = false;
   double clip_norm_ = 0, last_norm_ = 0;
 };
@@ -243,6 +245,10 @@ struct OptimizerState {
   // The tensors share the optimizer's blocks (no bytes are copied either way).
   std::vector<std::map<std::string, Tensor>> tensors;
   std::vector<int64_t> counters;  // per parameter: AdamW's steps taken; 0 for SGD
+  // With a state file (Optimizer::set_state_file): a parameter whose map is empty and whose
+  // counter is > 0 has all of its kind's tensors in the file, not here (state_in_ram(); for
+  // load_state, a checkpoint wrote them there with write_file_state).
+  bool tensors_in_file = false;
 };
 
 // What one kind of optimizer saves, known without an instance of it, so that a checkpoint can be
@@ -265,10 +271,14 @@ const OptimizerKind* find_optimizer_kind(const std::string& name);
 // Note [optimizer state on disk] in src/train/state_file.cpp).
 struct StateFileOptions {
   std::string path;          // the file: created, or truncated if it exists
-  int64_t window_bytes = 0;  // RAM for states in flight (read ahead, being written); 0: four of
-                             // the largest parameter's state. Never less than one of them.
+  int64_t window_bytes = 0;  // RAM for states in flight (read ahead, being written); 0: the
+                             // largest parameter's state plus three more of it, at most 512 MiB
+                             // more. Never less than one of them.
   bool direct_io = true;     // O_DIRECT (no page cache); buffered + posix_fadvise where refused
 };
+// A state file moves a parameter's state in units of at most this many bytes of each state tensor
+// (so the window need not hold a whole large parameter's state).
+inline constexpr int64_t kStateFileUnitBytes = int64_t{32} << 20;
 // What a state file has done so far (Optimizer::state_file_stats).
 struct StateFileStats {
   std::string path;
@@ -308,6 +318,16 @@ class Optimizer {
   // The state file's counters, once the writes in flight are done; path empty when the state is
   // in RAM.
   StateFileStats state_file_stats() const;
+  // Whether the per-parameter state lives in a state file.
+  bool state_in_file() const { return file_ != nullptr; }
+  // Parameter i's state tensors, back to back in the kind's order (bytes: the parameter's times
+  // the kind's tensor count), read from the state file / written into it; a state never written
+  // reads as zeros. What a checkpoint streams one parameter at a time (RAM: one parameter's).
+  void read_file_state(size_t i, void* dst) const;
+  void write_file_state(size_t i, const void* src);
+  // Where parameter i's state lies in the state file: (offset, stride), its state tensor j at
+  // offset + j * stride.
+  std::pair<int64_t, int64_t> file_state_offset(size_t i) const;
   // The learning rate (what a schedule sets before each step).
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
@@ -315,8 +335,12 @@ class Optimizer {
   // --- serialization (graft/checkpoint.h) ---
   // The kind's name ("sgd", "adamw"; find_optimizer_kind describes it).
   virtual const char* kind() const = 0;
-  // Hyperparameters and state, sharing the state tensors' blocks.
+  // Hyperparameters and state, sharing the state tensors' blocks (with a state file, its
+  // tensors are read from it: that much RAM).
   virtual OptimizerState state() const = 0;
+  // state() without reading the state file: tensors_in_file set, and an empty map for each
+  // parameter whose state is in the file. The same as state() without one.
+  virtual OptimizerState state_in_ram() const { return state(); }
   // Throws InvalidArgument, naming what is wrong, unless load_state(st) would succeed: every
   // hyperparameter of the kind present and valid, one entry per parameter, only the kind's tensor
   // names, each of its parameter's dtype and shape, consistent with its counter. Modifies nothing.
@@ -378,6 +402,7 @@ class AdamW final : public Optimizer {
   double lr() const override { return options.lr; }
   void set_lr(double lr) override { options.lr = lr; }
   OptimizerState state() const override;
+  OptimizerState state_in_ram() const override;
   void load_state(const OptimizerState& st) override;
   AdamWOptions options;
   std::vector<Tensor>& exp_avg() { return m_; }

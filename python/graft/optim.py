@@ -5,16 +5,20 @@
 
 AdamW keeps two moments per weight: with float32 weights, 8 of the 12 bytes per parameter that the
 step inside backward needs. This optimizer keeps them in `state_file` instead, and RAM holds a
-window of them (`state_window` bytes; 0: four of the largest parameter's state). Each parameter's
-state is read ahead of its update in the order updates came the step before, and written back
-behind it, bypassing the page cache (Note [optimizer state on disk], src/train/state_file.cpp).
-The update is graft's C++ AdamW (PyTorch 1.13's single-tensor formula) on the same bytes.
+window of them (`state_window` bytes; 0: the largest parameter's state plus three more of it, at
+most 512 MiB more). Each parameter's state is read ahead of its update in the order updates came
+the step before, and written back behind it, bypassing the page cache (Note [optimizer state on
+disk], src/train/state_file.cpp). The update is graft's C++ AdamW (PyTorch 1.13's single-tensor
+formula) on the same bytes.
 
 It is a torch.optim.Optimizer: param groups, learning-rate schedulers, zero_grad, state_dict and
-load_state_dict work as for torch.optim.AdamW (state_dict reads the moments back from the file:
-that much RAM, for a checkpoint). Parameters: float32 or float64, contiguous, on the CPU.
-`stats()` reports the file's traffic. The file is created (or truncated) at construction, with its
-whole size reserved: a disk that cannot hold it raises graft.GraftIoError naming the path.
+load_state_dict work as for torch.optim.AdamW, without a copy of the moments in RAM: state_dict's
+moments are read-only memory-mapped views of the file, and load_state_dict writes them into it one
+parameter at a time, so `torch.save(opt.state_dict(), f)` and
+`opt.load_state_dict(torch.load(f, mmap=True))` checkpoint a state larger than RAM. Parameters:
+float32 or float64, contiguous, on the CPU. `stats()` reports the file's traffic. The file is
+created (or truncated) at construction, with its whole size reserved: a disk that cannot hold it
+raises graft.GraftIoError naming the path.
 """
 import torch
 
@@ -68,13 +72,18 @@ class AdamW(torch.optim.Optimizer):
         return self._file.stats()
 
     def state_dict(self):
-        """torch.optim.AdamW's layout: per parameter step, exp_avg and exp_avg_sq (read from the file)."""
-        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self._params]
-        steps = self._file.read_states([(m.data_ptr(), v.data_ptr()) for m, v in moments])
+        """torch.optim.AdamW's layout: per parameter step, exp_avg and exp_avg_sq. The moments are
+        views of the state file, memory-mapped copy-on-write: the page cache holds what is read,
+        not this process's anonymous memory, so torch.save streams them into a checkpoint without
+        a copy of the state in RAM (copy.deepcopy or .clone() makes one). Writing into one changes
+        that view alone, never the file."""
+        offsets = self._file.offsets()  # (every write in flight done first)
+        steps = self._file.steps()
         saved = {}
-        for p, (m, v), n in zip(self._params, moments, steps):
+        for p, off, n in zip(self._params, offsets, steps):
             saved[p] = self.state.get(p)
             if n:
+                m, v = self._views(p, off)
                 self.state[p] = {"step": torch.tensor(float(n)), "exp_avg": m, "exp_avg_sq": v}
         try:
             return super().state_dict()
@@ -85,20 +94,51 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     self.state[p] = s
 
+    def _views(self, p, offset):
+        """exp_avg and exp_avg_sq of p: views of a private mapping of the state file's region at
+        offset = (where, stride) (one mapping per parameter, so none is larger than RAM)."""
+        import mmap
+        import warnings
+        count = p.numel()
+        if count == 0:
+            return torch.zeros_like(p), torch.zeros_like(p)
+        at, stride = offset
+        with open(self.state_file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 2 * stride, offset=at, access=mmap.ACCESS_COPY)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = torch.frombuffer(mm, dtype=p.dtype, count=count)  # (each keeps mm alive)
+            v = torch.frombuffer(mm, dtype=p.dtype, count=count, offset=stride)
+        return m.view(p.shape), v.view(p.shape)
+
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        """torch.optim.AdamW's state_dict (its own, or this optimizer's). The moments go into the
+        file one parameter at a time (RAM: one parameter's state), never all at once: with
+        torch.load(..., mmap=True) no copy of the whole state is made. torch's own
+        load_state_dict sees the steps alone (torch 1.13's deep-copies what it is given)."""
+        from .errors import GraftArgumentError
+        moments = {k: v for k, v in state_dict["state"].items()}
+        light = dict(state_dict)
+        light["state"] = {k: {"step": v["step"]} for k, v in moments.items() if "step" in v}
+        super().load_state_dict(light)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         per = []
-        for p in self._params:
-            st = self.state.get(p, {})
+        keep = []  # the converted tensors, alive until the file has them
+        for p, key in zip(self._params, ids):
+            st = moments.get(key, {})
             if "exp_avg" in st:
-                m = st["exp_avg"].to(p.dtype).contiguous()
-                v = st["exp_avg_sq"].to(p.dtype).contiguous()
-                n = int(st["step"])
-                per.append((m, v, n))
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                if m.shape != p.shape or v.shape != p.shape:
+                    raise GraftArgumentError(
+                        f"graft.optim.AdamW.load_state_dict: the state of parameter {key} is "
+                        f"{tuple(m.shape)} / {tuple(v.shape)}, the parameter {tuple(p.shape)}", "invalid argument")
+                m = m.to(p.dtype).contiguous()
+                v = v.to(p.dtype).contiguous()
+                keep.append((m, v))
+                per.append((m.data_ptr(), v.data_ptr(), int(st["step"])))
             else:
-                per.append((None, None, 0))
-        self._file.load_state([(m.data_ptr() if m is not None else 0, v.data_ptr() if v is not None else 0, n)
-                               for m, v, n in per])
+                per.append((0, 0, 0))
+        self._file.load_state(per)
         for p, (_, _, n) in zip(self._params, per):  # the moments live in the file, not here
             if n:
                 self.state[p] = {"step": n}

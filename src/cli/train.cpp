@@ -253,7 +253,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
   int start = 0;
   if (a.resume) {
     const std::map<std::string, double> flags =
-        opt->state().hyper;  // the hyperparameters the flags gave
+        opt->state_in_ram().hyper;  // the hyperparameters the flags gave
     ResumeResult r = resume_from_dir(a.checkpoint, s, opt.get());
     for (const std::string& m : r.skipped)
       std::fprintf(stderr, "graft: warning: skipped %s\n", m.c_str());
@@ -263,7 +263,7 @@ int train_loop(const TrainArgs& a, Communicator* comm, int rank, int ranks) {
                       ", past --steps " + std::to_string(a.steps));
       start = static_cast<int>(r.step);
       std::printf("resumed from %s at step %d\n", r.path.c_str(), start);
-      std::map<std::string, double> loaded = opt->state().hyper;
+      std::map<std::string, double> loaded = opt->state_in_ram().hyper;
       if (scheduled) loaded["lr"] = flags.at("lr");  // set by the schedule from here on
       if (loaded != flags)
         std::fprintf(stderr,

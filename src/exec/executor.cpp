@@ -189,6 +189,7 @@ void Executor::run_to(Run& r, int end_step) const {
       if (r.opt_.profile)
         r.times_.push_back({st.node, std::chrono::duration<double>(clock::now() - t0).count()});
       for (int v : st.frees) vals[v] = Tensor();
+      if (r.opt_.progress) r.opt_.progress(r.next_ + 1, static_cast<int>(plan_.steps.size()));
     }
   } catch (...) {
     abort(r);

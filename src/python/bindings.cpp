@@ -364,29 +364,44 @@ PYBIND11_MODULE(_graft, m) {
              }
              return st.counters;
            })
+      // Each parameter's (offset, stride) in the file: exp_avg at offset, exp_avg_sq at offset +
+      // stride; after every write in flight is done. For state_dict()'s views of the file.
+      .def("offsets",
+           [](PyAdamWFile& a) {
+             a.opt->state_file_stats();  // flushes
+             std::vector<std::pair<int64_t, int64_t>> off;
+             for (size_t i = 0; i < a.params.size(); ++i)
+               off.push_back(a.opt->file_state_offset(i));
+             return off;
+           })
       // Replaces every parameter's state: per parameter (m pointer, v pointer, step), 0 pointers
-      // and step 0 for none yet. For load_state_dict().
-      .def("load_state",
-           [](PyAdamWFile& a, const std::vector<std::tuple<uintptr_t, uintptr_t, int64_t>>& per) {
-             OptimizerState st = a.opt->state();
-             GRAFT_CHECK(per.size() == a.params.size(), ErrorKind::InvalidArgument,
-                         "AdamWFile.load_state: one entry per parameter");
-             for (size_t i = 0; i < per.size(); ++i) {
-               const auto& [m, v, step] = per[i];
-               st.tensors[i].clear();
-               st.counters[i] = step;
-               if (!m) continue;
-               const Shape& shape = a.params[i].data.shape();
-               for (auto [name, ptr] :
-                    {std::pair<const char*, uintptr_t>{"exp_avg", m}, {"exp_avg_sq", v}}) {
-                 Tensor t = Tensor::empty(shape, parse_dtype(a.dtypes[i]), *a.alloc,
-                                          Category::OptimizerState, name);
-                 std::memcpy(t.raw(), reinterpret_cast<void*>(ptr), t.nbytes());
-                 st.tensors[i][name] = t;
-               }
-             }
-             a.opt->load_state(st);
-           });
+      // and step 0 for none yet; written into the file one parameter at a time (RAM: one
+      // parameter's state). For load_state_dict().
+      .def("load_state", [](PyAdamWFile& a,
+                            const std::vector<std::tuple<uintptr_t, uintptr_t, int64_t>>& per) {
+        OptimizerState st = a.opt->state_in_ram();  // (no read of the file's moments)
+        GRAFT_CHECK(per.size() == a.params.size(), ErrorKind::InvalidArgument,
+                    "AdamWFile.load_state: one entry per parameter");
+        for (size_t i = 0; i < per.size(); ++i) {
+          const auto& [m, v, step] = per[i];
+          GRAFT_CHECK(step >= 0 && (step > 0) == (m != 0 && v != 0), ErrorKind::InvalidArgument,
+                      "AdamWFile.load_state: parameter " + std::to_string(i) +
+                          " needs exp_avg and exp_avg_sq exactly when its step is > 0");
+        }
+        for (size_t i = 0; i < per.size(); ++i) {
+          const auto& [m, v, step] = per[i];
+          st.tensors[i].clear();
+          st.counters[i] = step;
+          if (!m) continue;
+          const size_t b = a.params[i].data.nbytes();
+          Tensor both = Tensor::empty({static_cast<int64_t>((2 * b + 3) / 4)}, DType::F32, *a.alloc,
+                                      Category::Workspace, "optimizer state copy");
+          std::memcpy(both.raw(), reinterpret_cast<void*>(m), b);
+          std::memcpy(static_cast<char*>(both.raw()) + b, reinterpret_cast<void*>(v), b);
+          a.opt->write_file_state(i, both.raw());
+        }
+        a.opt->load_state(st);  // tensors_in_file: hyperparameters and counters only
+      });
   // Installs fn(key, backward, node, inputs) -> outputs as the runner of graft.PythonOp nodes
   // (python/graft/_pyfunc.py; None uninstalls). inputs: a numpy array over graft memory per
   // input, None where absent; outputs: per output, an array of its dtype and shape (copied into

@@ -7,6 +7,17 @@
 // again, in case the file changed in between) and only then commits, so a failure at any point
 // leaves the session and the optimizer as they were.
 //
+// Note [checkpoints of a state file]
+// An optimizer whose state is in a file (Note [optimizer state on disk]) trains models whose
+// moments do not fit in RAM, so neither saving nor loading may gather them there: a checkpoint
+// copies the state one parameter at a time (RAM: the largest parameter's state), from the state
+// file into the checkpoint (write_atomically: the last checkpoint stays whole until the new one
+// is complete) and back. Loading such a checkpoint cannot stage a copy of the weights either, so
+// it reads in place: pass 1 has checked the CRC of the whole file, check_fits and the optimizer
+// the header; pass 2 reads into the parameters and the state file, checking the CRC again. Only a
+// file that changes (or a disk that fails) between the passes can then stop it half-way, and the
+// error says that the session and the optimizer are partly loaded: load a checkpoint again.
+//
 // Optimizers are written and read through their OptimizerState and OptimizerKind (graft/train.h):
 // this file knows no optimizer class.
 #include "checkpoint_format.h"
@@ -416,11 +427,101 @@ Header read_and_verify(const std::string& path) {
   return h;
 }
 
+namespace {
+// The optimizer state the header describes, its tensors left in the file (tensors_in_file): what
+// load_in_place checks before reading anything and loads after.
+OptimizerState state_in_file(const Header& h) {
+  OptimizerState os;
+  os.hyper = h.hyper;
+  os.steps = h.opt_steps;
+  os.tensors_in_file = true;
+  os.tensors.resize(h.state.size());
+  for (const StateEntry& e : h.state) os.counters.push_back(e.step);
+  return os;
+}
+
+// Pass 2 of Note [checkpoints of a state file]: straight into the parameters and the state file.
+void load_in_place(const Header& h, TrainSession& s, Optimizer& opt) {
+  const std::string& path = h.path;
+  const OptimizerKind& kind = *find_optimizer_kind(opt.kind());
+  const OptimizerState os = state_in_file(h);
+  for (size_t i = 0; i < h.state.size(); ++i) {  // all of the kind's tensors, or none
+    const auto& sl = h.state[i].slots;
+    GRAFT_CHECK(sl.empty() || sl.size() == kind.tensors.size(), ErrorKind::InvalidArgument,
+                "checkpoint '" + path + "': the optimizer state of '" + h.state[i].param +
+                    "' does not hold all of " + kind.name + "'s tensors");
+    for (size_t k = 0; k < sl.size(); ++k)
+      GRAFT_CHECK(sl[k].name == kind.tensors[k], ErrorKind::InvalidArgument,
+                  "checkpoint '" + path + "': unexpected optimizer tensor '" + sl[k].name + "'");
+  }
+  opt.check_state(os);  // before anything changes
+  std::map<std::string, Parameter*> by_name;
+  for (Parameter& p : s.parameters()) by_name[p.name] = &p;
+
+  Fd f;
+  durable::open_regular(f, path);
+  if (durable::file_size(f, path) != h.file_size)
+    io_error(path, "the file changed between verifying and loading it; nothing was loaded");
+  std::string prefix(kPreamble + h.header_bytes, '\0');
+  read_exact(f.fd, prefix.data(), prefix.size(), path);
+  uint32_t crc = crc32(prefix.data(), prefix.size());
+  const std::string partly =
+      "; the session's parameters and the optimizer's state are now partly loaded: load a "
+      "checkpoint again before training";
+  auto read_into = [&](void* dst, int64_t n) {
+    try {
+      read_exact(f.fd, dst, static_cast<size_t>(n), path);
+    } catch (const Error& e) {
+      fail(e.kind(), e.message() + partly);
+    }
+    crc = crc32(dst, static_cast<size_t>(n), crc);
+  };
+  for (const ParamEntry& e : h.params) {
+    Parameter& p = *by_name.at(e.name);  // check_fits: same names, dtypes, shapes
+    read_into(p.data.raw(), e.data.bytes);
+    if (!e.has_grad) {
+      p.grad = Tensor();
+    } else {
+      if (!p.grad.defined() || p.grad.dtype() != e.dtype || p.grad.shape() != e.shape)
+        p.grad =
+            Tensor::empty(e.shape, e.dtype, s.allocator(), Category::Gradient, e.name + ".grad");
+      read_into(p.grad.raw(), e.grad.bytes);
+    }
+  }
+  for (size_t i = 0; i < h.state.size(); ++i) {
+    int64_t n = 0;
+    for (const SlotEntry& sl : h.state[i].slots) n += sl.blob.bytes;
+    if (n == 0) continue;
+    Tensor buf = Tensor::empty({(n + 3) / 4}, DType::F32, opt.allocator(), Category::Workspace,
+                               h.state[i].param + " (checkpoint's optimizer state)");
+    read_into(buf.raw(), n);
+    opt.write_file_state(i, buf.raw());
+  }
+  unsigned char tr[kTrailer];
+  try {
+    read_exact(f.fd, tr, kTrailer, path);
+  } catch (const Error& e) {
+    fail(e.kind(), e.message() + partly);
+  }
+  uint32_t stored;
+  std::memcpy(&stored, tr, 4);
+  if (stored != h.crc || crc != h.crc)
+    io_error(path,
+             "the file changed while being loaded (checksum differs from the first read)" + partly);
+}
+}  // namespace
+
 int64_t load_verified(const Header& h, TrainSession& s, Optimizer* opt) {
   GRAFT_CHECK(
       !s.in_run(), ErrorKind::InvalidArgument,
       "load_checkpoint: the session is inside a run (forward without backward); cancel() it first");
   check_fits(h, s, opt);
+  if (opt && opt->state_in_file()) {
+    load_in_place(h, s, *opt);
+    opt->load_state(state_in_file(h));
+    s.set_rng_state(h.rng);
+    return h.step;
+  }
   Staged st = stage(h, s, opt);
   commit(h, st, s, opt);
   return h.step;
@@ -436,8 +537,14 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
   GRAFT_CHECK(!s.in_run(), ErrorKind::InvalidArgument,
               "save_checkpoint: the session is inside a run (forward without backward); finish or "
               "cancel() it first");
-  std::vector<const Tensor*> blobs;
-  int64_t cursor = 0;
+  // What the data section holds, in order: a tensor, or (file_param >= 0) that parameter's state
+  // read from the optimizer's state file as it is written (Note [checkpoints of a state file]).
+  struct Blob {
+    const Tensor* t = nullptr;
+    int64_t file_param = -1, bytes = 0;
+  };
+  std::vector<Blob> blobs;
+  int64_t cursor = 0, largest_file_blob = 0;
   json params = json::array();
   for (const Parameter& p : s.parameters()) {
     json pj = {{"name", p.name},
@@ -445,13 +552,13 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
                {"shape", p.data.shape()},
                {"trainable", p.trainable}};
     pj["data"] = blob_json(cursor, static_cast<int64_t>(p.data.nbytes()));
-    blobs.push_back(&p.data);
+    blobs.push_back({&p.data});
     if (p.grad.defined()) {
       GRAFT_CHECK(p.grad.shape() == p.data.shape() && p.grad.dtype() == p.data.dtype(),
                   ErrorKind::Internal,
                   "save_checkpoint: gradient of '" + p.name + "' does not match its parameter");
       pj["grad"] = blob_json(cursor, static_cast<int64_t>(p.grad.nbytes()));
-      blobs.push_back(&p.grad);
+      blobs.push_back({&p.grad});
     } else {
       pj["grad"] = nullptr;
     }
@@ -462,7 +569,7 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
   if (opt) {
     const OptimizerKind* kind = find_optimizer_kind(opt->kind());
     if (!kind) fail(ErrorKind::InvalidArgument, "save_checkpoint: unsupported optimizer type");
-    os = opt->state();
+    os = opt->state_in_ram();  // a state file's tensors are streamed below
     const auto& ps = opt->params();
     GRAFT_CHECK(os.tensors.size() == ps.size() && os.counters.size() == ps.size(),
                 ErrorKind::Internal,
@@ -484,6 +591,17 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
       const Parameter& p = *ps[i];
       json slots = json::array();
       std::vector<std::string> names;
+      if (os.tensors_in_file && os.tensors[i].empty() && os.counters[i] > 0) {
+        const int64_t b = static_cast<int64_t>(p.data.nbytes());
+        blobs.push_back(
+            {nullptr, static_cast<int64_t>(i), b * static_cast<int64_t>(kind->tensors.size())});
+        largest_file_blob = std::max(largest_file_blob, blobs.back().bytes);
+        for (const std::string& name : kind->tensors) {
+          slots.push_back({{"name", name}, {"offset", cursor}, {"bytes", b}});
+          cursor += b;
+          names.push_back(name);
+        }
+      }
       for (const std::string& name : kind->tensors) {  // the kind's order, the file's order
         auto it = os.tensors[i].find(name);
         if (it == os.tensors[i].end() || !it->second.defined()) continue;
@@ -494,7 +612,7 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
         slots.push_back(
             {{"name", name}, {"offset", cursor}, {"bytes", static_cast<int64_t>(t.nbytes())}});
         cursor += static_cast<int64_t>(t.nbytes());
-        blobs.push_back(&t);
+        blobs.push_back({&t});
         names.push_back(name);
       }
       const std::string why = kind->check_tensors(names, os.counters[i]);
@@ -532,9 +650,16 @@ void save_checkpoint(const std::string& path, const TrainSession& s, const Optim
     write_exact(fd, pre, kPreamble, path);
     crc = crc32(text.data(), text.size(), crc);
     write_exact(fd, text.data(), text.size(), path);
-    for (const Tensor* t : blobs) {
-      crc = crc32(t->raw(), t->nbytes(), crc);
-      write_exact(fd, t->raw(), t->nbytes(), path);
+    Tensor staged;  // one parameter's state from the state file
+    if (largest_file_blob > 0)
+      staged = Tensor::empty({(largest_file_blob + 3) / 4}, DType::F32, opt->allocator(),
+                             Category::Workspace, "checkpoint: one parameter's optimizer state");
+    for (const Blob& b : blobs) {
+      const void* bytes = b.t ? b.t->raw() : staged.raw();
+      const size_t n = b.t ? b.t->nbytes() : static_cast<size_t>(b.bytes);
+      if (!b.t) opt->read_file_state(static_cast<size_t>(b.file_param), staged.raw());
+      crc = crc32(bytes, n, crc);
+      write_exact(fd, bytes, n, path);
     }
     unsigned char tr[kTrailer];
     std::memcpy(tr, &crc, 4);

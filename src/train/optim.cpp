@@ -84,6 +84,23 @@ StateFileStats Optimizer::state_file_stats() const {
   return s;
 }
 
+void Optimizer::read_file_state(size_t i, void* dst) const {
+  GRAFT_CHECK(file_ && i < params_.size(), ErrorKind::InvalidArgument,
+              "read_file_state: no state file, or no parameter " + std::to_string(i));
+  file_->read(i, dst);
+}
+void Optimizer::write_file_state(size_t i, const void* src) {
+  GRAFT_CHECK(file_ && i < params_.size(), ErrorKind::InvalidArgument,
+              "write_file_state: no state file, or no parameter " + std::to_string(i));
+  file_->write(i, src);
+}
+
+std::pair<int64_t, int64_t> Optimizer::file_state_offset(size_t i) const {
+  GRAFT_CHECK(file_ && i < params_.size(), ErrorKind::InvalidArgument,
+              "file_state_offset: no state file, or no parameter " + std::to_string(i));
+  return {file_->offset(i), file_->moment_stride(i)};
+}
+
 void Optimizer::zero_grad(bool set_to_none) {
   for (Parameter* p : params_) {
     if (set_to_none)
@@ -184,10 +201,7 @@ void AdamW::update(size_t i, const Tensor& grad) {
     GRAFT_CHECK(grad.dtype() == p.data.dtype() && grad.numel() == p.data.numel(),
                 ErrorKind::ShapeMismatch,
                 "AdamW: the gradient of '" + p.name + "' has the wrong size");
-    char* state = nullptr;  // with a state file: exp_avg then exp_avg_sq, until released
-    if (file_) {
-      state = file_->acquire(i);
-    } else if (!m_[i].defined()) {
+    if (!file_ && !m_[i].defined()) {
       m_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
                             p.name + ".exp_avg");
       v_[i] = Tensor::zeros(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
@@ -195,11 +209,6 @@ void AdamW::update(size_t i, const Tensor& grad) {
     }
     const int64_t step = ++steps_[i];
     by_dtype(p.data, [&]<class T>() {
-      T* w = p.data.data<T>();
-      const T* g = grad.data<T>();
-      T* m = state ? reinterpret_cast<T*>(state) : m_[i].data<T>();
-      T* v = state ? m + p.data.numel() : v_[i].data<T>();
-      const int64_t n = p.data.numel();
       const double bc1 = 1 - std::pow(options.beta1, static_cast<double>(step));
       const double bc2 = 1 - std::pow(options.beta2, static_cast<double>(step));
       const T decay = static_cast<T>(1 - options.lr * options.weight_decay);
@@ -208,17 +217,36 @@ void AdamW::update(size_t i, const Tensor& grad) {
       const T step_size = static_cast<T>(options.lr / bc1);
       const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
       const T eps = static_cast<T>(options.eps);
-      for_ranges(n, 12, [&](int64_t k0, int64_t k1) {
-        for (int64_t k = k0; k < k1; ++k) {
-          w[k] *= decay;
-          m[k] = m[k] * b1 + g[k] * c1;
-          v[k] = v[k] * b2 + g[k] * g[k] * c2;
-          T denom = std::sqrt(v[k]) / sqrt_bc2 + eps;
-          w[k] -= step_size * (m[k] / denom);
-        }
-      });
+      // Elements [0, n) of w, g, m, v.
+      auto apply = [&](T* w, const T* g, T* m, T* v, int64_t n) {
+        for_ranges(n, 12, [&](int64_t k0, int64_t k1) {
+          for (int64_t k = k0; k < k1; ++k) {
+            w[k] *= decay;
+            m[k] = m[k] * b1 + g[k] * c1;
+            v[k] = v[k] * b2 + g[k] * g[k] * c2;
+            T denom = std::sqrt(v[k]) / sqrt_bc2 + eps;
+            w[k] -= step_size * (m[k] / denom);
+          }
+        });
+      };
+      T* w = p.data.data<T>();
+      const T* g = grad.data<T>();
+      if (!file_) {
+        apply(w, g, m_[i].data<T>(), v_[i].data<T>(), p.data.numel());
+        return;
+      }
+      // The state file streams the state in units (at most 32 MiB of each moment): the same
+      // elementwise update, a unit at a time.
+      const size_t u0 = file_->first_unit(i), u1 = u0 + file_->num_units(i);
+      for (size_t u = u0; u < u1; ++u) {
+        char* st = file_->acquire(u);
+        const int64_t e0 = file_->unit_begin(u) / static_cast<int64_t>(sizeof(T));
+        const int64_t n = file_->unit_bytes(u) / static_cast<int64_t>(sizeof(T));
+        apply(w + e0, g + e0, reinterpret_cast<T*>(st),
+              reinterpret_cast<T*>(st + file_->unit_stride(u)), n);
+        file_->release(u);
+      }
     });
-    if (file_) file_->release(i);
   }
 }
 
@@ -228,8 +256,8 @@ void AdamW::set_state_file(const StateFileOptions& o) {
                 "AdamW: set_state_file before the first step ('" + params_[i]->name +
                     "' already has state)");
   std::vector<int64_t> sizes;
-  for (const Parameter* p : params_) sizes.push_back(2 * static_cast<int64_t>(p->data.nbytes()));
-  file_ = std::make_unique<StateFile>(o, std::move(sizes), *alloc_);
+  for (const Parameter* p : params_) sizes.push_back(static_cast<int64_t>(p->data.nbytes()));
+  file_ = std::make_unique<StateFile>(o, std::move(sizes), 2, *alloc_);
 }
 
 // --- state as plain data -------------------------------------------------------------------------
@@ -330,8 +358,11 @@ void Optimizer::check_state(const OptimizerState& st) const {
                       shape_str(t.shape()) + ", the parameter " + dtype_name(p.data.dtype()) + " " +
                       shape_str(p.data.shape()));
     }
-    for (const std::string& name : kd->tensors)
-      if (slot(st.tensors[i], name).defined()) names.push_back(name);
+    if (st.tensors_in_file && file_ && st.tensors[i].empty() && st.counters[i] > 0)
+      names = kd->tensors;  // in the state file already
+    else
+      for (const std::string& name : kd->tensors)
+        if (slot(st.tensors[i], name).defined()) names.push_back(name);
     GRAFT_CHECK(st.counters[i] >= 0, ErrorKind::InvalidArgument,
                 pre + "negative counter for '" + p.name + "'");
     const std::string why = kd->check_tensors(names, st.counters[i]);
@@ -357,30 +388,38 @@ void SGD::load_state(const OptimizerState& st) {
   load_steps(st.steps);
 }
 
-OptimizerState AdamW::state() const {
+OptimizerState AdamW::state_in_ram() const {
   OptimizerState st;
   st.hyper = to_map(options);
   st.steps = steps();
   st.tensors.resize(params_.size());
+  st.tensors_in_file = file_ != nullptr;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (file_ && steps_[i] > 0) {  // read from the file (this much RAM, for a checkpoint)
-      const Parameter& p = *params_[i];
-      Tensor m = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
-                               p.name + ".exp_avg");
-      Tensor v = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
-                               p.name + ".exp_avg_sq");
-      std::vector<char> both(2 * p.data.nbytes());
-      file_->read(i, both.data());
-      std::memcpy(m.raw(), both.data(), p.data.nbytes());
-      std::memcpy(v.raw(), both.data() + p.data.nbytes(), p.data.nbytes());
-      st.tensors[i]["exp_avg"] = m;
-      st.tensors[i]["exp_avg_sq"] = v;
-      continue;
-    }
     if (m_[i].defined()) st.tensors[i]["exp_avg"] = m_[i];
     if (v_[i].defined()) st.tensors[i]["exp_avg_sq"] = v_[i];
   }
   st.counters = steps_;
+  return st;
+}
+
+OptimizerState AdamW::state() const {
+  OptimizerState st = state_in_ram();
+  st.tensors_in_file = false;
+  if (!file_) return st;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (steps_[i] == 0) continue;  // read from the file (this much RAM, for a checkpoint)
+    const Parameter& p = *params_[i];
+    Tensor m = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                             p.name + ".exp_avg");
+    Tensor v = Tensor::empty(p.data.shape(), p.data.dtype(), *alloc_, Category::OptimizerState,
+                             p.name + ".exp_avg_sq");
+    std::vector<char> both(2 * p.data.nbytes());
+    file_->read(i, both.data());
+    std::memcpy(m.raw(), both.data(), p.data.nbytes());
+    std::memcpy(v.raw(), both.data() + p.data.nbytes(), p.data.nbytes());
+    st.tensors[i]["exp_avg"] = m;
+    st.tensors[i]["exp_avg_sq"] = v;
+  }
   return st;
 }
 
@@ -390,13 +429,16 @@ void AdamW::load_state(const OptimizerState& st) {
   for (size_t i = 0; i < params_.size(); ++i) {
     m_[i] = slot(st.tensors[i], "exp_avg");
     v_[i] = slot(st.tensors[i], "exp_avg_sq");
-    if (file_ && m_[i].defined()) {  // into the file; RAM keeps none of it
+    if (!file_) continue;
+    if (m_[i].defined()) {  // into the file; RAM keeps none of it
       const size_t b = params_[i]->data.nbytes();
       std::vector<char> both(2 * b);
       std::memcpy(both.data(), m_[i].raw(), b);
       std::memcpy(both.data() + b, v_[i].raw(), b);
       file_->write(i, both.data());
       m_[i] = v_[i] = Tensor();
+    } else if (!(st.tensors_in_file && st.counters[i] > 0)) {
+      file_->forget(i);  // none yet: what the file held before must not be read
     }
   }
   steps_ = st.counters;

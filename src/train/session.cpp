@@ -9,6 +9,7 @@
 #include "delivery.h"
 #include "graft/ops.h"
 #include "graft/train.h"
+#include "progress.h"
 
 namespace graft {
 
@@ -252,6 +253,20 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   RunOptions ro = opt_;
   ro.seed = st->seed;
   if (bf16) ro.bf16 = *bf16;
+  if (StepProgress::enabled()) {  // Note [step progress]
+    if (!progress_) progress_ = std::make_unique<StepProgress>();
+    int64_t tokens = 0;  // the first integer input's elements: a language model's token ids
+    for (const Tensor& t : st->inputs)
+      if (is_int(t.dtype())) {
+        tokens = t.numel();
+        break;
+      }
+    progress_->begin(tokens);
+    const int barrier = exec_->plan().barrier_step;
+    ro.progress = [p = progress_.get(), barrier](int done, int total) {
+      p->at(done, total, done > barrier);
+    };
+  }
   // Accumulate mode: a weight-gradient GEMM that feeds a sink adds straight into an existing
   // .grad (beta = 1), so no temporary of the weight's size exists (deliver sees its own .grad).
   SinkTargetFn target;
@@ -289,6 +304,7 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   if (!keep_for_backward) {
     exec_->abort(*st->run);
     st->backward_done = true;
+    if (progress_) progress_->end();
   }
   return st;
 }
@@ -310,6 +326,7 @@ void TrainSession::backward(StepState& st, std::map<std::string, Tensor> output_
   st.backward_done = true;
   delivery_->begin_backward(st.defer_step);
   exec_->run_to(*st.run, static_cast<int>(exec_->plan().steps.size()));
+  if (progress_) progress_->end();
   if (opt_.profile) last_times_ = st.run->op_times();
   kept = exec_->finish(*st.run);
   st.input_grads.clear();

@@ -4,8 +4,10 @@
 // needs. But in step mode the optimizer touches each parameter's moments exactly once per step, at
 // the moment its gradient is complete, and in the same order every step (the plan fixes the order
 // in which backward completes gradients). So the moments need not live in RAM: they live in one
-// file, each parameter's state (exp_avg then exp_avg_sq) in its own 4 KiB-aligned region, and RAM
-// holds only a window of them:
+// file, each parameter's exp_avg and then exp_avg_sq, each 4 KiB-aligned, and RAM holds only a
+// window of them. They move in units: a range of at most 32 MiB of each moment of one parameter
+// (AdamW's update is elementwise, so it runs a unit at a time), so that no parameter, however
+// large, needs all of its state in RAM at once:
 //
 //   * read-ahead: an I/O thread reads the states of the parameters whose gradients come first,
 //     in the last step's order, as far as the window allows, from the moment the last step's
@@ -36,6 +38,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -61,26 +64,43 @@ void StateFile::fail(const std::string& what) const {
   throw Error(ErrorKind::Io, "optimizer state file '" + path_ + "': " + what);
 }
 
-StateFile::StateFile(const StateFileOptions& o, std::vector<int64_t> sizes, Allocator& alloc)
-    : path_(o.path), alloc_(alloc), size_(std::move(sizes)) {
+StateFile::StateFile(const StateFileOptions& o, std::vector<int64_t> moment_bytes, int moments,
+                     Allocator& alloc)
+    : path_(o.path), alloc_(alloc), moments_(moments), pbytes_(std::move(moment_bytes)) {
   GRAFT_CHECK(!path_.empty(), ErrorKind::InvalidArgument, "the optimizer state file needs a path");
-  const size_t n = size_.size();
-  padded_.resize(n);
-  offset_.resize(n);
+  const size_t n = pbytes_.size();
+  poff_.resize(n);
+  pstride_.resize(n);
   int64_t largest = 0;
-  for (size_t i = 0; i < n; ++i) {
-    padded_[i] = round_up(size_[i]);
-    offset_[i] = total_;
-    total_ += padded_[i];
-    largest = std::max(largest, padded_[i]);
+  for (size_t p = 0; p < n; ++p) {
+    pstride_[p] = round_up(pbytes_[p]);  // each state tensor 4096-aligned (O_DIRECT)
+    poff_[p] = total_;
+    total_ += moments_ * pstride_[p];
+    pfirst_.push_back(uparam_.size());
+    for (int64_t a = 0; a < pbytes_[p]; a += kUnitBytes) {
+      uparam_.push_back(p);
+      ubegin_.push_back(a);
+      ulen_.push_back(std::min(kUnitBytes, pbytes_[p] - a));
+      ustride_.push_back(round_up(ulen_.back()));
+      ubuf_.push_back(moments_ * ustride_.back());
+      largest = std::max(largest, ubuf_.back());
+    }
   }
-  // The window holds at least the largest state and, by default, four of them: room to read the
-  // next ones while one is updated and another written.
-  window_ = std::max(o.window_bytes > 0 ? o.window_bytes : 4 * largest, largest);
-  slot_.assign(n, Slot::Idle);
-  buf_.resize(n);
-  written_.assign(n, 0);
-  seen_.assign(n, 0);
+  pfirst_.push_back(uparam_.size());
+  // The window holds at least one unit and, by default, 512 MiB more (or the whole state, when
+  // smaller): the next units are read while one is updated and another written. Units bound it:
+  // a parameter larger than the window (a 4B Llama's embedding has 1 GiB of AdamW state) streams
+  // through it unit by unit instead of needing all of its state in RAM at once. (An update that
+  // finds its unit not read ahead reads it at once, without waiting for the writes in flight:
+  // RAM may briefly hold the window plus that unit.)
+  constexpr int64_t kReadAhead = int64_t{512} << 20;
+  window_ = std::max(o.window_bytes > 0 ? o.window_bytes : largest + std::min(total_, kReadAhead),
+                     largest);
+  const size_t units = uparam_.size();
+  slot_.assign(units, Slot::Idle);
+  buf_.resize(units);
+  written_.assign(units, 0);
+  seen_.assign(units, 0);
 
   struct statvfs fs {};
   if (::statvfs(folder_of(path_).c_str(), &fs) == 0) {
@@ -126,17 +146,17 @@ void StateFile::check_locked() {
   if (!error_.empty()) fail(error_);
 }
 
-StateFile::Buf StateFile::aligned(size_t i, Category c, const char* what) {
+StateFile::Buf StateFile::aligned(size_t u, Category c, const char* what) {
   Buf b;
-  b.mem = alloc_.allocate(static_cast<size_t>(padded_[i] + kAlign), c, what);
+  b.mem = alloc_.allocate(static_cast<size_t>(ubuf_[u] + kAlign), c, what);
   const auto addr = reinterpret_cast<uintptr_t>(b.mem->data);
   b.data = reinterpret_cast<char*>((addr + kAlign - 1) / kAlign * kAlign);
   return b;
 }
 
-void StateFile::take_buffer_locked(size_t i) {
-  buf_[i] = aligned(i, Category::OptimizerState, "optimizer state in flight");
-  held_ += padded_[i];
+void StateFile::take_buffer_locked(size_t u) {
+  buf_[u] = aligned(u, Category::OptimizerState, "optimizer state in flight");
+  held_ += ubuf_[u];
 }
 
 void StateFile::prefetch_locked() {
@@ -149,13 +169,13 @@ void StateFile::prefetch_locked() {
       continue;
     }
     if (slot_[j] != Slot::Idle) break;  // still being written: read it once that is done
-    if (held_ > 0 && held_ + padded_[j] > window_) break;
+    if (held_ > 0 && held_ + ubuf_[j] > window_) break;
     take_buffer_locked(j);
     if (written_[j]) {
       slot_[j] = Slot::Reading;
       jobs_.push_back({j, false});
     } else {
-      std::memset(buf_[j].data, 0, static_cast<size_t>(size_[j]));
+      std::memset(buf_[j].data, 0, static_cast<size_t>(ubuf_[j]));
       slot_[j] = Slot::Ready;
     }
     ++ahead_;
@@ -185,7 +205,7 @@ char* StateFile::acquire(size_t i) {
   std::unique_lock<std::mutex> lk(mu_);
   check_locked();
   GRAFT_CHECK(i < slot_.size() && slot_[i] != Slot::InUse, ErrorKind::Internal,
-              "optimizer state file: parameter " + std::to_string(i) + " acquired twice");
+              "optimizer state file: unit " + std::to_string(i) + " acquired twice");
   // A parameter updated twice since the last step began: a new step began without begin_step
   // (an optimizer driven one update at a time, as graft.optim.AdamW in GraftModule's step mode).
   if (seen_[i]) begin_step_locked();
@@ -217,7 +237,7 @@ char* StateFile::acquire(size_t i) {
       jobs_.push_front({i, false});
       cv_.notify_all();
     } else {
-      std::memset(buf_[i].data, 0, static_cast<size_t>(size_[i]));
+      std::memset(buf_[i].data, 0, static_cast<size_t>(ubuf_[i]));
       slot_[i] = Slot::Ready;
     }
   }
@@ -231,38 +251,49 @@ char* StateFile::acquire(size_t i) {
 void StateFile::release(size_t i) {
   std::lock_guard<std::mutex> lk(mu_);
   GRAFT_CHECK(i < slot_.size() && slot_[i] == Slot::InUse, ErrorKind::Internal,
-              "optimizer state file: parameter " + std::to_string(i) + " released unacquired");
+              "optimizer state file: unit " + std::to_string(i) + " released unacquired");
   slot_[i] = Slot::Writing;
   written_[i] = 1;
   jobs_.push_back({i, true});
   cv_.notify_all();
 }
 
-void StateFile::transfer(size_t i, char* buf, bool write) {
-  int64_t done = 0;
-  const int64_t len = padded_[i];
-  while (done < len) {
-    const ssize_t r = write ? ::pwrite(fd_, buf + done, static_cast<size_t>(len - done),
-                                       static_cast<off_t>(offset_[i] + done))
-                            : ::pread(fd_, buf + done, static_cast<size_t>(len - done),
-                                      static_cast<off_t>(offset_[i] + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0)
-      throw Error(ErrorKind::Io, std::string(write ? "write" : "read") + " of " +
-                                     std::to_string(len) + " bytes at offset " +
-                                     std::to_string(offset_[i]) +
-                                     " failed: " + durable::errno_str());
-    if (r == 0)
-      throw Error(ErrorKind::Io, "the file ended at offset " + std::to_string(offset_[i] + done) +
-                                     " (it was truncated while in use)");
-    done += r;
-  }
-  if (!direct_) {  // keep no page of it cached
-    if (write)
-      ::sync_file_range(
-          fd_, offset_[i], len,
-          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
-    ::posix_fadvise(fd_, offset_[i], len, POSIX_FADV_DONTNEED);
+namespace {
+std::atomic<int64_t> g_read{0}, g_written{0};  // every state file's, for StepProgress
+}  // namespace
+
+StateFileTraffic state_file_traffic() { return {g_read.load(), g_written.load()}; }
+
+void StateFile::transfer(size_t u, char* buf, bool write) {
+  const size_t p = uparam_[u];
+  const int64_t len = ustride_[u];  // (the last unit's padding lies inside the tensor's padding)
+  for (int j = 0; j < moments_; ++j) {
+    const int64_t at = poff_[p] + j * pstride_[p] + ubegin_[u];
+    char* b = buf + j * ustride_[u];
+    int64_t done = 0;
+    while (done < len) {
+      const ssize_t r = write ? ::pwrite(fd_, b + done, static_cast<size_t>(len - done),
+                                         static_cast<off_t>(at + done))
+                              : ::pread(fd_, b + done, static_cast<size_t>(len - done),
+                                        static_cast<off_t>(at + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0)
+        throw Error(ErrorKind::Io, std::string(write ? "write" : "read") + " of " +
+                                       std::to_string(len) + " bytes at offset " +
+                                       std::to_string(at) + " failed: " + durable::errno_str());
+      if (r == 0)
+        throw Error(ErrorKind::Io, "the file ended at offset " + std::to_string(at + done) +
+                                       " (it was truncated while in use)");
+      done += r;
+      (write ? g_written : g_read) += r;
+    }
+    if (!direct_) {  // keep no page of it cached
+      if (write)
+        ::sync_file_range(
+            fd_, at, len,
+            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+      ::posix_fadvise(fd_, at, len, POSIX_FADV_DONTNEED);
+    }
   }
 }
 
@@ -274,11 +305,11 @@ void StateFile::io_loop() {
     const Job job = jobs_.front();
     jobs_.pop_front();
     busy_ = true;
-    char* data = buf_[job.i].data;
+    char* data = buf_[job.u].data;
     lk.unlock();
     std::string err;
     try {
-      transfer(job.i, data, job.write);
+      transfer(job.u, data, job.write);
     } catch (const Error& e) {
       err = e.what();
     }
@@ -286,13 +317,13 @@ void StateFile::io_loop() {
     busy_ = false;
     if (!err.empty() && error_.empty()) error_ = err;
     if (job.write) {
-      held_ -= padded_[job.i];
-      buf_[job.i] = Buf{};
-      slot_[job.i] = Slot::Idle;
-      if (err.empty()) wrote_ += size_[job.i];
+      held_ -= ubuf_[job.u];
+      buf_[job.u] = Buf{};
+      slot_[job.u] = Slot::Idle;
+      if (err.empty()) wrote_ += moments_ * ulen_[job.u];
     } else {
-      slot_[job.i] = Slot::Ready;
-      if (err.empty()) read_ += size_[job.i];
+      slot_[job.u] = Slot::Ready;
+      if (err.empty()) read_ += moments_ * ulen_[job.u];
     }
     prefetch_locked();
     cv_.notify_all();
@@ -310,39 +341,65 @@ void StateFile::flush() {
   if (::fdatasync(fd_) != 0) fail("fdatasync failed: " + durable::errno_str());
 }
 
-void StateFile::read(size_t i, void* dst) {
+void StateFile::read(size_t p, void* dst) {
   std::unique_lock<std::mutex> lk(mu_);
   drain_locked(lk);
-  if (!written_[i]) {
-    std::memset(dst, 0, static_cast<size_t>(size_[i]));
-    return;
+  char* out = static_cast<char*>(dst);
+  for (size_t u = pfirst_[p]; u < pfirst_[p + 1]; ++u) {
+    Buf tmp;
+    const char* from = nullptr;                    // null: never written, zeros
+    if (slot_[u] == Slot::Ready && written_[u]) {  // read ahead: the same bytes
+      from = buf_[u].data;
+    } else if (written_[u]) {
+      tmp = aligned(u, Category::Workspace, "optimizer state copy");
+      transfer(u, tmp.data, false);
+      from = tmp.data;
+    }
+    for (int j = 0; j < moments_; ++j) {
+      char* to = out + j * pbytes_[p] + ubegin_[u];
+      if (from)
+        std::memcpy(to, from + j * ustride_[u], static_cast<size_t>(ulen_[u]));
+      else
+        std::memset(to, 0, static_cast<size_t>(ulen_[u]));
+    }
   }
-  if (slot_[i] == Slot::Ready) {  // read ahead: the same bytes
-    std::memcpy(dst, buf_[i].data, static_cast<size_t>(size_[i]));
-    return;
-  }
-  const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
-  transfer(i, tmp.data, false);
-  std::memcpy(dst, tmp.data, static_cast<size_t>(size_[i]));
 }
 
-void StateFile::write(size_t i, const void* src) {
-  std::unique_lock<std::mutex> lk(mu_);
-  drain_locked(lk);
-  GRAFT_CHECK(slot_[i] == Slot::Idle || slot_[i] == Slot::Ready, ErrorKind::Internal,
-              "optimizer state file: parameter " + std::to_string(i) + " written while in use");
-  if (slot_[i] == Slot::Ready) {  // a read-ahead copy would now be stale
-    held_ -= padded_[i];
-    buf_[i] = Buf{};
-    slot_[i] = Slot::Idle;
+void StateFile::drop_read_ahead_locked(size_t u) {
+  GRAFT_CHECK(slot_[u] == Slot::Idle || slot_[u] == Slot::Ready, ErrorKind::Internal,
+              "optimizer state file: unit " + std::to_string(u) + " replaced while in use");
+  if (slot_[u] == Slot::Ready) {  // a read-ahead copy would now be stale
+    held_ -= ubuf_[u];
+    buf_[u] = Buf{};
+    slot_[u] = Slot::Idle;
     order_.clear();
     pos_ = ahead_ = 0;
   }
-  const Buf tmp = aligned(i, Category::Workspace, "optimizer state copy");
-  std::memset(tmp.data, 0, static_cast<size_t>(padded_[i]));
-  std::memcpy(tmp.data, src, static_cast<size_t>(size_[i]));
-  transfer(i, tmp.data, true);
-  written_[i] = 1;
+}
+
+void StateFile::forget(size_t p) {
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
+  for (size_t u = pfirst_[p]; u < pfirst_[p + 1]; ++u) {
+    drop_read_ahead_locked(u);
+    written_[u] = 0;
+  }
+}
+
+void StateFile::write(size_t p, const void* src) {
+  std::unique_lock<std::mutex> lk(mu_);
+  drain_locked(lk);
+  const char* in = static_cast<const char*>(src);
+  for (size_t u = pfirst_[p]; u < pfirst_[p + 1]; ++u) {
+    drop_read_ahead_locked(u);
+    const Buf tmp = aligned(u, Category::Workspace, "optimizer state copy");
+    std::memset(tmp.data, 0, static_cast<size_t>(ubuf_[u]));
+    for (int j = 0; j < moments_; ++j)
+      std::memcpy(tmp.data + j * ustride_[u], in + j * pbytes_[p] + ubegin_[u],
+                  static_cast<size_t>(ulen_[u]));
+    transfer(u, tmp.data, true);
+    written_[u] = 1;
+  }
 }
 
 int64_t StateFile::bytes_read() const {

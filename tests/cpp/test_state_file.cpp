@@ -1,7 +1,8 @@
 // AdamW's state in a file (Note [optimizer state on disk], src/train/state_file.cpp): updates
 // bit-identical to AdamW in RAM, in step mode and out of order; the read-ahead and write-behind
 // counted; no page of the file left in the page cache; a disk that cannot hold the state, and a
-// write that fails, are errors naming the path.
+// write that fails, are errors naming the path; a checkpoint streams the state one parameter at a
+// time, both ways (Note [checkpoints of a state file]).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <random>
 
+#include "graft/checkpoint.h"
 #include "graft/models.h"
 #include "graft/train.h"
 #include "test_util.h"
@@ -278,5 +280,154 @@ TEST(StateFile, AFailedWriteIsRaisedNamingThePath) {
   }
   ::setrlimit(RLIMIT_FSIZE, &old);
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  ::unlink(path.c_str());
+}
+
+namespace {
+std::string file_bytes(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  std::string out;
+  if (!f) return out;
+  char buf[1 << 16];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
+}  // namespace
+
+TEST(StateFile, ACheckpointStreamsTheStateOneParameterAtATime) {
+  // 3 steps with the state in a file; save_checkpoint; load it into a fresh session whose AdamW
+  // has its own state file; 3 more steps. The same weights as 6 steps in RAM, the same checkpoint
+  // bytes as AdamW in RAM saves after 3, and neither saving nor loading holds more than two of
+  // the largest parameter's state in RAM at once (the old way held all of it, and staged a copy
+  // of every weight to load).
+  const Trained ram6 = train(6, "");
+  const std::string ck_ram = temp_path("ck_ram.graft"), ck_file = temp_path("ck_file.graft");
+  {
+    Allocator alloc;
+    auto sp = step_session(alloc);
+    AdamW opt(sp->trainable(), adamw_options(), &alloc);
+    sp->set_step_optimizer(&opt);
+    for (int k = 0; k < 3; ++k) sp->step();
+    save_checkpoint(ck_ram, *sp, &opt, 3);
+  }
+  const int64_t largest_state = 2 * 4 * H * H;  // exp_avg + exp_avg_sq of one H x H weight
+  const std::string p1 = temp_path("sf1"), p2 = temp_path("sf2");
+  {
+    Allocator alloc;
+    auto sp = step_session(alloc);
+    AdamW opt(sp->trainable(), adamw_options(), &alloc);
+    opt.set_state_file({p1});
+    sp->set_step_optimizer(&opt);
+    for (int k = 0; k < 3; ++k) sp->step();
+    opt.state_file_stats();  // the writes behind the last step done
+    alloc.reset_peak();
+    const int64_t before = alloc.current();
+    save_checkpoint(ck_file, *sp, &opt, 3);
+    EXPECT_LE(alloc.peak() - before, 2 * largest_state + 8192);
+    EXPECT_GT(alloc.peak() - before, 0);  // (it did read the state through the allocator)
+  }
+  EXPECT_EQ(file_bytes(ck_file), file_bytes(ck_ram));
+  EXPECT_FALSE(file_bytes(ck_file).empty());
+  Allocator alloc;
+  auto sp = step_session(alloc);
+  TrainSession& s = *sp;
+  for (Parameter& p : s.parameters()) std::memset(p.data.raw(), 0, p.data.nbytes());
+  AdamW opt(s.trainable(), adamw_options(), &alloc);
+  opt.set_state_file({p2});
+  // A state the file held before the load and the checkpoint does not replace must not survive:
+  // one update of the first parameter writes it, out of any step.
+  opt.begin_step();
+  opt.update(0,
+             Tensor::zeros(s.trainable()[0]->data.shape(), DType::F32, alloc, Category::Gradient));
+  alloc.reset_peak();
+  const int64_t before = alloc.current();
+  EXPECT_EQ(load_checkpoint(ck_file, s, &opt), 3);
+  EXPECT_LE(alloc.peak() - before, 2 * largest_state + 8192);
+  for (const auto& t : opt.exp_avg()) EXPECT_FALSE(t.defined());  // the state is in the file
+  EXPECT_EQ(opt.steps(), 3);
+  s.set_step_optimizer(&opt);
+  for (int k = 0; k < 3; ++k) s.step();
+  std::vector<std::vector<float>> w;
+  for (const Parameter& p : s.parameters())
+    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  EXPECT_EQ(w, ram6.weights);
+  for (const std::string& p : {ck_ram, ck_file, p1, p2}) ::unlink(p.c_str());
+}
+
+TEST(StateFile, LoadingACheckpointWithoutStateForgetsTheFilesOld) {
+  // A checkpoint saved before the first step has no optimizer state: loaded into an AdamW whose
+  // file already holds some, training from it is training from zeros, as in RAM.
+  const Trained ram3 = train(3, "");
+  const std::string ck = temp_path("ck0.graft"), p1 = temp_path("sf0");
+  Allocator alloc;
+  auto sp = step_session(alloc);
+  TrainSession& s = *sp;
+  AdamW opt(s.trainable(), adamw_options(), &alloc);
+  opt.set_state_file({p1});
+  save_checkpoint(ck, s, &opt, 0);
+  s.set_step_optimizer(&opt);
+  s.step();
+  s.step();
+  EXPECT_EQ(load_checkpoint(ck, s, &opt), 0);
+  EXPECT_EQ(opt.steps(), 0);
+  for (int k = 0; k < 3; ++k) s.step();
+  std::vector<std::vector<float>> w;
+  for (const Parameter& p : s.parameters())
+    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  EXPECT_EQ(w, ram3.weights);
+  ::unlink(ck.c_str());
+  ::unlink(p1.c_str());
+}
+
+TEST(StateFile, AParameterLargerThanTheWindowStreamsThroughItInUnits) {
+  // One weight of 1.25 units (40 MiB of each moment, 80 MiB of state) and a small one, AdamW with
+  // a window of one unit: bit-identical to AdamW in RAM over 3 steps, the optimizer's RAM under
+  // the weight's state, and state() (a checkpoint's read) reassembles each moment from its units.
+  const int64_t big = kStateFileUnitBytes / 4 + kStateFileUnitBytes / 16, little = 1000;
+  Allocator ram_alloc, file_alloc;
+  std::vector<Parameter> a(2), b(2);
+  for (auto* ps : {&a, &b})
+    for (int i = 0; i < 2; ++i) {
+      Allocator& al = ps == &a ? ram_alloc : file_alloc;
+      (*ps)[i].name = "w" + std::to_string(i);
+      (*ps)[i].data = Tensor::zeros({i == 0 ? big : little}, DType::F32, al, Category::Parameter);
+      float* w = (*ps)[i].data.data<float>();
+      for (int64_t k = 0; k < (*ps)[i].data.numel(); ++k)
+        w[k] = 0.001f * static_cast<float>(k % 997);
+    }
+  AdamW in_ram({&a[0], &a[1]}, adamw_options(), &ram_alloc);
+  AdamW in_file({&b[0], &b[1]}, adamw_options(), &file_alloc);
+  const std::string path = temp_path("units");
+  const int64_t unit = 2 * kStateFileUnitBytes;  // one unit's buffer: both moments
+  in_file.set_state_file({path, unit});
+  EXPECT_EQ(in_file.state_file_stats().window_bytes, unit);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  file_alloc.reset_peak();
+  const int64_t before = file_alloc.current();
+  for (int step = 0; step < 3; ++step) {
+    in_ram.begin_step();
+    in_file.begin_step();
+    for (size_t i : {size_t{1}, size_t{0}}) {
+      Tensor g = Tensor::empty(a[i].data.shape(), DType::F32, ram_alloc, Category::Gradient);
+      for (int64_t k = 0; k < g.numel(); ++k) g.data<float>()[k] = nd(rng);
+      in_ram.update(i, g);
+      in_file.update(i, g);
+    }
+  }
+  in_file.state_file_stats();  // every write behind done
+  // The window, plus the unit an update reads for itself while the last one is still being
+  // written (it does not wait for the write).
+  EXPECT_LE(file_alloc.peak() - before, 2 * (unit + 4096));
+  EXPECT_LT(file_alloc.peak() - before, 2 * 2 * big * 4);  // under the parameter's whole state
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(0, std::memcmp(a[i].data.raw(), b[i].data.raw(), a[i].data.nbytes())) << i;
+  const OptimizerState sa = in_ram.state(), sb = in_file.state();
+  for (int i = 0; i < 2; ++i)
+    for (const char* t : {"exp_avg", "exp_avg_sq"})
+      EXPECT_EQ(0, std::memcmp(sa.tensors[i].at(t).raw(), sb.tensors[i].at(t).raw(),
+                               sa.tensors[i].at(t).nbytes()))
+          << i << " " << t;
   ::unlink(path.c_str());
 }

@@ -345,3 +345,34 @@ def test_inspect_lists_every_unsupported_op_and_dtype(tmp_path):
     for needle in ("Hardmax", "Det", "'i16' has element type INT16", "'u' has element type UINT8",
                    "attribute 'value' has element type FLOAT16", "2 op type(s) and 3 value(s)"):
         assert needle in p.stdout, (needle, p.stdout)
+
+
+# ---- 8. progress while a long step runs (Note [step progress]) ----------------------------------------
+
+def test_progress_lines_name_the_phase_and_the_state_file_traffic(models, tmp_path):
+    args = train(models["slow"], "--optimizer", "adamw", "--optimizer-state-file", tmp_path / "adamw.state",
+                 steps=3)
+    # GRAFT_PROGRESS=1: drawn from the first op, one line per draw when stderr is not a terminal.
+    p = subprocess.run([graft_bin(), *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT,
+                       env=dict(os.environ, GRAFT_PROGRESS="1"))
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert lines and all(l.startswith("graft: step ") for l in lines), p.stderr
+    for phase in ("graft: step 1 forward", "graft: step 1 backward", "graft: step 3 forward", "graft: step 3 backward"):
+        assert any(l.startswith(phase) for l in lines), (phase, p.stderr)
+    m = [re.search(r"(\d+)% \((\d+)/(\d+) ops\)", l) for l in lines]
+    assert all(m), p.stderr
+    assert all(int(x.group(2)) <= int(x.group(3)) for x in m)
+    # The process's totals, once its state files have moved a byte: step 2's updates read what
+    # step 1's wrote (2 x 4 bytes x 1.05 M parameters = 8.4 MB), before step 3 begins.
+    step3 = [re.search(r"state file ([\d.]+) MB read, ([\d.]+) MB written", l) for l in lines
+             if l.startswith("graft: step 3")]
+    assert step3 and all(step3), p.stderr
+    assert all(float(m.group(1)) >= 8.4 and float(m.group(2)) >= 8.4 for m in step3), p.stderr
+    # Unset, and stderr not a terminal: nothing.
+    env = {k: v for k, v in os.environ.items() if k != "GRAFT_PROGRESS"}
+    q = subprocess.run([graft_bin(), *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert q.returncode == 0 and q.stderr == "", q.stderr
+    r = subprocess.run([graft_bin(), *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT,
+                       env=dict(os.environ, GRAFT_PROGRESS="0"))
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -1,6 +1,7 @@
 """graft.optim.AdamW (python/graft/optim.py): AdamW with its moments in a file on disk (Note
 [optimizer state on disk]), against torch.optim.AdamW, eagerly and inside GraftModule's step mode;
-its state_dict round trip; what it keeps in RAM; a path it cannot use.
+its state_dict round trip, and a checkpoint through torch.save that holds no copy of the moments in
+RAM; what it keeps in RAM; a path it cannot use.
 
 Run with the compiled package on the path:  PYTHONPATH=build/python python3 -m pytest tests/python/test_optim.py
 """
@@ -89,6 +90,60 @@ def test_state_dict_round_trip_resumes_exactly(tmp_path):
     opt2 = AdamW(mine.parameters(), **HP, state_file=tmp_path / "b.bin")
     opt2.load_state_dict(sd)
     train_eager(mine, opt2, 3, start=3)
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+
+
+def test_a_checkpoint_through_torch_save_holds_no_copy_of_the_moments(tmp_path):
+    """torch.save(opt.state_dict()) and opt.load_state_dict(torch.load(..., mmap=True)) over 64 MiB
+    of moments: the process's anonymous memory grows by less than a quarter of them either way
+    (state_dict's moments are views of the file; load_state_dict copies one parameter at a time),
+    and training resumed from the checkpoint is bit-identical to training straight through."""
+    def big():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+
+    def train(m, opt, steps, start=0):
+        for k in range(start, start + steps):
+            x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(k))
+            opt.zero_grad()
+            (m(x) ** 2).mean().backward()
+            opt.step()
+
+    moments = 2 * 2 * 2048 * 2048 * 4
+    ref = big()
+    train(ref, AdamW(ref.parameters(), **HP, state_file=tmp_path / "ref.bin"), 4)
+    mine = big()
+    opt = AdamW(mine.parameters(), **HP, state_file=tmp_path / "a.bin")
+    train(mine, opt, 2)
+    opt.zero_grad(set_to_none=True)
+    opt.stats()  # the reads ahead for the next step (the window) are done and counted before
+    ck = tmp_path / "opt.pt"
+    before = rss_anon()
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    torch.save(sd, ck)
+    grew = rss_anon() - before
+    assert grew < moments / 4, (grew, moments)
+    was = sd["state"][0]["exp_avg"].clone()
+    sd["state"][0]["exp_avg"].add_(1)  # a private copy of those pages: the file is unchanged
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], was)
+    del sd
+    opt2 = AdamW(mine.parameters(), **HP, state_file=tmp_path / "b.bin")
+    mmap = {"mmap": True} if "mmap" in torch.load.__code__.co_varnames else {}
+    before = rss_anon()
+    loaded = torch.load(ck, **mmap)
+    opt2.load_state_dict(loaded)
+    del loaded
+    if mmap:  # (torch 1.13 has no mmap=True: torch.load itself reads the file into RAM)
+        grew = rss_anon() - before
+        assert grew < moments / 4, (grew, moments)
+    train(mine, opt2, 2, start=2)
     for p, q in zip(mine.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
