@@ -1,7 +1,8 @@
 """python3 -m graft.bench --largest: the largest Llama-style model each system trains one step of.
 
     python3 -m graft.bench --largest [--systems eager,recipe,graft,graft-file] [--params 0.5,1,2,4]
-                                     [--limit BYTES] [--seq 512] [--state-dir DIR] [--json]
+                                     [--limit BYTES] [--seq 512] [--state-dir DIR]
+                                     [--activation-budget BYTES] [--search bisect|walk] [--json]
 
 Systems, each candidate in its own process under a memory limit (RLIMIT_DATA: private writable
 memory, what an anonymous allocation takes; a candidate over it fails with an allocation error
@@ -15,9 +16,17 @@ instead of the OOM killer deciding), batch 1, sequence --seq, float32 weights, e
   graft-file  GraftModule(gradients="step") with graft.optim.AdamW, moments in a file under
               --state-dir (Note [optimizer state on disk]).
 
+Both graft systems take --activation-budget (GraftModule's activation_budget: recompute in
+backward under that many bytes of activations; graft's counterpart of the recipe's checkpointing;
+0: none).
+
 The configs: Llama with hidden size h (head size 128, SwiGLU width 8h/3 rounded to 256, vocab
-32000, untied embeddings) and depth chosen for each size in --params (billions of parameters);
-each system walks the sizes upwards and stops at its first failure. JSON rows carry system, mode,
+32000, untied embeddings) and depth chosen for each size in --params (billions of parameters).
+The search for each system's largest: --search walk tries the sizes upwards and stops at its first
+failure; bisect (the default) bisects the sorted list, taking a size that trains as proof that
+every smaller one does (the memory each system needs grows with the size), so a fine list costs
+few runs. A failure other than an allocation refused under the limit stops the search with that
+error. JSON rows carry system, mode,
 params, peak_anon_bytes (the child's anonymous memory sampled by this process, less its level
 before the model), step_seconds (the timed step after one warm-up), tokens_per_second, loss, and
 ok / error. The table's reference is the larger of eager's and recipe's largest.
@@ -106,8 +115,9 @@ def worker(a):
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
         else:
             from graft.optim import AdamW
-            opt = AdamW(model.parameters(), lr=lr, state_file=os.path.join(a.state_dir, f"adamw-{os.getpid()}.state"))
-        g = graft.GraftModule(lm_loss(model), gradients="step", optimizer=opt)
+            opt = AdamW(model.parameters(), lr=lr, state_file=a.state_file)
+        g = graft.GraftModule(lm_loss(model), gradients="step", optimizer=opt,
+                              activation_budget=a.activation_budget)
 
         def step():
             loss = g(ids)
@@ -121,8 +131,6 @@ def worker(a):
     loss = step()
     secs = time.monotonic() - t0
     marks.end()
-    if a.system == "graft-file":
-        os.unlink(opt.state_file)
     row = {"system": "pytorch" if a.system in ("eager", "recipe") else "graft", "mode": a.system,
            "params": cfg["params"], "config": cfg, "step_seconds": secs,
            "tokens_per_second": cfg["seq"] / secs, "loss": loss, "torch": torch.__version__}
@@ -135,9 +143,16 @@ _OOM_MARKS = ("can't allocate memory", "MemoryError", "GraftOutOfMemoryError", "
 
 
 def run_candidate(a, system, cfg):
+    # The runner names the state file and removes it, whatever way the candidate ended.
+    state_file = os.path.join(a.state_dir, f"graft-largest-{os.getpid()}-{system}.state")
     cmd = [sys.executable, "-m", "graft.bench", "--largest-worker", "--system", system, "--config", json.dumps(cfg),
-           "--limit", str(a.limit), "--threads", str(a.threads), "--state-dir", a.state_dir]
-    rc, out, err, samples = _proc.run_sampled(cmd, timeout=a.timeout)
+           "--limit", str(a.limit), "--threads", str(a.threads), "--state-file", state_file,
+           "--activation-budget", str(a.activation_budget)]
+    try:
+        rc, out, err, samples = _proc.run_sampled(cmd, timeout=a.timeout)
+    finally:
+        if os.path.exists(state_file):
+            os.unlink(state_file)
     row = {"system": "pytorch" if system in ("eager", "recipe") else "graft", "mode": system,
            "params": cfg["params"], "config": cfg, "ok": False}
     lines = [l for l in out.splitlines() if l.startswith("{")]
@@ -173,6 +188,11 @@ def main(argv):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--state-dir", default=os.environ.get("TMPDIR", "/tmp"),
                    help="where graft-file keeps its state file (local disk)")
+    p.add_argument("--state-file", help=argparse.SUPPRESS)
+    p.add_argument("--activation-budget", type=int, default=0, metavar="BYTES",
+                   help="graft rows: GraftModule(activation_budget=BYTES) (0: no recompute)")
+    p.add_argument("--search", choices=("bisect", "walk"), default="bisect",
+                   help="bisect the sorted sizes (default) or walk them upwards")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per candidate")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -186,21 +206,36 @@ def main(argv):
     if bad:
         print(f"--systems takes {', '.join(SYSTEMS)} (got {a.systems!r})", file=sys.stderr)
         return 2
-    sizes = [float(x) for x in a.params.split(",") if x]
+    sizes = sorted(float(x) for x in a.params.split(",") if x)
     rows = []
+
+    def attempt(system, b):
+        row = run_candidate(a, system, llama_config(b, a.seq, a.vocab, a.hidden))
+        rows.append(row)
+        print(f"{system:10s} {row['params'] / 1e9:6.2f}B  "
+              + (f"peak {row['peak_anon_bytes'] / 2**30:6.2f} GiB  {row['step_seconds']:8.1f} s  loss {row['loss']:.4f}"
+                 if row["ok"] else row["error"]), file=sys.stderr if a.json else sys.stdout, flush=True)
+        if not row["ok"] and not row["out_of_memory"]:
+            return None  # a bug, not a size that does not fit: the search stops here
+        return row["ok"]
+
     for system in systems:
-        for b in sizes:
-            row = run_candidate(a, system, llama_config(b, a.seq, a.vocab, a.hidden))
-            rows.append(row)
-            if not a.json:
-                print(f"{system:10s} {row['params'] / 1e9:6.2f}B  "
-                      + (f"peak {row['peak_anon_bytes'] / 2**30:6.2f} GiB  {row['step_seconds']:8.1f} s  loss {row['loss']:.4f}"
-                         if row["ok"] else row["error"]), flush=True)
-            if not row["ok"]:
+        if a.search == "walk":
+            for b in sizes:
+                if not attempt(system, b):
+                    break
+            continue
+        lo, hi = -1, len(sizes)  # sizes[lo] trains (or lo = -1); sizes[hi] does not (or hi = len)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok = attempt(system, sizes[mid])
+            if ok is None:
                 break
+            lo, hi = (mid, hi) if ok else (lo, mid)
     largest = {s: max((r["params"] for r in rows if r["mode"] == s and r["ok"]), default=0) for s in systems}
     ref = max(largest.get("eager", 0), largest.get("recipe", 0))
-    out = {"config": {"seq": a.seq, "batch": 1, "limit_bytes": a.limit, "threads": a.threads, "sizes": sizes},
+    out = {"config": {"seq": a.seq, "batch": 1, "limit_bytes": a.limit, "threads": a.threads, "sizes": sizes,
+                      "search": a.search, "activation_budget": a.activation_budget},
            "largest": largest, "reference_params": ref,
            "ratio": {s: (largest[s] / ref if ref else None) for s in systems}, "rows": rows}
     if a.json:
