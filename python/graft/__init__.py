@@ -7,7 +7,7 @@ from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInte
                      GraftInvalidModelError, GraftIoError, GraftNonFiniteError, GraftOutOfMemoryError,
                      GraftShapeError, GraftUnsupportedError, GraftWarning)
 
-__all__ = ["GraftModule", "GraftError", "GraftExportError", "GraftUnsupportedError", "GraftInvalidModelError",
+__all__ = ["GraftModule", "init_empty_weights", "GraftError", "GraftExportError", "GraftUnsupportedError", "GraftInvalidModelError",
            "GraftShapeError", "GraftArgumentError", "GraftOutOfMemoryError", "GraftIoError", "GraftNonFiniteError",
            "GraftInternalError", "GraftWarning"]
 
@@ -17,6 +17,9 @@ def __getattr__(name):
     if name == "GraftModule":
         from . import frontend
         return frontend.GraftModule
+    if name in ("init_empty_weights", "read_safetensors"):
+        from . import _weights
+        return getattr(_weights, name)
     if name in ("_graft", "frontend", "bench", "optim"):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")

@@ -301,13 +301,16 @@ class GraftModule(torch.nn.Module):
     norm taken over all of the step's gradients, exactly as torch.nn.utils.clip_grad_norm_ before
     optimizer.step(): backward runs twice, the first pass computing only the norm (each gradient
     reduced and freed as it completes), the second replaying the forward (same Dropout masks).
+    weights: a .safetensors path or a state_dict giving the module's tensors their values first,
+    without a second copy of them (for a module built under graft.init_empty_weights(), its
+    parameters on the meta device; Note [weights without a copy], _weights.py).
     """
 
     def __init__(self, module: torch.nn.Module, gradients: str = "hook", opset: int = 17,
                  check_finite: bool = False, max_memory: int = 0, cache_size: int = 8,
                  activation_budget: int = 0,
                  optimizer: "torch.optim.Optimizer" = None, precision: str = "fp32",
-                 clip_grad_norm: float = 0.0):
+                 clip_grad_norm: float = 0.0, weights=None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise GraftArgumentError(f"GraftModule wraps a torch.nn.Module, not {type(module).__name__}",
@@ -342,6 +345,9 @@ class GraftModule(torch.nn.Module):
         if opset > 17:
             raise GraftArgumentError(f"opset must be 13..17, not {opset}", "invalid argument")
         name = type(module).__name__
+        if weights is not None:  # Note [weights without a copy] (_weights.py)
+            from ._weights import materialize
+            materialize(module, weights, name)
         for n, p in list(module.named_parameters()) + list(module.named_buffers()):
             if p.is_floating_point():
                 _dtype_ok(p, f"parameter '{n}'", name)
