@@ -495,7 +495,11 @@ void load_in_place(const Header& h, TrainSession& s, Optimizer& opt) {
     Tensor buf = Tensor::empty({(n + 3) / 4}, DType::F32, opt.allocator(), Category::Workspace,
                                h.state[i].param + " (checkpoint's optimizer state)");
     read_into(buf.raw(), n);
-    opt.write_file_state(i, buf.raw());
+    try {
+      opt.write_file_state(i, buf.raw());
+    } catch (const Error& e) {
+      fail(e.kind(), e.message() + partly);
+    }
   }
   unsigned char tr[kTrailer];
   try {
