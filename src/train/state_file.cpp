@@ -160,7 +160,7 @@ void StateFile::take_buffer_locked(size_t u) {
 }
 
 void StateFile::prefetch_locked() {
-  if (!error_.empty()) return;
+  if (!error_.empty() || starved_) return;
   const size_t n = order_.size();
   while (pos_ + ahead_ < n) {
     const size_t j = order_[pos_ + ahead_];
@@ -170,7 +170,15 @@ void StateFile::prefetch_locked() {
     }
     if (slot_[j] != Slot::Idle) break;  // still being written: read it once that is done
     if (held_ > 0 && held_ + ubuf_[j] > window_) break;
-    take_buffer_locked(j);
+    // Reading ahead is optional: a buffer refused (the process at its memory limit) stops it
+    // here, on whichever thread; the update that needs the unit then reads it itself, and a
+    // refusal there is the caller's error. (Thrown on the I/O thread, it ended the process.)
+    try {
+      take_buffer_locked(j);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::OutOfMemory) throw;
+      break;
+    }
     if (written_[j]) {
       slot_[j] = Slot::Reading;
       jobs_.push_back({j, false});
@@ -231,7 +239,20 @@ char* StateFile::acquire(size_t i) {
   cv_.wait(lk, [&] { return !error_.empty() || slot_[i] != Slot::Writing; });
   check_locked();
   if (slot_[i] == Slot::Idle) {  // not read ahead: read it now, before anything queued
-    take_buffer_locked(i);
+    for (;;) {  // at the memory limit, wait for the writes behind to give their buffers back
+      try {
+        take_buffer_locked(i);
+        break;
+      } catch (const Error& e) {
+        auto writing = [&] { return std::count(slot_.begin(), slot_.end(), Slot::Writing) > 0; };
+        if (e.kind() != ErrorKind::OutOfMemory || !writing()) throw;
+        const int64_t held = held_;
+        starved_ = true;  // no reading ahead takes what the writes give back
+        cv_.wait(lk, [&] { return !error_.empty() || held_ < held || !writing(); });
+        starved_ = false;
+        check_locked();
+      }
+    }
     if (written_[i]) {
       slot_[i] = Slot::Reading;
       jobs_.push_front({i, false});
@@ -325,7 +346,11 @@ void StateFile::io_loop() {
       slot_[job.u] = Slot::Ready;
       if (err.empty()) read_ += moments_ * ulen_[job.u];
     }
-    prefetch_locked();
+    try {  // nothing may escape this thread: an error is the next acquire's or flush's to raise
+      prefetch_locked();
+    } catch (const std::exception& e) {
+      if (error_.empty()) error_ = e.what();
+    }
     cv_.notify_all();
   }
 }

@@ -110,7 +110,8 @@ class StateFile {
   std::deque<Job> jobs_;
   std::string error_;
   int64_t read_ = 0, wrote_ = 0, hits_ = 0;
-  bool primed_ = false;  // reading ahead for the next step began at the end of the last
+  bool primed_ = false;   // reading ahead for the next step began at the end of the last
+  bool starved_ = false;  // an acquire waits for memory the writes behind will give back
   bool stop_ = false, busy_ = false;  // busy_: the I/O thread is inside a transfer
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -431,3 +431,40 @@ TEST(StateFile, AParameterLargerThanTheWindowStreamsThroughItInUnits) {
           << i << " " << t;
   ::unlink(path.c_str());
 }
+
+TEST(StateFile, ReadingAheadStopsAtTheMemoryLimitInsteadOfFailing) {
+  // AdamW's allocator limited to a little more than one unit beyond the weights, a window of
+  // many: reading ahead cannot take a second buffer while one is in use, so it stops (it is
+  // optional) and each update reads its own unit. Bit-identical to RAM. (Before: the refusal
+  // was thrown from the read-ahead, out of the update, or on the I/O thread, ending the process.)
+  const int64_t n = kStateFileUnitBytes / 8;  // 4 MiB per moment: a 8 MiB unit per parameter
+  Allocator ram_alloc, file_alloc;
+  std::vector<Parameter> a(3), b(3);
+  for (auto* ps : {&a, &b})
+    for (int i = 0; i < 3; ++i) {
+      Allocator& al = ps == &a ? ram_alloc : file_alloc;
+      (*ps)[i].name = "w" + std::to_string(i);
+      (*ps)[i].data = Tensor::zeros({n}, DType::F32, al, Category::Parameter);
+    }
+  AdamW in_ram({&a[0], &a[1], &a[2]}, adamw_options(), &ram_alloc);
+  AdamW in_file({&b[0], &b[1], &b[2]}, adamw_options(), &file_alloc);
+  const std::string path = temp_path("limit");
+  in_file.set_state_file({path, 64 << 20});
+  file_alloc.set_limit(file_alloc.current() + 2 * n * 4 + (1 << 20));  // one unit, and 1 MiB
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (int step = 0; step < 3; ++step) {
+    in_ram.begin_step();
+    in_file.begin_step();
+    for (size_t i = 0; i < 3; ++i) {
+      Tensor g = Tensor::empty({n}, DType::F32, ram_alloc, Category::Gradient);
+      for (int64_t k = 0; k < n; ++k) g.data<float>()[k] = nd(rng);
+      in_ram.update(i, g);
+      ASSERT_NO_THROW(in_file.update(i, g)) << "step " << step << " parameter " << i;
+    }
+  }
+  in_file.state_file_stats();
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(0, std::memcmp(a[i].data.raw(), b[i].data.raw(), a[i].data.nbytes())) << i;
+  ::unlink(path.c_str());
+}
