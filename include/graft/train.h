@@ -271,9 +271,9 @@ const OptimizerKind* find_optimizer_kind(const std::string& name);
 // Note [optimizer state on disk] in src/train/state_file.cpp).
 struct StateFileOptions {
   std::string path;          // the file: created, or truncated if it exists
-  int64_t window_bytes = 0;  // RAM for states in flight (read ahead, being written); 0: the
-                             // largest parameter's state plus three more of it, at most 512 MiB
-                             // more. Never less than one of them.
+  int64_t window_bytes = 0;  // RAM for states in flight (read ahead, being written); 0: one
+                             // unit (kStateFileUnitBytes of each state tensor) plus 512 MiB, or
+                             // plus the whole state when smaller. Never less than one unit.
   bool direct_io = true;     // O_DIRECT (no page cache); buffered + posix_fadvise where refused
 };
 // A state file moves a parameter's state in units of at most this many bytes of each state tensor

@@ -5,11 +5,11 @@
 
 AdamW keeps two moments per weight: with float32 weights, 8 of the 12 bytes per parameter that the
 step inside backward needs. This optimizer keeps them in `state_file` instead, and RAM holds a
-window of them (`state_window` bytes; 0: the largest parameter's state plus three more of it, at
-most 512 MiB more). Each parameter's state is read ahead of its update in the order updates came
-the step before, and written back behind it, bypassing the page cache (Note [optimizer state on
-disk], src/train/state_file.cpp). The update is graft's C++ AdamW (PyTorch 1.13's single-tensor
-formula) on the same bytes.
+window of them (`state_window` bytes; 0: one unit, at most 32 MiB of each moment, plus 512 MiB
+or the whole state when smaller). The state moves in those units, read ahead of its update in the
+order updates came the step before and written back behind it, bypassing the page cache (Note
+[optimizer state on disk], src/train/state_file.cpp). The update is graft's C++ AdamW (PyTorch
+1.13's single-tensor formula) on the same bytes.
 
 It is a torch.optim.Optimizer: param groups, learning-rate schedulers, zero_grad, state_dict and
 load_state_dict work as for torch.optim.AdamW, without a copy of the moments in RAM: state_dict's

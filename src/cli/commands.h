@@ -44,7 +44,7 @@ struct TrainArgs {
   int64_t warmup_steps = 0;
   int micro_batches = 1;  // gradient accumulation: the batch in this many parts, one update
   // AdamW's state in this file instead of RAM (Note [optimizer state on disk]), with this much
-  // RAM for states in flight (0: the largest state plus up to 512 MiB).
+  // RAM for states in flight (0: one unit plus up to 512 MiB).
   std::string optimizer_state_file;
   int64_t state_window = 0;
   // Data parallelism over MPI (under mpirun; docs/data-parallel.md).

@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
                 "Keep AdamW's moments in this file on local disk instead of RAM, streamed in the "
                 "order updates come (best in step mode); created or truncated");
   t->add_option("--state-window", tr.state_window,
-                "RAM for optimizer states in flight with --optimizer-state-file, in bytes (0: the "
-                "largest parameter's state plus three more of it, at most 512 MiB more)")
+                "RAM for optimizer states in flight with --optimizer-state-file, in bytes (0: one "
+                "unit, at most 64 MiB, plus 512 MiB or the whole state when smaller)")
       ->capture_default_str();
   t->add_option("--input", tr.input_shapes, "Input shape, name=2x3x4 (repeatable)");
   t->add_option("--inputs", tr.input_files, "Input TensorProto .pb files (by name, else in order)");

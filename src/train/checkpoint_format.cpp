@@ -282,17 +282,23 @@ struct Staged {
   std::vector<std::vector<Tensor>> slots;  // per state entry, per slot
 };
 
+// Pass 2's start: opens the verified file again, checks that its size is still the header's, and
+// reads past the preamble and header; returns their CRC, which the data then continues.
+uint32_t reopen_at_data(const Header& h, Fd& f) {
+  durable::open_regular(f, h.path);
+  if (durable::file_size(f, h.path) != h.file_size)
+    io_error(h.path, "the file changed between verifying and loading it; nothing was loaded");
+  std::string prefix(kPreamble + h.header_bytes, '\0');
+  read_exact(f.fd, prefix.data(), prefix.size(), h.path);
+  return crc32(prefix.data(), prefix.size());
+}
+
 // Pass 2: reads every tensor into freshly allocated staging tensors, checking the CRC again.
 Staged stage(const Header& h, TrainSession& s, Optimizer* opt) {
   const std::string& path = h.path;
   Allocator& sa = s.allocator();
   Fd f;
-  durable::open_regular(f, path);
-  if (durable::file_size(f, path) != h.file_size)
-    io_error(path, "the file changed while being loaded");
-  std::string prefix(kPreamble + h.header_bytes, '\0');
-  read_exact(f.fd, prefix.data(), prefix.size(), path);
-  uint32_t crc = crc32(prefix.data(), prefix.size());
+  uint32_t crc = reopen_at_data(h, f);
   auto read_into = [&](Tensor& t) {
     read_exact(f.fd, t.raw(), t.nbytes(), path);
     crc = crc32(t.raw(), t.nbytes(), crc);
@@ -440,11 +446,11 @@ OptimizerState state_in_file(const Header& h) {
   return os;
 }
 
-// Pass 2 of Note [checkpoints of a state file]: straight into the parameters and the state file.
-void load_in_place(const Header& h, TrainSession& s, Optimizer& opt) {
+// Pass 2 of Note [checkpoints of a state file]: straight into the parameters and the state file;
+// `os` is state_in_file(h), which the caller loads after.
+void load_in_place(const Header& h, const OptimizerState& os, TrainSession& s, Optimizer& opt) {
   const std::string& path = h.path;
   const OptimizerKind& kind = *find_optimizer_kind(opt.kind());
-  const OptimizerState os = state_in_file(h);
   for (size_t i = 0; i < h.state.size(); ++i) {  // all of the kind's tensors, or none
     const auto& sl = h.state[i].slots;
     GRAFT_CHECK(sl.empty() || sl.size() == kind.tensors.size(), ErrorKind::InvalidArgument,
@@ -459,12 +465,7 @@ void load_in_place(const Header& h, TrainSession& s, Optimizer& opt) {
   for (Parameter& p : s.parameters()) by_name[p.name] = &p;
 
   Fd f;
-  durable::open_regular(f, path);
-  if (durable::file_size(f, path) != h.file_size)
-    io_error(path, "the file changed between verifying and loading it; nothing was loaded");
-  std::string prefix(kPreamble + h.header_bytes, '\0');
-  read_exact(f.fd, prefix.data(), prefix.size(), path);
-  uint32_t crc = crc32(prefix.data(), prefix.size());
+  uint32_t crc = reopen_at_data(h, f);
   const std::string partly =
       "; the session's parameters and the optimizer's state are now partly loaded: load a "
       "checkpoint again before training";
@@ -521,8 +522,9 @@ int64_t load_verified(const Header& h, TrainSession& s, Optimizer* opt) {
       "load_checkpoint: the session is inside a run (forward without backward); cancel() it first");
   check_fits(h, s, opt);
   if (opt && opt->state_in_file()) {
-    load_in_place(h, s, *opt);
-    opt->load_state(state_in_file(h));
+    const OptimizerState os = state_in_file(h);
+    load_in_place(h, os, s, *opt);
+    opt->load_state(os);
     s.set_rng_state(h.rng);
     return h.step;
   }

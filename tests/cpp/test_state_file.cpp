@@ -50,6 +50,14 @@ AdamWOptions adamw_options() {
   return ao;
 }
 
+// The session's weights (float32), for exact comparison.
+std::vector<std::vector<float>> weights_of(TrainSession& s) {
+  std::vector<std::vector<float>> w;
+  for (const Parameter& p : s.parameters())
+    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  return w;
+}
+
 // `steps` AdamW steps in step mode on the seed's linear stack (float32), the state in RAM
 // (path empty) or in a file with the given window.
 Trained train(int steps, const std::string& path, int64_t window = 0, bool direct = true) {
@@ -61,8 +69,7 @@ Trained train(int steps, const std::string& path, int64_t window = 0, bool direc
   s.set_step_optimizer(&opt);
   for (int k = 0; k < steps; ++k) s.step();
   Trained r;
-  for (const Parameter& p : s.parameters())
-    r.weights.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
+  r.weights = weights_of(s);
   r.stats = opt.state_file_stats();
   return r;
 }
@@ -190,10 +197,7 @@ TEST(StateFile, TheStateSurvivesACheckpointRoundTrip) {
   for (const auto& t : opt.exp_avg()) EXPECT_FALSE(t.defined());  // the state is in the file
   s.set_step_optimizer(&opt);
   for (int k = 0; k < 3; ++k) s.step();
-  std::vector<std::vector<float>> w;
-  for (const Parameter& p : s.parameters())
-    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
-  EXPECT_EQ(w, ram.weights);
+  EXPECT_EQ(weights_of(s), ram.weights);
   ::unlink(p1.c_str());
   ::unlink(p2.c_str());
 }
@@ -348,10 +352,7 @@ TEST(StateFile, ACheckpointStreamsTheStateOneParameterAtATime) {
   EXPECT_EQ(opt.steps(), 3);
   s.set_step_optimizer(&opt);
   for (int k = 0; k < 3; ++k) s.step();
-  std::vector<std::vector<float>> w;
-  for (const Parameter& p : s.parameters())
-    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
-  EXPECT_EQ(w, ram6.weights);
+  EXPECT_EQ(weights_of(s), ram6.weights);
   for (const std::string& p : {ck_ram, ck_file, p1, p2}) ::unlink(p.c_str());
 }
 
@@ -372,10 +373,7 @@ TEST(StateFile, LoadingACheckpointWithoutStateForgetsTheFilesOld) {
   EXPECT_EQ(load_checkpoint(ck, s, &opt), 0);
   EXPECT_EQ(opt.steps(), 0);
   for (int k = 0; k < 3; ++k) s.step();
-  std::vector<std::vector<float>> w;
-  for (const Parameter& p : s.parameters())
-    w.emplace_back(p.data.data<float>(), p.data.data<float>() + p.data.numel());
-  EXPECT_EQ(w, ram3.weights);
+  EXPECT_EQ(weights_of(s), ram3.weights);
   ::unlink(ck.c_str());
   ::unlink(p1.c_str());
 }
