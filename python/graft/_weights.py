@@ -39,6 +39,17 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
+def mapped(fileno, at, dtype, count):
+    """A 1-D tensor of `count` elements of `dtype` at byte `at` of an open file: a copy-on-write
+    memory map (nothing read until used; writes stay in this process), keeping its mapping alive."""
+    start = at // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+    esize = torch.empty(0, dtype=dtype).element_size()
+    m = mmap.mmap(fileno, at + count * esize - start, offset=start, access=mmap.ACCESS_COPY)
+    with warnings.catch_warnings():  # ("not writable": it is, copy-on-write)
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(m, dtype=dtype, count=count, offset=at - start)
+
+
 def read_safetensors(path):
     """{name: tensor} of a .safetensors file, each a copy-on-write memory map of its bytes (no read
     until used; writes stay in this process). Raises GraftIoError (cannot open it) or
@@ -66,7 +77,7 @@ def read_safetensors(path):
                                      "invalid model") from None
         if not isinstance(header, dict):
             raise GraftInvalidModelError(f"weights '{path}': the .safetensors header is not an object", "invalid model")
-        base, page, out = 8 + n, mmap.ALLOCATIONGRANULARITY, {}
+        base, out = 8 + n, {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -89,12 +100,8 @@ def read_safetensors(path):
                 out[name] = torch.empty(shape, dtype=dtype)
                 continue
             at = base + begin
-            start = at // page * page  # a mapping starts on a page; the view starts inside it
-            m = mmap.mmap(f.fileno(), at + count * esize - start, offset=start, access=mmap.ACCESS_COPY)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                t = torch.frombuffer(m, dtype=dtype, count=count, offset=at - start)  # (keeps m alive)
-            if (at - start) % esize:  # misaligned for its dtype: a copy rather than a bad pointer
+            t = mapped(f.fileno(), at, dtype, count)
+            if at % esize:  # misaligned for its dtype: a copy rather than a bad pointer
                 t = t.clone()
             out[name] = t.view(shape)
     return out

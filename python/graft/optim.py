@@ -95,20 +95,15 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p] = s
 
     def _views(self, p, offset):
-        """exp_avg and exp_avg_sq of p: views of a private mapping of the state file's region at
-        offset = (where, stride) (one mapping per parameter, so none is larger than RAM)."""
-        import mmap
-        import warnings
+        """exp_avg and exp_avg_sq of p: copy-on-write maps of the state file at offset = (where,
+        stride) (one mapping per tensor, so none is larger than RAM)."""
+        from ._weights import mapped
         count = p.numel()
         if count == 0:
             return torch.zeros_like(p), torch.zeros_like(p)
         at, stride = offset
         with open(self.state_file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 2 * stride, offset=at, access=mmap.ACCESS_COPY)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            m = torch.frombuffer(mm, dtype=p.dtype, count=count)  # (each keeps mm alive)
-            v = torch.frombuffer(mm, dtype=p.dtype, count=count, offset=stride)
+            m, v = (mapped(f.fileno(), at + j * stride, p.dtype, count) for j in (0, 1))
         return m.view(p.shape), v.view(p.shape)
 
     def load_state_dict(self, state_dict):
