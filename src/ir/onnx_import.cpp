@@ -45,18 +45,27 @@ int64_t parse_count(const std::string& text, const std::string& key, const std::
   return v;
 }
 
-std::string read_external(const onnx::TensorProto& tp, const std::string& model_dir, size_t want,
-                          const std::string& what) {
+// Where a tensor's external data lies: the file (checked to be inside the model's folder) and the
+// byte range, validated against the file's size and the shape before anything is allocated.
+struct ExternalRange {
+  fs::path file;
   std::string location;
-  int64_t offset = 0, length = -1;
+  int64_t offset = 0;
+};
+
+ExternalRange locate_external(const onnx::TensorProto& tp, const std::string& model_dir,
+                              size_t want, const std::string& what) {
+  ExternalRange r;
+  int64_t length = -1;
   for (const auto& kv : tp.external_data()) {
     if (kv.key() == "location")
-      location = kv.value();
+      r.location = kv.value();
     else if (kv.key() == "offset")
-      offset = parse_count(kv.value(), "offset", what);
+      r.offset = parse_count(kv.value(), "offset", what);
     else if (kv.key() == "length")
       length = parse_count(kv.value(), "length", what);
   }
+  const std::string& location = r.location;
   GRAFT_CHECK(!location.empty(), ErrorKind::InvalidModel,
               what + ": external data without a location");
   fs::path rel(location);
@@ -68,31 +77,53 @@ std::string read_external(const onnx::TensorProto& tp, const std::string& model_
                     "' points outside the model's folder; refused");
   GRAFT_CHECK(!model_dir.empty(), ErrorKind::InvalidModel,
               what + ": external data needs the model to be loaded from a file");
-  fs::path full = fs::path(model_dir) / rel;
+  r.file = fs::path(model_dir) / rel;
   std::error_code ec;
-  fs::path canon = fs::weakly_canonical(full, ec);
+  fs::path canon = fs::weakly_canonical(r.file, ec);
   fs::path base = fs::weakly_canonical(fs::path(model_dir), ec);
   auto [a, b] = std::mismatch(base.begin(), base.end(), canon.begin(), canon.end());
   GRAFT_CHECK(
       a == base.end(), ErrorKind::InvalidModel,
       what + ": external data location '" + location + "' resolves outside the model's folder");
-  std::ifstream f(full, std::ios::binary);
-  GRAFT_CHECK(f.good(), ErrorKind::Io, what + ": cannot open external data file " + full.string());
-  f.seekg(0, std::ios::end);
-  int64_t size = f.tellg();
-  GRAFT_CHECK(size >= 0 && offset <= size, ErrorKind::InvalidModel,
-              what + ": external data offset " + std::to_string(offset) + " is past the end of " +
+  struct stat st {};
+  GRAFT_CHECK(::stat(r.file.c_str(), &st) == 0 && S_ISREG(st.st_mode), ErrorKind::Io,
+              what + ": cannot open external data file " + r.file.string());
+  const int64_t size = st.st_size;
+  GRAFT_CHECK(r.offset <= size, ErrorKind::InvalidModel,
+              what + ": external data offset " + std::to_string(r.offset) + " is past the end of " +
                   location);
-  if (length < 0) length = size - offset;
-  GRAFT_CHECK(length <= size - offset && static_cast<size_t>(length) == want,
+  if (length < 0) length = size - r.offset;
+  GRAFT_CHECK(length <= size - r.offset && static_cast<size_t>(length) == want,
               ErrorKind::InvalidModel,
               what + ": external data in " + location + " has " + std::to_string(length) +
-                  " bytes at offset " + std::to_string(offset) + " but the shape needs " +
+                  " bytes at offset " + std::to_string(r.offset) + " but the shape needs " +
                   std::to_string(want));
-  std::string buf(want, '\0');
-  f.seekg(offset);
-  f.read(buf.data(), static_cast<std::streamsize>(want));
-  return buf;
+  return r;
+}
+
+// Reads the range straight into the tensor's memory: a model over 2 GB (weights in external data)
+// is loaded with one copy of each weight in RAM, not two.
+void read_external(const ExternalRange& r, void* dst, size_t want, const std::string& what) {
+  int fd = ::open(r.file.c_str(), O_RDONLY | O_CLOEXEC);
+  GRAFT_CHECK(fd >= 0, ErrorKind::Io,
+              what + ": cannot open external data file " + r.file.string() + ": " +
+                  std::strerror(errno));
+  char* p = static_cast<char*>(dst);
+  size_t done = 0;
+  while (done < want) {
+    const size_t chunk = std::min<size_t>(want - done, size_t(1) << 30);
+    ssize_t got = ::pread(fd, p + done, chunk, static_cast<off_t>(r.offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int err = errno;
+      ::close(fd);
+      fail(ErrorKind::Io, what + ": reading " + std::to_string(want) + " bytes of external data at offset " +
+                              std::to_string(r.offset) + " of " + r.file.string() + " failed: " +
+                              (got < 0 ? std::strerror(err) : "the file ended early"));
+    }
+    done += static_cast<size_t>(got);
+  }
+  ::close(fd);
 }
 
 Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category cat,
@@ -109,11 +140,11 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
   size_t want = static_cast<size_t>(n) * es;
 
   // Validate the data length before allocating anything of the declared size.
-  std::string external;
   const std::string* raw = nullptr;
-  if (tp.data_location() == onnx::TensorProto::EXTERNAL) {
-    external = read_external(tp, model_dir, want, what);
-    raw = &external;
+  const bool external = tp.data_location() == onnx::TensorProto::EXTERNAL;
+  ExternalRange range;
+  if (external) {
+    range = locate_external(tp, model_dir, want, what);
   } else if (tp.has_raw_data()) {
     raw = &tp.raw_data();
     GRAFT_CHECK(raw->size() == want, ErrorKind::InvalidModel,
@@ -141,6 +172,14 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
                     shape_str(shape) + " needs " + std::to_string(n));
   }
   Tensor t = Tensor::empty(shape, dt, alloc, cat, what);
+  if (external) {
+    if (want) read_external(range, t.raw(), want, what);
+    if (dt == DType::Bool) {  // normalized in place: any nonzero byte is true
+      auto* b = static_cast<unsigned char*>(t.raw());
+      for (int64_t i = 0; i < n; ++i) b[i] = b[i] != 0;
+    }
+    return t;
+  }
   if (raw) {
     if (dt == DType::Bool) {  // one byte each; any nonzero byte is true (a bool must hold 0 or 1)
       for (int64_t i = 0; i < n; ++i) t.data<bool>()[i] = (*raw)[static_cast<size_t>(i)] != 0;

@@ -145,3 +145,48 @@ def test_train_json_reports_the_whole_process_memory(tmp_path):
         t0, t1 = s["window"]
         assert 0 < t0 < t1 <= time.monotonic()
     assert steps[0]["window"][1] <= steps[1]["window"][0]
+
+
+def test_a_model_over_2_GB_in_external_data_loads_with_one_copy_of_its_weights(tmp_path):
+    """Weights past 2 GB (ONNX's protobuf limit) live in external data: a 2 GiB tensor and a small
+    one stored past byte 2^31 of the same file. Each is read straight into its tensor: the outputs
+    are the file's values and the peak RSS holds one copy of the big tensor, not a staging copy too.
+    The data file is sparse (zeros except a few known values), so it costs no disk."""
+    n = (1 << 29) + (1 << 16)  # float32 elements: 2^31 + 2^18 bytes
+    big_bytes = 4 * n
+    small_at = big_bytes + 4096  # past 2^31, not the end of the big tensor
+    data = tmp_path / "weights.bin"
+    marks = {0: 1.5, 1 << 28: 2.25, n - 1: -4.0}
+    with open(data, "wb") as f:
+        f.truncate(small_at + 12)
+        for i, v in marks.items():
+            f.seek(4 * i)
+            f.write(np.float32(v).tobytes())
+        f.seek(small_at)
+        f.write(np.array([1, 2, 3], np.float32).tobytes())
+
+    def external(name, dims, offset, length):
+        t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", "weights.bin"), ("offset", offset), ("length", length)):
+            t.external_data.add(key=k, value=str(v))
+        return t
+    nodes = [helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0),
+             helper.make_node("Add", ["x", "small"], ["y"])]
+    g = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                          [helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                          [external("big", [n], 0, big_bytes), external("small", [3], small_at, 12)])
+    path = tmp_path / "big.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert os.path.getsize(path) < 4096  # the graph itself is tiny
+    x = tmp_path / "x.pb"
+    x.write_bytes(numpy_helper.from_array(np.array([10, 20, 30], np.float32), "x").SerializeToString())
+    out = tmp_path / "out"
+    rc, peak, err = peak_rss(["run", path, "--inputs", x, "--save-outputs", out])
+    assert rc == 0, err
+    total = numpy_helper.to_array(onnx.load_tensor(str(out / "output_0.pb")))
+    y = numpy_helper.to_array(onnx.load_tensor(str(out / "output_1.pb")))
+    assert float(total) == sum(marks.values())
+    np.testing.assert_array_equal(y, [11, 22, 33])
+    assert big_bytes <= peak < big_bytes + 256 * MiB, peak  # one copy (two would be 4 GiB)
