@@ -105,9 +105,9 @@ ExternalRange locate_external(const onnx::TensorProto& tp, const std::string& mo
 // is loaded with one copy of each weight in RAM, not two.
 void read_external(const ExternalRange& r, void* dst, size_t want, const std::string& what) {
   int fd = ::open(r.file.c_str(), O_RDONLY | O_CLOEXEC);
-  GRAFT_CHECK(fd >= 0, ErrorKind::Io,
-              what + ": cannot open external data file " + r.file.string() + ": " +
-                  std::strerror(errno));
+  GRAFT_CHECK(
+      fd >= 0, ErrorKind::Io,
+      what + ": cannot open external data file " + r.file.string() + ": " + std::strerror(errno));
   char* p = static_cast<char*>(dst);
   size_t done = 0;
   while (done < want) {
@@ -117,9 +117,10 @@ void read_external(const ExternalRange& r, void* dst, size_t want, const std::st
     if (got <= 0) {
       const int err = errno;
       ::close(fd);
-      fail(ErrorKind::Io, what + ": reading " + std::to_string(want) + " bytes of external data at offset " +
-                              std::to_string(r.offset) + " of " + r.file.string() + " failed: " +
-                              (got < 0 ? std::strerror(err) : "the file ended early"));
+      fail(ErrorKind::Io,
+           what + ": reading " + std::to_string(want) + " bytes of external data at offset " +
+               std::to_string(r.offset) + " of " + r.file.string() +
+               " failed: " + (got < 0 ? std::strerror(err) : "the file ended early"));
     }
     done += static_cast<size_t>(got);
   }
