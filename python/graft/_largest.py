@@ -1,6 +1,6 @@
 """python3 -m graft.bench --largest: the largest Llama-style model each system trains one step of.
 
-    python3 -m graft.bench --largest [--systems eager,recipe,graft,graft-file] [--params 0.5,1,2,4]
+    python3 -m graft.bench --largest [--systems eager,recipe,graft,graft-file[,graft-cli]] [--params 0.5,1,2,4]
                                      [--limit BYTES] [--seq 512] [--state-dir DIR]
                                      [--activation-budget BYTES] [--search bisect|walk] [--json]
 
@@ -15,8 +15,13 @@ instead of the OOM killer deciding), batch 1, sequence --seq, float32 weights, e
   graft       GraftModule(gradients="step") with torch.optim.AdamW (moments in RAM);
   graft-file  GraftModule(gradients="step") with graft.optim.AdamW, moments in a file under
               --state-dir (Note [optimizer state on disk]).
+  graft-cli   `graft train` (the binary: --graft-bin, else as the seed's benchmark finds it) on the
+              model exported to ONNX, weights in external data (export_onnx; the export runs in
+              its own process, outside the limit, and is removed after), step mode with the
+              moments in a state file: the same step as graft-file without Python. Not in the
+              default --systems (each candidate writes its model to --state-dir first).
 
-Both graft systems take --activation-budget (GraftModule's activation_budget: recompute in
+The graft systems take --activation-budget (GraftModule's activation_budget: recompute in
 backward under that many bytes of activations; graft's counterpart of the recipe's checkpointing;
 0: none).
 
@@ -35,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +48,8 @@ import time
 from . import _proc
 from ._real import lm_loss
 
-SYSTEMS = ("eager", "recipe", "graft", "graft-file")
+SYSTEMS = ("eager", "recipe", "graft", "graft-file", "graft-cli")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
 VOCAB = 32000
 
 
@@ -81,7 +88,7 @@ def worker(a):
                      num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"],
                      tie_word_embeddings=False)
     model = LlamaForCausalLM(hf).train()
-    ids = torch.randint(0, vocab, (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    ids = _ids(cfg)
     lr = 1e-5
 
     if a.system == "eager":
@@ -138,23 +145,131 @@ def worker(a):
     print(json.dumps(row))
 
 
+def export_onnx(cfg, out_dir, seed=0):
+    """The config's model as an ONNX file for `graft train` (system graft-cli): forward(ids) -> loss,
+    the weights in external data (model.onnx.data, each tensor 4 KiB-aligned), initialized as
+    transformers initializes Llama (normal(0, 0.02); RMSNorm weights 1), and the ids as ids.pb.
+
+    No copy of the model is held: the graph is traced from a model whose parameters are uninitialized
+    memory that is never written (the trace only reads it: the kernel maps its zero page), exported
+    without parameters (export_params=False makes each one a graph input named as in the state_dict),
+    and each parameter then becomes an initializer whose bytes are generated and written one tensor at
+    a time. The TorchScript exporter (dynamo=False where it is not the default). Returns the paths."""
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import numpy_helper
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from . import init_empty_weights
+    from ._export import _export_kwargs
+    hf = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                     num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                     num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["seq"],
+                     tie_word_embeddings=False)
+    hf._attn_implementation = "eager"
+    with init_empty_weights():
+        model = LlamaForCausalLM(hf).train()
+    named = dict(model.named_parameters())
+    for name, p in named.items():
+        mod, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(mod), leaf, torch.nn.Parameter(torch.empty(p.shape), requires_grad=True))
+    wrapped = lm_loss(model)
+    ids = _ids(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "model.onnx")
+    with torch.no_grad():
+        torch.onnx.export(wrapped, (ids,), path, input_names=["ids"], output_names=["loss"], opset_version=17,
+                          export_params=False, do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.TRAINING, **_export_kwargs())
+    del model, wrapped, named
+    m = onnx.load(path)
+    g = m.graph
+    params = [i for i in g.input if i.name != "ids"]
+    gen = torch.Generator().manual_seed(seed)
+    data = "model.onnx.data"
+    offset = 0
+    with open(os.path.join(out_dir, data), "wb") as f:
+        for vi in params:
+            shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            if not vi.name.endswith(".weight") or vi.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+                raise RuntimeError(f"export_onnx: unexpected graph input {vi.name} (not a float weight)")
+            if vi.name.endswith("norm.weight"):
+                t = torch.ones(shape)
+            else:
+                t = torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+            f.seek(offset)
+            t.numpy().tofile(f)
+            init = onnx.TensorProto(name=vi.name, data_type=onnx.TensorProto.FLOAT, dims=shape)
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", data), ("offset", offset), ("length", t.numel() * 4)):
+                init.external_data.add(key=k, value=str(v))
+            g.initializer.append(init)
+            offset = (offset + t.numel() * 4 + 4095) // 4096 * 4096
+            del t
+    keep = [i for i in g.input if i.name == "ids"]
+    del g.input[:]
+    g.input.extend(keep)
+    onnx.save(m, path)
+    ids_path = os.path.join(out_dir, "ids.pb")
+    with open(ids_path, "wb") as f:
+        f.write(numpy_helper.from_array(ids.numpy().astype(np.int64), "ids").SerializeToString())
+    return path, ids_path
+
+
+def _ids(cfg):
+    import torch
+    return torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
+
+
 # How each system says that an allocation was refused: PyTorch's CPU allocator, Python itself, graft.
 _OOM_MARKS = ("can't allocate memory", "MemoryError", "GraftOutOfMemoryError", "std::bad_alloc")
 
 
+# The graft-cli candidate: RLIMIT_DATA set, then `graft train` in the same process (exec keeps the
+# pid the sampler reads).
+_LIMIT_AND_EXEC = ("import os, resource, sys; l = int(sys.argv[1]); "
+                   "l > 0 and resource.setrlimit(resource.RLIMIT_DATA, (l, l)); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def _cli_command(a, cfg, state_file, work):
+    """Exports the config (in a process of its own, without the limit: producing the file is not
+    what is measured) and returns the limited `graft train` command for it: the worker's step
+    (AdamW lr 1e-5, weight decay 0.01, as torch.optim.AdamW's default) in step mode with the moments
+    in a state file, a warm-up step and a timed one."""
+    subprocess.run([sys.executable, "-m", "graft.bench", "--largest-export", "--config", json.dumps(cfg),
+                    "--out", work], check=True, capture_output=True, text=True, timeout=a.timeout)
+    return [sys.executable, "-c", _LIMIT_AND_EXEC, str(a.limit), a.graft_bin, "train",
+            os.path.join(work, "model.onnx"), "--loss", "loss", "--inputs", os.path.join(work, "ids.pb"),
+            "--optimizer", "adamw", "--lr", "1e-5", "--weight-decay", "0.01", "--mode", "step",
+            "--optimizer-state-file", state_file, "--activation-budget", str(a.activation_budget),
+            "--steps", "2", "--threads", str(a.threads), "--json"]
+
+
 def run_candidate(a, system, cfg):
-    # The runner names the state file and removes it, whatever way the candidate ended.
+    # The runner names the state file (and graft-cli's exported model) and removes them, whatever
+    # way the candidate ended.
     state_file = os.path.join(a.state_dir, f"graft-largest-{os.getpid()}-{system}.state")
-    cmd = [sys.executable, "-m", "graft.bench", "--largest-worker", "--system", system, "--config", json.dumps(cfg),
-           "--limit", str(a.limit), "--threads", str(a.threads), "--state-file", state_file,
-           "--activation-budget", str(a.activation_budget)]
+    work = os.path.join(a.state_dir, f"graft-largest-{os.getpid()}-onnx")
+    row = {"system": "pytorch" if system in ("eager", "recipe") else "graft", "mode": system,
+           "params": cfg["params"], "config": cfg, "ok": False}
     try:
+        if system == "graft-cli":
+            try:
+                cmd = _cli_command(a, cfg, state_file, work)
+            except subprocess.CalledProcessError as e:
+                tail = (e.stderr.strip().splitlines() or ["(no output)"])[-1]
+                row["error"] = f"export failed, exit {e.returncode}: {tail[:300]}"
+                row["out_of_memory"] = False
+                return row
+        else:
+            cmd = [sys.executable, "-m", "graft.bench", "--largest-worker", "--system", system,
+                   "--config", json.dumps(cfg), "--limit", str(a.limit), "--threads", str(a.threads),
+                   "--state-file", state_file, "--activation-budget", str(a.activation_budget)]
         rc, out, err, samples = _proc.run_sampled(cmd, timeout=a.timeout)
     finally:
         if os.path.exists(state_file):
             os.unlink(state_file)
-    row = {"system": "pytorch" if system in ("eager", "recipe") else "graft", "mode": system,
-           "params": cfg["params"], "config": cfg, "ok": False}
+        shutil.rmtree(work, ignore_errors=True)
     lines = [l for l in out.splitlines() if l.startswith("{")]
     if rc != 0 or not lines:
         tail = (err.strip().splitlines() or ["(no output)"])[-1]
@@ -163,7 +278,12 @@ def run_candidate(a, system, cfg):
         # any other failure, which is a bug to report rather than a size that does not fit.
         row["out_of_memory"] = any(m in err for m in _OOM_MARKS)
         return row
-    row.update(json.loads(lines[-1]))
+    last = json.loads(lines[-1])
+    if system == "graft-cli":  # graft train's step row: the second step is the timed one
+        last = {"step_seconds": last["seconds"], "tokens_per_second": cfg["seq"] / last["seconds"],
+                "loss": last["loss"], "anon_before_model_bytes": last["anon_before_model_bytes"],
+                "peak_rss_bytes": last["peak_rss_bytes"], "graft_bin": a.graft_bin}
+    row.update(last)
     before = row.get("anon_before_model_bytes", 0)
     peak = max((b for _, b in samples), default=-1)
     row["peak_anon_bytes"] = peak - before if peak >= 0 else None
@@ -177,7 +297,11 @@ def main(argv):
     p.add_argument("--largest-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--largest-export", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"any of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
+    p.add_argument("--graft-bin", metavar="PATH", help="graft-cli: the graft binary (else $GRAFT_BIN, install prefix, PATH)")
     p.add_argument("--params", default="0.5,1,1.5,2,3,4,5",
                    help="sizes to try, in billions of parameters, ascending (default 0.5,...,5)")
     p.add_argument("--seq", type=int, default=512)
@@ -201,11 +325,17 @@ def main(argv):
     if a.largest_worker:
         worker(a)
         return 0
+    if a.largest_export:
+        export_onnx(json.loads(a.config), a.out)
+        return 0
     systems = [s for s in a.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         print(f"--systems takes {', '.join(SYSTEMS)} (got {a.systems!r})", file=sys.stderr)
         return 2
+    if "graft-cli" in systems:
+        from .bench import find_graft_bin
+        a.graft_bin = find_graft_bin(a.graft_bin)
     sizes = sorted(float(x) for x in a.params.split(",") if x)
     rows = []
 

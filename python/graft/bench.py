@@ -391,7 +391,7 @@ def validate(a):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--largest" in argv or "--largest-worker" in argv:  # the largest model each system trains (#32)
+    if "--largest" in argv or "--largest-worker" in argv or "--largest-export" in argv:  # the largest model each system trains (#32)
         from . import _largest
         return _largest.main(argv)
     if "--real" in argv or "--real-worker" in argv:  # speed on the models people train, at real size (#33)
