@@ -206,6 +206,11 @@ def export_onnx(cfg, out_dir, seed=0):
             g.initializer.append(init)
             offset = (offset + t.numel() * 4 + 4095) // 4096 * 4096
             del t
+        # On disk, and out of the page cache: the run that reads it should find the machine's
+        # memory available (dirty or cached pages of a 20 GB file are not, to MemAvailable).
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     keep = [i for i in g.input if i.name == "ids"]
     del g.input[:]
     g.input.extend(keep)

@@ -98,7 +98,9 @@ PlannedMemory TrainSession::planned_memory(int64_t optimizer_state_bytes) const 
   auto bytes = [&](int v) { return g_.values[v].bytes(); };
   PlannedMemory m;
   for (const Parameter& p : params_) m.parameters += bytes(p.value);
-  m.gradients = gradient_bytes();
+  // Step mode updates each parameter as its gradient is complete and frees the gradient there:
+  // the gradients are values of the plan, inside its activation peak, never all at once.
+  m.gradients = opt_.mode == GradMode::Step ? 0 : gradient_bytes();
   m.optimizer_state = optimizer_state_bytes;
   for (int v : g_.inputs)
     if (std::find(bg_.output_grad_inputs.begin(), bg_.output_grad_inputs.end(), v) ==

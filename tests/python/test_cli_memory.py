@@ -75,7 +75,8 @@ def test_a_plan_larger_than_the_machine_is_refused_before_step_1(tmp_path):
 
 @pytest.mark.parametrize("mode, optimizer", [("accumulate", ["--optimizer", "adamw"]),
                                              ("hold", ["--optimizer", "sgd", "--momentum", "0.9"]),
-                                             ("hook", ["--optimizer", "sgd", "--momentum", "0.9", "--set-to-none"])])
+                                             ("hook", ["--optimizer", "sgd", "--momentum", "0.9", "--set-to-none"]),
+                                             ("step", ["--optimizer", "adamw"])])
 def test_a_budget_of_exactly_the_plan_is_enough_and_is_kept(tmp_path, mode, optimizer):
     path = tmp_path / "mlp.onnx"
     largest = mlp(path)
@@ -89,6 +90,19 @@ def test_a_budget_of_exactly_the_plan_is_enough_and_is_kept(tmp_path, mode, opti
     p = graft(*args, "--steps", "3", "--max-memory", need - 1)
     assert p.returncode == 2 and "over --max-memory" in p.stderr and "optimizer state" in p.stderr, p.stderr
     assert "step 1" not in p.stdout
+
+
+def test_step_mode_plans_no_gradient_buffers(tmp_path):
+    """Step mode frees each gradient at its update: the gradients are values of the plan (inside
+    its activation peak), so the planned need is accumulate's less nearly all the gradients'
+    bytes; the exact-budget test above shows that this smaller need is enough."""
+    path = tmp_path / "mlp.onnx"
+    mlp(path)
+    grads = 8 * (1024 * 1024 + 1024) * 4
+    args = ["train", path, "--loss", "loss", "--input", "x=64x1024", "--optimizer", "adamw", "--steps", "0",
+            "--max-memory", "1T"]
+    step, acc = (planned(graft(*args, "--mode", m).stdout) for m in ("step", "accumulate"))
+    assert step <= acc - grads + 2 * 4 * 1024 * 1024, (step, acc)  # at most two weights' gradients live
 
 
 def chain(path, n):
