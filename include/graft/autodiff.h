@@ -43,6 +43,7 @@ struct BackwardGraph {
   std::vector<int> sinks;        // per trainable parameter: its GradSink node, -1 if none
   std::vector<int> input_grads;  // per requested input: its gradient value, -1 if none flows
   std::vector<int> output_grad_inputs;  // per output_grads entry: the graph input carrying it
+  int loss_seed = -1;  // with a loss: the constant d loss / d loss the backward starts from
 };
 
 // The graph must have its shapes inferred (infer_shapes). Errors (typed, nothing modified on

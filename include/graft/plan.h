@@ -30,6 +30,9 @@ struct PlanOptions {
   // which are otherwise ready at the barrier and would hold their results from then on. Used with
   // recomputation, whose clones they often read; the default plans keep the emission order.
   bool late_gradient_free = false;
+  // Values that are gradients though no backward node makes them: the loss's seed (a constant),
+  // as the output gradients fed as graph inputs are. A node reading one reads a gradient.
+  std::vector<int> gradient_seeds;
   // Graph inputs fed anew for every run whose handle the run drops after its last read (the
   // output gradients GraftModule hands over: the caller keeps no reference, so their memory goes
   // then, as in eager, not when the run ends). Never written in place (not graft's memory).

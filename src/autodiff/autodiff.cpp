@@ -252,6 +252,7 @@ BackwardGraph Driver::run(const AutodiffOptions& opt) {
   if (bg.loss >= 0) {
     const Value lv = g_.values[bg.loss];  // a copy: adding values below may move the vector
     int one = scalar(opt.loss_scale, lv.dtype);
+    bg.loss_seed = one;
     if (!lv.shape.empty()) one = emit1("Reshape", {one, ints(lv.shape)});
     contrib_[bg.loss].push_back(one);
   } else {

@@ -66,6 +66,9 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
   std::vector<bool> late(nn, false);
   for (int i : opt.late_nodes)
     if (i >= 0 && i < nn) late[i] = true;
+  std::vector<bool> seed(g.values.size(), false);
+  for (int v : opt.gradient_seeds)
+    if (v >= 0 && v < static_cast<int>(seed.size())) seed[v] = true;
   if (opt.phase_barrier >= 0 && opt.late_gradient_free)
     for (int i = opt.phase_barrier; i < nn;
          ++i) {  // backward nodes in emission (topological) order
@@ -73,8 +76,11 @@ std::vector<int> schedule(const Graph& g, const PlanOptions& opt,
       bool reads_gradient = false;
       for (int v : g.nodes[i].inputs)
         if (v >= 0 && producer[v] >= opt.phase_barrier && !late[producer[v]]) reads_gradient = true;
-      for (int v : g.nodes[i].inputs)  // (a graph input may be an output's gradient)
-        if (v >= 0 && g.values[v].kind == ValueKind::Input) reads_gradient = true;
+      // A graph input may be an output's gradient; with a loss, the backward starts from its
+      // constant seed (without it here, every backward node would count as gradient-free and
+      // run late, recomputations included: nothing would be deferred to just before its use).
+      for (int v : g.nodes[i].inputs)
+        if (v >= 0 && (g.values[v].kind == ValueKind::Input || seed[v])) reads_gradient = true;
       if (!reads_gradient) late[i] = true;
     }
   std::vector<int> when(nn);

@@ -353,3 +353,32 @@ TEST(RecomputeUnderBudget, FitsIsBitIdenticalAndMonotone) {
   EXPECT_GE(fitted, 2);
   EXPECT_LT(prev_peak, free.planned) << "recompute never lowered the peak";
 }
+
+// With a loss the backward starts from a constant seed; fed from outside (GraftModule's way) the
+// same gradient is a graph input. The two must plan alike: when the seed did not count as a
+// gradient, every backward node was "gradient-free" and ran late with the recomputations, which
+// then ran as early as their inputs allowed and held their results (graft train's peak on an
+// exported Llama rose with each value recomputed, where GraftModule's fell).
+TEST(RecomputeUnderBudget, ALossPlansAsItsFedGradientDoes) {
+  auto planned = [](bool loss, bool pointwise, int64_t budget) {
+    Allocator alloc;
+    SessionOptions o = session_options(alloc);
+    if (!loss) {
+      o.loss.clear();
+      o.output_grads = {"loss"};
+    }
+    o.recompute_pointwise = pointwise;
+    o.activation_budget = budget;
+    TrainSession s(mlp_blocks(alloc, 6), o);
+    return s.plan().planned_peak;
+  };
+  const int64_t free = planned(false, false, 0);
+  EXPECT_EQ(planned(true, false, 0), free);
+  const int64_t pointwise = planned(false, true, 0);
+  EXPECT_LT(pointwise, free);
+  EXPECT_EQ(planned(true, true, 0), pointwise);
+  const int64_t budget = free * 2 / 3;
+  const int64_t fed = planned(false, false, budget);
+  EXPECT_LE(fed, budget);
+  EXPECT_EQ(planned(true, false, budget), fed);
+}
