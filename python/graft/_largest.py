@@ -226,8 +226,10 @@ def _ids(cfg):
     return torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=torch.Generator().manual_seed(1))
 
 
-# How each system says that an allocation was refused: PyTorch's CPU allocator, Python itself, graft.
-_OOM_MARKS = ("can't allocate memory", "MemoryError", "GraftOutOfMemoryError", "std::bad_alloc")
+# How each system says that an allocation was refused: PyTorch's CPU allocator, Python itself, graft
+# (GraftModule's exception, the command line's message).
+_OOM_MARKS = ("can't allocate memory", "MemoryError", "GraftOutOfMemoryError", "std::bad_alloc",
+              "graft: out of memory")
 
 
 # The graft-cli candidate: RLIMIT_DATA set, then `graft train` in the same process (exec keeps the

@@ -110,3 +110,19 @@ def test_graft_train_on_the_exported_model_matches_eager_adamw(tmp_path):
         np.testing.assert_allclose(got, want, rtol=0, atol=0.1 * lr, err_msg=t.name)
         assert float(np.abs(got - want).mean()) < 1e-7, t.name
         assert not np.array_equal(got, weights[t.name[len("m."):]].numpy()), t.name  # it moved
+
+
+def test_graft_cli_out_of_memory_is_told_apart(tmp_path):
+    """`graft train`'s refusal under the limit ("graft: out of memory: ...", naming what it was
+    allocating) is recorded as a size that does not fit, not as a bug that stops the search. The
+    0.3B model's 1.2 GB of weights cannot load under 512 MiB (the limit is reached while reading
+    them, before any GEMM)."""
+    p = subprocess.run([sys.executable, "-m", "graft.bench", "--largest", "--systems", "graft-cli", "--params", "0.3",
+                        "--vocab", "512", "--hidden", "1024", "--seq", "32", "--threads", "2", "--limit", str(512 << 20),
+                        "--state-dir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600,
+                       env=os.environ)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout.strip().splitlines()[-1])["rows"][0]
+    assert not row["ok"] and row["out_of_memory"], row
+    assert "out of memory" in row["error"] and "initializer" in row["error"], row
+    assert not list(tmp_path.iterdir())  # the exported model and the state file are removed
