@@ -315,7 +315,11 @@ def test_float32_gradients_are_as_accurate_as_pytorch(name):
     e = zoo.grad_error(zoo.float_grads(z.model, batch, z.loss_fn, torch.float32), ref)
     g = zoo.grad_error(zoo.float_grads(z.model, batch, z.loss_fn, torch.float32,
                                        call=lambda m, b: graft_call(graft.GraftModule(m), b, 0)), ref)
-    if g <= max(2 * e, 1e-6):
+    # Float32 rounding: a dot product of n terms is off by about sqrt(n) * 6e-8 relative, 3.3e-6 at
+    # ViT-B/16's MLP width 3072; 2e-6 (it was 1e-6): on AVX-512 GEMM kernels vit_b_16 is 1.85e-6 off
+    # (eager 0.89e-6), under AVX2 kernels (OPENBLAS_CORETYPE=Haswell or ONEDNN_MAX_CPU_ISA=AVX2) it
+    # is within 1e-6.
+    if g <= max(2 * e, 2e-6):
         return
     jitter = zoo.float64_jitter(z.model, batch, z.loss_fn, ref)
     assert g <= 2 * jitter, (f"{name}: graft's float32 gradients are {g:.3g} off float64, eager's {e:.3g}, "
