@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -84,11 +85,51 @@ struct Storage {
   size_t bytes = 0;
   Category category = Category::Activation;
   Allocator* owner = nullptr;
+  bool cached = false;  // came from a BlockCache (goes back to it), else from operator new
   std::shared_ptr<void> keepalive;
   Storage() = default;
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   ~Storage();
+};
+
+// Note [mapped block cache] (core.cpp): graft's large blocks are its own anonymous mappings, kept
+// when freed and handed to the next request of the same size, so a steady training step neither
+// faults a page nor leaves holes in malloc's heap. What is kept plus what is in use never exceeds
+// the most ever in use at once (since construction or the last trim()): the process holds its
+// own peak and no more. One per process (global()), shared by every Allocator.
+class BlockCache {
+ public:
+  BlockCache() = default;
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+  ~BlockCache();  // unmaps what is kept (blocks still in use must have gone back first)
+
+  // A block of at least `bytes` (page-aligned): a kept one of the same page-rounded size, else a
+  // new mapping; nullptr if the system refuses even after every kept block went back.
+  void* take(size_t bytes);
+  void give(void* p, size_t bytes);  // `bytes` as passed to take()
+  // Every kept block back to the system; the ceiling restarts from what is in use now.
+  void trim();
+  // Under an explicit MALLOC_MMAP_THRESHOLD_ (glibc asked to return large blocks when freed, the
+  // benchmarks' memory policy) the global cache is trimmed at the end of every outermost run
+  // (Allocator::RunScope): blocks are reused within a run only. Tests set it by hand.
+  bool trims_after_runs() const { return trim_after_runs_; }
+  void set_trim_after_runs(bool on) { trim_after_runs_ = on; }
+
+  struct Stats {
+    int64_t in_use, kept, high, hits, maps, unmaps;
+  };
+  Stats stats() const;
+
+  static BlockCache& global();  // never destroyed: blocks may go back during static destruction
+
+ private:
+  void unmap_kept(int64_t down_to);  // mu_ held
+  mutable std::mutex mu_;
+  std::multimap<size_t, void*> kept_;
+  bool trim_after_runs_ = false;
+  int64_t in_use_ = 0, kept_bytes_ = 0, high_ = 0, hits_ = 0, maps_ = 0, unmaps_ = 0;
 };
 
 struct MemoryEvent {
@@ -131,37 +172,36 @@ class Allocator {
   // A process-wide default.
   static Allocator& global();
 
-  // Note [block reuse within a run] (core.cpp): while a ReuseScope is alive, freed blocks of at
-  // least reuse_min_bytes() (MALLOC_MMAP_THRESHOLD_, else 64 KiB) are kept and handed to the next
-  // allocation of exactly their size, never holding more than the live peak since the outermost
-  // scope began (live + kept <= that peak), and all go back to the system when the outermost scope
-  // ends. GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds turn it off.
-  class ReuseScope {
+  // Blocks of at least reuse_min_bytes() (MALLOC_MMAP_THRESHOLD_, else 64 KiB) come from a
+  // BlockCache (the process's, unless set_block_cache says otherwise) and go back to it; smaller
+  // ones from operator new. GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds use operator new for
+  // all.
+  size_t reuse_min_bytes() const { return reuse_min_; }
+  void set_reuse_min_bytes(size_t bytes) { reuse_min_ = bytes; }  // tests
+  void set_block_cache(BlockCache* c) { cache_ = c; }             // tests; nullptr: none
+
+  // An executor run, or a TrainSession step (forward and backward): where the cache trims after
+  // runs (BlockCache::trims_after_runs), the end of the outermost one trims it.
+  class RunScope {
    public:
-    explicit ReuseScope(Allocator& a);
-    ~ReuseScope();
-    ReuseScope(const ReuseScope&) = delete;
-    ReuseScope& operator=(const ReuseScope&) = delete;
+    explicit RunScope(Allocator& a);
+    ~RunScope();
+    RunScope(const RunScope&) = delete;
+    RunScope& operator=(const RunScope&) = delete;
 
    private:
     Allocator& a_;
   };
-  size_t reuse_min_bytes() const { return reuse_min_; }
-  void set_reuse_min_bytes(size_t bytes) { reuse_min_ = bytes; }  // tests
-  int64_t reused() const { return n_reused_; }  // allocations served from kept blocks
-  int64_t kept_bytes() const { return kept_bytes_; }
 
  private:
   friend struct Storage;
   void release(Storage& s);
-  void drop_kept(int64_t down_to);  // frees kept blocks until kept <= down_to
-  mutable std::mutex mu_;           // runs on several threads share one allocator
+  mutable std::mutex mu_;  // runs on several threads share one allocator
   void record();
   int64_t current_ = 0, peak_ = 0, limit_ = 0, n_allocs_ = 0, step_ = -1;
-  int reuse_depth_ = 0;
   size_t reuse_min_;
-  int64_t reuse_high_ = 0, kept_bytes_ = 0, n_reused_ = 0;
-  std::vector<std::pair<size_t, void*>> kept_;
+  BlockCache* cache_;
+  int run_depth_ = 0;
   std::array<int64_t, kNumCategories> by_cat_{}, at_peak_{};
   bool timeline_on_ = false;
   std::vector<MemoryEvent> timeline_;

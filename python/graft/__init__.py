@@ -7,9 +7,27 @@ from .errors import (GraftArgumentError, GraftError, GraftExportError, GraftInte
                      GraftInvalidModelError, GraftIoError, GraftNonFiniteError, GraftOutOfMemoryError,
                      GraftShapeError, GraftUnsupportedError, GraftWarning)
 
-__all__ = ["GraftModule", "init_empty_weights", "GraftError", "GraftExportError", "GraftUnsupportedError", "GraftInvalidModelError",
+__all__ = ["GraftModule", "init_empty_weights", "empty_cache", "memory_cache_stats", "GraftError", "GraftExportError", "GraftUnsupportedError", "GraftInvalidModelError",
            "GraftShapeError", "GraftArgumentError", "GraftOutOfMemoryError", "GraftIoError", "GraftNonFiniteError",
            "GraftInternalError", "GraftWarning"]
+
+
+def empty_cache():
+    """Gives every block graft keeps for reuse back to the system (like torch.cuda.empty_cache).
+
+    graft keeps its large blocks when they are freed, for the next step to take (no page faults,
+    no holes in malloc's heap), never more than the most it ever had in use at once; this returns
+    them, and that ceiling restarts from what is in use now. Nothing in use is touched.
+    """
+    from . import _graft
+    _graft.empty_cache()
+
+
+def memory_cache_stats():
+    """Bytes of graft's blocks in use and kept for reuse, the ceiling on their sum, and counts of
+    requests served from kept blocks (hits), new mappings (maps) and blocks given back (unmaps)."""
+    from . import _graft
+    return dict(_graft.block_cache_stats())
 
 
 def __getattr__(name):

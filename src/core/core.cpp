@@ -1,9 +1,13 @@
 // Errors, dtypes, the tracking allocator and Tensor (see include/graft/core.h).
 #include "graft/core.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <new>
 
@@ -145,102 +149,33 @@ Storage::~Storage() {
   if (owner) owner->release(*this);
 }
 
-namespace {
-size_t default_reuse_min();
-}  // namespace
-
-Allocator::Allocator() : reuse_min_(default_reuse_min()) {}
-
-Allocator::~Allocator() { drop_kept(0); }
-
-Allocator& Allocator::global() {
-  static Allocator a;
-  return a;
-}
-
-std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std::string& what) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (limit_ > 0 && current_ + static_cast<int64_t>(bytes) > limit_)
-    fail(ErrorKind::OutOfMemory, "allocating " + std::to_string(bytes) + " bytes" +
-                                     (what.empty() ? "" : " for '" + what + "'") +
-                                     " would exceed the memory limit of " + std::to_string(limit_) +
-                                     " bytes (" + std::to_string(current_) + " in use)");
-  auto s = std::make_shared<Storage>();
-  if (reuse_depth_ > 0 && bytes >= reuse_min_) {
-    for (size_t i = 0; i < kept_.size(); ++i)
-      if (kept_[i].first == bytes) {
-        s->data = kept_[i].second;
-        kept_[i] = kept_.back();
-        kept_.pop_back();
-        kept_bytes_ -= static_cast<int64_t>(bytes);
-        ++n_reused_;
-        break;
-      }
-  }
-  if (!s->data && kept_bytes_ > 0) {
-    // A new block: what is kept shrinks so that live + kept stays within the live peak.
-    const int64_t live = current_ + static_cast<int64_t>(bytes);
-    drop_kept(live >= reuse_high_ ? 0 : reuse_high_ - live);
-  }
-  // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the end.
-  if (!s->data) s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
-  if (!s->data && kept_bytes_ > 0) {  // the system is short: give back every kept block first
-    drop_kept(0);
-    s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
-  }
-  if (!s->data)
-    fail(ErrorKind::OutOfMemory, "the system refused " + std::to_string(bytes) + " bytes" +
-                                     (what.empty() ? "" : " for '" + what + "'"));
-  s->bytes = bytes;
-  s->category = c;
-  s->owner = this;
-  current_ += static_cast<int64_t>(bytes);
-  by_cat_[static_cast<int>(c)] += static_cast<int64_t>(bytes);
-  ++n_allocs_;
-  reuse_high_ = std::max(reuse_high_, current_);
-  if (current_ > peak_) {
-    peak_ = current_;
-    at_peak_ = by_cat_;
-  }
-  record();
-  return s;
-}
-
-void Allocator::release(Storage& s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (reuse_depth_ > 0 && s.bytes >= reuse_min_ && kept_.size() < 256) {
-    kept_.emplace_back(s.bytes, s.data);  // live + kept is unchanged: the invariant holds
-    kept_bytes_ += static_cast<int64_t>(s.bytes);
-  } else {
-    ::operator delete(s.data, std::align_val_t(64));
-  }
-  current_ -= static_cast<int64_t>(s.bytes);
-  by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
-  s.data = nullptr;
-  record();
-}
-
-// Note [block reuse within a run]
-// A run frees most of what it allocates, and much of it has the size of something allocated
-// later in the same run: a layer's activation gradient, the next layer's; a weight gradient
-// delivered to PyTorch, the next layer's. Returning each block to malloc and asking again costs
-// page faults whenever malloc maps the block afresh or has trimmed the top of its heap in between
-// (docs/performance.md, "Page faults"). So while an executor run is going (a ReuseScope), a freed
-// block of at least reuse_min_bytes() is kept and the next allocation of exactly its size takes it.
-// reuse_min_bytes() is MALLOC_MMAP_THRESHOLD_ where that is set (glibc then maps every block from
-// there up), else 64 KiB, the benchmarks' memory policy, so graft keeps the same blocks under
-// either policy. (The default was 32 MiB, glibc's ceiling for its adaptive mmap threshold, on the
-// reasoning that blocks from malloc's heap are malloc's to reuse. Under glibc's default policy
-// that left ResNet-18's hook step faulting thousands of pages a step: its weight gradients went
-// back to a heap glibc trimmed, or to mappings below the adapted threshold. Keeping them made the
-// step faster with memory unchanged; the numbers: docs/performance.md, "Page faults".)
-// The memory promise does not move: kept + live never exceeds the highest live byte count since
-// the outermost scope began (a free keeps the sum; an allocation that would push it over first
-// frees kept blocks: the smallest that suffices, else the largest), so the process holds no byte
-// more than the run's own live peak, and when the outermost scope ends every kept block goes
-// back. Live bytes, the peak, the categories and the limit count live blocks only, as before.
-// Exact sizes only, so a reused block is as large as a fresh one; off under AddressSanitizer (a
-// reused block would hide a use after free) and with GRAFT_BLOCK_REUSE=0.
+// Note [mapped block cache]
+// A training step frees most of what it allocates, and the next step asks for the same sizes in
+// the same order. Given back to malloc, large blocks cost twice: under glibc's default policy the
+// mmap threshold adapts upward (to 32 MiB) after the first large frees, so later blocks come from
+// malloc's heap, where a freed block in the middle cannot go back to the system and new ones do
+// not fit the holes exactly (ResNet-50 at 16 x 224^2: the process held 0.65 GiB over graft's
+// planned peak, eager's 0.42 GiB over its own; docs/performance.md); and a block that malloc does
+// map, or a heap top it trims, is faulted in afresh on the next use. So graft maps its blocks of
+// at least reuse_min_bytes() itself and keeps them when they are freed: the next request of the
+// same page-rounded size takes one, and a steady step makes no system call and faults no page.
+// The promise: kept + in use <= the most ever in use at once (since the cache began or was last
+// trimmed). A free keeps the sum; a request no kept block fits first unmaps kept blocks (the
+// smallest that alone suffices, else the largest, and again) until the new block fits under that
+// ceiling or raises it. So the process never holds more than its own peak of graft blocks, which
+// is what graft's plan sizes; between steps it holds that peak, as PyTorch's CUDA caching
+// allocator does, and graft.empty_cache() (trim()) gives it back. One cache for the process, so a
+// module's several shapes and sessions share one ceiling. Exact sizes only: a reused block is as
+// large as a fresh one. Off (operator new for every block) under AddressSanitizer, where a reused
+// block would hide a use after free, and with GRAFT_BLOCK_REUSE=0.
+// Where MALLOC_MMAP_THRESHOLD_ is set, the process has asked glibc to give large blocks back when
+// they are freed (the benchmarks' memory policy, under which a step's anonymous-memory rise is
+// compared with eager's): graft then follows the same policy for its own blocks, up to one run:
+// the cache is trimmed when an outermost run (Allocator::RunScope) ends, so blocks are reused
+// within a forward, a backward or a step (which never raises its peak) but none is held between
+// runs.
+// (This replaced block reuse within one executor run, which kept blocks from operator new up to
+// the run's live peak and gave them all back to malloc at its end: the heap's holes stayed.)
 namespace {
 size_t default_reuse_min() {
   static const size_t n = [] {
@@ -255,7 +190,7 @@ size_t default_reuse_min() {
   return n;
 }
 
-bool block_reuse_enabled() {
+bool block_cache_enabled() {
 #if defined(__SANITIZE_ADDRESS__)
   return false;
 #else
@@ -266,35 +201,149 @@ bool block_reuse_enabled() {
   return on;
 #endif
 }
+
+size_t page_round(size_t bytes) {
+  static const size_t page = [] {
+    const long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<size_t>(p) : size_t{4096};
+  }();
+  return (bytes + page - 1) / page * page;
+}
 }  // namespace
 
-Allocator::ReuseScope::ReuseScope(Allocator& a) : a_(a) {
-  if (!block_reuse_enabled()) return;
-  std::lock_guard<std::mutex> lock(a_.mu_);
-  if (a_.reuse_depth_++ == 0) a_.reuse_high_ = a_.current_;
+Allocator::Allocator()
+    : reuse_min_(default_reuse_min()),
+      cache_(block_cache_enabled() ? &BlockCache::global() : nullptr) {}
+
+Allocator::~Allocator() = default;
+
+Allocator& Allocator::global() {
+  static Allocator a;
+  return a;
 }
 
-Allocator::ReuseScope::~ReuseScope() {
-  if (!block_reuse_enabled()) return;
-  std::lock_guard<std::mutex> lock(a_.mu_);
-  if (--a_.reuse_depth_ == 0) a_.drop_kept(0);
+std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (limit_ > 0 && current_ + static_cast<int64_t>(bytes) > limit_)
+    fail(ErrorKind::OutOfMemory, "allocating " + std::to_string(bytes) + " bytes" +
+                                     (what.empty() ? "" : " for '" + what + "'") +
+                                     " would exceed the memory limit of " + std::to_string(limit_) +
+                                     " bytes (" + std::to_string(current_) + " in use)");
+  auto s = std::make_shared<Storage>();
+  if (cache_ && bytes >= reuse_min_ && bytes > 0) {
+    s->data = cache_->take(bytes);
+    s->cached = s->data != nullptr;
+  } else {
+    // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the
+    // end.
+    s->data = ::operator new(bytes, std::align_val_t(64), std::nothrow);
+  }
+  if (!s->data)
+    fail(ErrorKind::OutOfMemory, "the system refused " + std::to_string(bytes) + " bytes" +
+                                     (what.empty() ? "" : " for '" + what + "'"));
+  s->bytes = bytes;
+  s->category = c;
+  s->owner = this;
+  current_ += static_cast<int64_t>(bytes);
+  by_cat_[static_cast<int>(c)] += static_cast<int64_t>(bytes);
+  ++n_allocs_;
+  if (current_ > peak_) {
+    peak_ = current_;
+    at_peak_ = by_cat_;
+  }
+  record();
+  return s;
 }
 
-void Allocator::drop_kept(int64_t down_to) {  // mu_ held
+void Allocator::release(Storage& s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (s.cached)
+    cache_->give(s.data, s.bytes);
+  else
+    ::operator delete(s.data, std::align_val_t(64));
+  current_ -= static_cast<int64_t>(s.bytes);
+  by_cat_[static_cast<int>(s.category)] -= static_cast<int64_t>(s.bytes);
+  s.data = nullptr;
+  record();
+}
+
+// ---------------------------------------------------------------------------------------------
+BlockCache& BlockCache::global() {
+  static BlockCache* c = [] {
+    auto* b = new BlockCache;
+    b->set_trim_after_runs(std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr);
+    return b;
+  }();
+  return *c;
+}
+
+Allocator::RunScope::RunScope(Allocator& a) : a_(a) {
+  std::lock_guard<std::mutex> lock(a_.mu_);
+  ++a_.run_depth_;
+}
+
+Allocator::RunScope::~RunScope() {
+  std::lock_guard<std::mutex> lock(a_.mu_);
+  if (--a_.run_depth_ == 0 && a_.cache_ && a_.cache_->trims_after_runs()) a_.cache_->trim();
+}
+
+BlockCache::~BlockCache() { unmap_kept(0); }
+
+void* BlockCache::take(size_t bytes) {
+  const size_t r = page_round(bytes);
+  const int64_t rb = static_cast<int64_t>(r);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = kept_.find(r); it != kept_.end()) {
+    void* p = it->second;
+    kept_.erase(it);
+    kept_bytes_ -= rb;
+    in_use_ += rb;
+    ++hits_;
+    return p;
+  }
+  const int64_t after = in_use_ + rb;
+  unmap_kept(std::max(high_, after) - after);
+  void* p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED && kept_bytes_ > 0) {  // the system is short: give back every kept block
+    unmap_kept(0);
+    p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
+  if (p == MAP_FAILED) return nullptr;
+  ++maps_;
+  in_use_ = after;
+  high_ = std::max(high_, in_use_);
+  return p;
+}
+
+void BlockCache::give(void* p, size_t bytes) {
+  const size_t r = page_round(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  kept_.emplace(r, p);  // in use + kept is unchanged: the ceiling holds
+  kept_bytes_ += static_cast<int64_t>(r);
+  in_use_ -= static_cast<int64_t>(r);
+}
+
+void BlockCache::trim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  unmap_kept(0);
+  high_ = in_use_;
+}
+
+BlockCache::Stats BlockCache::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {in_use_, kept_bytes_, high_, hits_, maps_, unmaps_};
+}
+
+void BlockCache::unmap_kept(int64_t down_to) {  // mu_ held
   // The smallest block that alone brings kept down far enough goes; failing one, the largest,
-  // and again: a 1 KiB allocation should not cost a 256 KiB block that a later one would take.
+  // and again: a 64 KiB request should not cost a 256 KiB block that a later one would take.
   while (kept_bytes_ > down_to && !kept_.empty()) {
-    const int64_t need = kept_bytes_ - down_to;
-    size_t pick = 0;
-    for (size_t i = 1; i < kept_.size(); ++i) {
-      const int64_t a = static_cast<int64_t>(kept_[i].first),
-                    b = static_cast<int64_t>(kept_[pick].first);
-      if (b >= need ? (a >= need && a < b) : a > b) pick = i;
-    }
-    ::operator delete(kept_[pick].second, std::align_val_t(64));
-    kept_bytes_ -= static_cast<int64_t>(kept_[pick].first);
-    kept_[pick] = kept_.back();
-    kept_.pop_back();
+    auto it = kept_.lower_bound(static_cast<size_t>(kept_bytes_ - down_to));
+    if (it == kept_.end()) it = std::prev(kept_.end());
+    munmap(it->second, it->first);
+    kept_bytes_ -= static_cast<int64_t>(it->first);
+    ++unmaps_;
+    kept_.erase(it);
   }
 }
 

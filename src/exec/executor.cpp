@@ -122,7 +122,7 @@ void Executor::run_to(Run& r, int end_step) const {
   try {
     using clock = std::chrono::steady_clock;
     Bf16MatmulScope precision(r.opt_.bf16);
-    Allocator::ReuseScope reuse(alloc_);  // Note [block reuse within a run] (core.cpp)
+    Allocator::RunScope run(alloc_);  // Note [mapped block cache] (core.cpp)
     std::vector<const Tensor*> ins;
     std::vector<Tensor*> outs;
     std::vector<Tensor>& vals = r.vals_;

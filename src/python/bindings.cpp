@@ -327,6 +327,19 @@ PYBIND11_MODULE(_graft, m) {
           edit_onnx_graph(path, int_attrs, value_infos(outputs));
         });
   m.def("num_threads", &num_threads);
+  // Note [mapped block cache] (core.cpp): graft.empty_cache() and graft.memory_cache_stats().
+  m.def("empty_cache", [] { BlockCache::global().trim(); });
+  m.def("block_cache_stats", [] {
+    const BlockCache::Stats s = BlockCache::global().stats();
+    py::dict d;
+    d["in_use"] = s.in_use;
+    d["kept"] = s.kept;
+    d["high"] = s.high;
+    d["hits"] = s.hits;
+    d["maps"] = s.maps;
+    d["unmaps"] = s.unmaps;
+    return d;
+  });
   py::class_<PyAdamWFile>(m, "AdamWFile")
       .def(py::init<const std::vector<std::vector<int64_t>>&, const std::vector<std::string>&,
                     const std::string&, int64_t, bool>(),

@@ -371,9 +371,7 @@ void TrainSession::release_outputs() {
 }
 
 double TrainSession::step() {
-  // Forward and backward back to back, nothing else between them: one reuse scope, so the
-  // backward's blocks may be kept up to the step's live peak (Note [block reuse within a run]).
-  Allocator::ReuseScope reuse(*alloc_);
+  Allocator::RunScope run(*alloc_);  // forward and backward: one run (Note [mapped block cache])
   if (opt_.mode == GradMode::Step && clip_norm_ > 0 && !defer_step_) {
     // Two passes over the batch: the norm, then the updates scaled by the clipping coefficient.
     // The second forward replays the first's random stream, so both see the same function.

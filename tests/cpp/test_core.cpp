@@ -51,63 +51,97 @@ TEST(Allocator, LimitIsATypedErrorAndLeavesStateUsable) {
   EXPECT_EQ(a.current(), 100);
 }
 
-// Note [block reuse within a run]: inside a scope a freed block goes to the next allocation of
-// its exact size; kept + live never exceeds the live peak since the scope began; nothing is kept
-// once the outermost scope ends.
-TEST(Allocator, ReuseWithinAScopeNeverHoldsMoreThanTheLivePeak) {
-#if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "block reuse is off under AddressSanitizer";
-#endif
-  if (const char* e = std::getenv("GRAFT_BLOCK_REUSE"); e && std::string(e) == "0")
-    GTEST_SKIP() << "GRAFT_BLOCK_REUSE=0";
+// Note [mapped block cache]: a freed block goes to the next request of its page-rounded size,
+// from any allocator on the cache, across runs; kept + in use never exceeds the most ever in use.
+TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
   constexpr int64_t K = 1024;
   auto f32 = [](int64_t bytes) { return Shape{bytes / 4}; };
+  BlockCache c;
   Allocator a;
+  a.set_block_cache(&c);
   a.set_reuse_min_bytes(32 * K);  // as under MALLOC_MMAP_THRESHOLD_=32768
-  Tensor before = Tensor::empty(f32(64 * K), DType::F32, a, Category::Parameter);
+  auto within_peak = [&] {
+    const auto s = c.stats();
+    EXPECT_LE(s.in_use + s.kept, s.high);
+  };
+  Tensor small = Tensor::empty(f32(16 * K), DType::F32, a, Category::Parameter);
+  EXPECT_EQ(c.stats().in_use, 0) << "blocks under reuse_min_bytes() come from operator new";
+  Tensor x = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+  Tensor y = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().maps, 2);
+  const void* px = x.raw();
+  x = Tensor();
+  EXPECT_EQ(c.stats().kept, 128 * K);
+  EXPECT_EQ(a.current(), 144 * K) << "the allocator counts blocks in use only";
+  Tensor z = Tensor::empty(f32(128 * K), DType::F32, a, Category::Gradient);
+  EXPECT_EQ(z.raw(), px) << "the same size takes the kept block";
+  EXPECT_EQ(c.stats().hits, 1);
+  EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(a.current(Category::Gradient), 128 * K);
+  y = Tensor();
+  z = Tensor();
+  EXPECT_EQ(c.stats().kept, 256 * K) << "kept past the run: nothing but the ceiling bounds it";
+  EXPECT_EQ(c.stats().high, 256 * K);
+  within_peak();
   {
-    Tensor freed_outside = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
-    freed_outside = Tensor();
-    EXPECT_EQ(a.kept_bytes(), 0) << "no scope: a freed block goes back at once";
+    // Another allocator on the same cache (another session of the process) takes them, mapping
+    // nothing new: the next step's requests.
+    Allocator b;
+    b.set_block_cache(&c);
+    b.set_reuse_min_bytes(32 * K);
+    Tensor u = Tensor::empty(f32(128 * K), DType::F32, b, Category::Activation);
+    Tensor v = Tensor::empty(f32(128 * K - 100), DType::F32, b, Category::Activation);
+    EXPECT_EQ(c.stats().maps, 2) << "a size within the same pages reuses too";
+    EXPECT_EQ(c.stats().hits, 3);
+    within_peak();
   }
-  {
-    Allocator::ReuseScope scope(a);
-    Tensor x = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
-    Tensor y = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
-    const void* px = x.raw();
-    x = Tensor();
-    EXPECT_EQ(a.kept_bytes(), 128 * K);
-    EXPECT_EQ(a.current(), 192 * K) << "live bytes count live blocks only";
-    Tensor z = Tensor::empty(f32(128 * K), DType::F32, a, Category::Gradient);
-    EXPECT_EQ(z.raw(), px) << "the same size takes the kept block";
-    EXPECT_EQ(a.reused(), 1);
-    EXPECT_EQ(a.kept_bytes(), 0);
-    EXPECT_EQ(a.current(Category::Gradient), 128 * K);
-    y = Tensor();
-    z = Tensor();
-    EXPECT_EQ(a.kept_bytes(), 256 * K);  // live 64 K + kept 256 K = the peak, 320 K
+  EXPECT_EQ(c.stats().kept, 256 * K);
+  // A new size: in use would be 64 K, so at most 256 - 64 K may stay kept: the smallest block
+  // that alone suffices goes (one of 128 K), not both.
+  Tensor w = Tensor::empty(f32(64 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().kept, 128 * K);
+  EXPECT_EQ(c.stats().unmaps, 1);
+  within_peak();
+  // Past the ceiling: nothing may stay kept, and the ceiling rises.
+  Tensor big = Tensor::empty(f32(512 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(c.stats().high, 576 * K);
+  within_peak();
+  big = Tensor();
+  w = Tensor();
+  EXPECT_EQ(c.stats().kept, 576 * K);
+  c.trim();
+  EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(c.stats().high, 0) << "the ceiling restarts from what is in use";
+  Tensor again = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().maps, 5);  // x, y, w, big, again
+  EXPECT_EQ(a.peak(), 592 * K) << "kept blocks never count toward the allocator's peak";
+}
+
+// Under the memory policy (an explicit MALLOC_MMAP_THRESHOLD_) blocks are reused within a run
+// only: the end of the outermost run gives every kept block back.
+TEST(BlockCache, UnderTheMemoryPolicyRunsKeepNothingBetweenThem) {
+  constexpr int64_t K = 1024;
+  BlockCache c;
+  Allocator a;
+  a.set_block_cache(&c);
+  a.set_reuse_min_bytes(32 * K);
+  EXPECT_EQ(BlockCache::global().trims_after_runs(),
+            std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr);
+  for (bool trims : {false, true}) {
+    c.set_trim_after_runs(trims);
     {
-      Allocator::ReuseScope inner(a);
-      // A new block (no kept one has its size): live would be 64 + 4 K, so at most 320 - 68 K
-      // may stay kept: one 128 K block goes back.
-      Tensor small = Tensor::empty(f32(4 * K), DType::F32, a, Category::Workspace);
-      EXPECT_EQ(a.kept_bytes(), 128 * K);
-      EXPECT_LE(a.current() + a.kept_bytes(), 320 * K);
-      small = Tensor();
-      EXPECT_EQ(a.kept_bytes(), 128 * K) << "blocks under reuse_min_bytes() are not kept";
+      Allocator::RunScope run(a);
+      {
+        Allocator::RunScope inner(a);
+        Tensor x = Tensor::empty({32 * K}, DType::F32, a, Category::Activation);
+      }
+      EXPECT_EQ(c.stats().kept, 128 * K) << "an inner run's end keeps the block";
+      Tensor y = Tensor::empty({32 * K}, DType::F32, a, Category::Activation);
+      EXPECT_EQ(c.stats().kept, 0) << "reused within the run";
     }
-    EXPECT_EQ(a.kept_bytes(), 128 * K) << "an inner scope's end keeps the outer one's blocks";
-    Tensor w = Tensor::empty(f32(160 * K), DType::F32, a, Category::Activation);
-    EXPECT_EQ(a.kept_bytes(), 0) << "64 + 160 + 128 K would pass the 320 K peak";
-    EXPECT_EQ(a.peak(), 320 * K) << "kept blocks never count toward the peak";
-    // Past the peak: nothing may stay kept.
-    Tensor big = Tensor::empty(f32(512 * K), DType::F32, a, Category::Activation);
-    EXPECT_EQ(a.kept_bytes(), 0);
-    w = Tensor();
-    EXPECT_EQ(a.kept_bytes(), 160 * K);
+    EXPECT_EQ(c.stats().kept, trims ? 0 : 128 * K);
   }
-  EXPECT_EQ(a.kept_bytes(), 0) << "the outermost scope's end gives every kept block back";
-  EXPECT_EQ(a.current(), 64 * K);
 }
 
 // Kept are blocks from MALLOC_MMAP_THRESHOLD_ up where it is set (those malloc maps alone), else
