@@ -272,6 +272,10 @@ def test_bf16_loss_curve_tracks_fp32_over_200_steps(name):
     """GraftModule(precision="bf16"): 200 AdamW steps on one batch track the float32 run's losses
     within bfloat16 tolerance (matrix products in bfloat16, everything else float32)."""
     import numpy as np
+    if not hasattr(torch, "compile"):
+        # 400 steps per model (resnet18: ~3 minutes): run once, on the current stack (CTest
+        # zoo_current), not again on torch 1.13; bf16's kernels are graft's own on both stacks.
+        pytest.skip("the bf16 curves run on the current PyTorch stack (zoo_current)")
     z = zoo.build(name, dropout=False)
     batch = z.make_batch(0)
     curves = {}
@@ -321,6 +325,6 @@ def test_float32_gradients_are_as_accurate_as_pytorch(name):
     # is within 1e-6.
     if g <= max(2 * e, 2e-6):
         return
-    jitter = zoo.float64_jitter(z.model, batch, z.loss_fn, ref)
+    jitter = zoo.float64_jitter(z.model, batch, z.loss_fn, ref, enough=g / 2)
     assert g <= 2 * jitter, (f"{name}: graft's float32 gradients are {g:.3g} off float64, eager's {e:.3g}, "
                              f"and float32-sized input noise moves the float64 gradient by {jitter:.3g} only")
