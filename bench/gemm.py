@@ -34,6 +34,9 @@ SHAPES = [
     (1024, 1024, 1024, False, "1024^3"),
     (1024, 4096, 4096, True, "seed stack B=1024 H=4096 (forward)"),
     (4096, 4096, 1024, False, "seed stack B=1024 H=4096 (weight gradient)"),
+    (2048, 2304, 768, False, "GPT-2 124M 4 x 512: qkv projection"),
+    (2048, 768, 3072, False, "GPT-2 124M 4 x 512: MLP down"),
+    (2048, 50257, 768, True, "GPT-2 124M 4 x 512: tied LM head"),
 ]
 BACKENDS = ("openblas", "dnnl", "default")
 

@@ -85,7 +85,8 @@ struct Storage {
   size_t bytes = 0;
   Category category = Category::Activation;
   Allocator* owner = nullptr;
-  bool cached = false;  // came from a BlockCache (goes back to it), else from operator new
+  size_t mapped =
+      0;  // > 0: a BlockCache block of this many bytes (goes back to it); 0: operator new
   std::shared_ptr<void> keepalive;
   Storage() = default;
   Storage(const Storage&) = delete;
@@ -106,9 +107,10 @@ class BlockCache {
   ~BlockCache();  // unmaps what is kept (blocks still in use must have gone back first)
 
   // A block of at least `bytes` (page-aligned): a kept one of the same page-rounded size, else a
-  // new mapping; nullptr if the system refuses even after every kept block went back.
-  void* take(size_t bytes);
-  void give(void* p, size_t bytes);  // `bytes` as passed to take()
+  // new mapping; its size in *mapped. nullptr if the system refuses even after every kept block
+  // went back.
+  void* take(size_t bytes, size_t* mapped);
+  void give(void* p, size_t mapped);  // `mapped` as take() set it
   // Every kept block back to the system; the ceiling restarts from what is in use now.
   void trim();
   // Under an explicit MALLOC_MMAP_THRESHOLD_ (glibc asked to return large blocks when freed, the

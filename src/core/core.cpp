@@ -231,8 +231,7 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
                                      " bytes (" + std::to_string(current_) + " in use)");
   auto s = std::make_shared<Storage>();
   if (cache_ && bytes >= reuse_min_ && bytes > 0) {
-    s->data = cache_->take(bytes);
-    s->cached = s->data != nullptr;
+    s->data = cache_->take(bytes, &s->mapped);
   } else {
     // Exactly `bytes`, 64-byte aligned: no padding, so AddressSanitizer sees a read one past the
     // end.
@@ -257,8 +256,8 @@ std::shared_ptr<Storage> Allocator::allocate(size_t bytes, Category c, const std
 
 void Allocator::release(Storage& s) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (s.cached)
-    cache_->give(s.data, s.bytes);
+  if (s.mapped)
+    cache_->give(s.data, s.mapped);
   else
     ::operator delete(s.data, std::align_val_t(64));
   current_ -= static_cast<int64_t>(s.bytes);
@@ -289,19 +288,23 @@ Allocator::RunScope::~RunScope() {
 
 BlockCache::~BlockCache() { unmap_kept(0); }
 
-void* BlockCache::take(size_t bytes) {
+void* BlockCache::take(size_t bytes, size_t* mapped) {
   const size_t r = page_round(bytes);
-  const int64_t rb = static_cast<int64_t>(r);
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = kept_.find(r); it != kept_.end()) {
+  // A kept block of the same page-rounded size (a reused block is as large as a fresh one, so
+  // reuse never raises what is in use); of several, the most recently freed (its pages are the
+  // likeliest still in the CPU's caches). Taking larger ones too, up to a quarter unused, made
+  // ViT-B/16's step map 125 blocks instead of 182 and ResNet-50's process peak 0.09 GiB higher.
+  if (auto it = kept_.lower_bound(r); it != kept_.end() && it->first == r) {
     void* p = it->second;
+    *mapped = it->first;
+    kept_bytes_ -= static_cast<int64_t>(it->first);
+    in_use_ += static_cast<int64_t>(it->first);
     kept_.erase(it);
-    kept_bytes_ -= rb;
-    in_use_ += rb;
     ++hits_;
     return p;
   }
-  const int64_t after = in_use_ + rb;
+  const int64_t after = in_use_ + static_cast<int64_t>(r);
   unmap_kept(std::max(high_, after) - after);
   void* p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED && kept_bytes_ > 0) {  // the system is short: give back every kept block
@@ -310,17 +313,17 @@ void* BlockCache::take(size_t bytes) {
   }
   if (p == MAP_FAILED) return nullptr;
   ++maps_;
+  *mapped = r;
   in_use_ = after;
   high_ = std::max(high_, in_use_);
   return p;
 }
 
-void BlockCache::give(void* p, size_t bytes) {
-  const size_t r = page_round(bytes);
+void BlockCache::give(void* p, size_t mapped) {
   std::lock_guard<std::mutex> lock(mu_);
-  kept_.emplace(r, p);  // in use + kept is unchanged: the ceiling holds
-  kept_bytes_ += static_cast<int64_t>(r);
-  in_use_ -= static_cast<int64_t>(r);
+  kept_.emplace_hint(kept_.lower_bound(mapped), mapped, p);  // first of its size
+  kept_bytes_ += static_cast<int64_t>(mapped);               // in use + kept is unchanged
+  in_use_ -= static_cast<int64_t>(mapped);
 }
 
 void BlockCache::trim() {
@@ -340,6 +343,7 @@ void BlockCache::unmap_kept(int64_t down_to) {  // mu_ held
   while (kept_bytes_ > down_to && !kept_.empty()) {
     auto it = kept_.lower_bound(static_cast<size_t>(kept_bytes_ - down_to));
     if (it == kept_.end()) it = std::prev(kept_.end());
+    it = std::prev(kept_.upper_bound(it->first));  // the least recently freed of that size
     munmap(it->second, it->first);
     kept_bytes_ -= static_cast<int64_t>(it->first);
     ++unmaps_;

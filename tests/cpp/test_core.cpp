@@ -90,6 +90,7 @@ TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
     b.set_block_cache(&c);
     b.set_reuse_min_bytes(32 * K);
     Tensor u = Tensor::empty(f32(128 * K), DType::F32, b, Category::Activation);
+    EXPECT_EQ(u.raw(), px) << "the most recently freed block of the size goes first";
     Tensor v = Tensor::empty(f32(128 * K - 100), DType::F32, b, Category::Activation);
     EXPECT_EQ(c.stats().maps, 2) << "a size within the same pages reuses too";
     EXPECT_EQ(c.stats().hits, 3);
@@ -116,6 +117,7 @@ TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
   Tensor again = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
   EXPECT_EQ(c.stats().maps, 5);  // x, y, w, big, again
   EXPECT_EQ(a.peak(), 592 * K) << "kept blocks never count toward the allocator's peak";
+  within_peak();
 }
 
 // Under the memory policy (an explicit MALLOC_MMAP_THRESHOLD_) blocks are reused within a run
