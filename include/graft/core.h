@@ -120,7 +120,7 @@ class BlockCache {
   void set_trim_after_runs(bool on) { trim_after_runs_ = on; }
 
   struct Stats {
-    int64_t in_use, kept, high, hits, maps, unmaps;
+    int64_t in_use, kept, high, hits, maps, unmaps, resizes;
   };
   Stats stats() const;
 
@@ -131,7 +131,7 @@ class BlockCache {
   mutable std::mutex mu_;
   std::multimap<size_t, void*> kept_;
   bool trim_after_runs_ = false;
-  int64_t in_use_ = 0, kept_bytes_ = 0, high_ = 0, hits_ = 0, maps_ = 0, unmaps_ = 0;
+  int64_t in_use_ = 0, kept_bytes_ = 0, high_ = 0, hits_ = 0, maps_ = 0, unmaps_ = 0, resizes_ = 0;
 };
 
 struct MemoryEvent {
@@ -174,7 +174,7 @@ class Allocator {
   // A process-wide default.
   static Allocator& global();
 
-  // Blocks of at least reuse_min_bytes() (MALLOC_MMAP_THRESHOLD_, else 64 KiB) come from a
+  // Blocks of at least reuse_min_bytes() (MALLOC_MMAP_THRESHOLD_, else 1 MiB) come from a
   // BlockCache (the process's, unless set_block_cache says otherwise) and go back to it; smaller
   // ones from operator new. GRAFT_BLOCK_REUSE=0 and AddressSanitizer builds use operator new for
   // all.

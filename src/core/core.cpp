@@ -157,17 +157,25 @@ Storage::~Storage() {
 // not fit the holes exactly (ResNet-50 at 16 x 224^2: the process held 0.65 GiB over graft's
 // planned peak, eager's 0.42 GiB over its own; docs/performance.md); and a block that malloc does
 // map, or a heap top it trims, is faulted in afresh on the next use. So graft maps its blocks of
-// at least reuse_min_bytes() itself and keeps them when they are freed: the next request of the
-// same page-rounded size takes one, and a steady step makes no system call and faults no page.
+// at least reuse_min_bytes() (1 MiB; MALLOC_MMAP_THRESHOLD_ where that is set) itself and keeps
+// them when they are freed: the next request of the same page-rounded size takes one (the most
+// recently freed first), with no system call and no page fault.
 // The promise: kept + in use <= the most ever in use at once (since the cache began or was last
-// trimmed). A free keeps the sum; a request no kept block fits first unmaps kept blocks (the
-// smallest that alone suffices, else the largest, and again) until the new block fits under that
-// ceiling or raises it. So the process never holds more than its own peak of graft blocks, which
-// is what graft's plan sizes; between steps it holds that peak, as PyTorch's CUDA caching
-// allocator does, and graft.empty_cache() (trim()) gives it back. One cache for the process, so a
-// module's several shapes and sessions share one ceiling. Exact sizes only: a reused block is as
-// large as a fresh one. Off (operator new for every block) under AddressSanitizer, where a reused
-// block would hide a use after free, and with GRAFT_BLOCK_REUSE=0.
+// trimmed). A free keeps the sum. A request of a size none kept has is mapped afresh where that
+// fits under the ceiling with everything kept; else a kept block is resized to it (mremap: the
+// smallest larger one shrinks and faults nothing, else the largest grows and faults only its new
+// pages), and kept blocks are unmapped (the smallest that alone suffices, else the largest, and
+// again) until the sum fits under the ceiling or the request raises it. So the process never
+// holds more than its own peak of graft blocks, which is what graft's plan sizes; between steps
+// it holds that peak, as PyTorch's CUDA caching allocator does, and graft.empty_cache() (trim())
+// gives it back. One cache for the process, so a module's several shapes and sessions share one
+// ceiling. A reused block is as large as a fresh one. Below 1 MiB blocks stay with malloc: its
+// heap reuses them without a system call, and what its holes cost is small beside the large
+// blocks' (a ResNet-18 at 4 x 64^2, blocks of 64 KiB up, stepped ~10-25% slower with them in the
+// cache than in glibc's heap: the ceiling makes sizes that change within a step map or resize;
+// ResNet-50's peak is the same 1.73-1.74 GiB either way). Off (operator new for every block)
+// under AddressSanitizer, where a reused block would hide a use after free, and with
+// GRAFT_BLOCK_REUSE=0.
 // Where MALLOC_MMAP_THRESHOLD_ is set, the process has asked glibc to give large blocks back when
 // they are freed (the benchmarks' memory policy, under which a step's anonymous-memory rise is
 // compared with eager's): graft then follows the same policy for its own blocks, up to one run:
@@ -179,7 +187,7 @@ Storage::~Storage() {
 namespace {
 size_t default_reuse_min() {
   static const size_t n = [] {
-    size_t bytes = size_t{64} << 10;
+    size_t bytes = size_t{1} << 20;
     if (const char* e = std::getenv("MALLOC_MMAP_THRESHOLD_")) {
       char* end = nullptr;
       const unsigned long long v = std::strtoull(e, &end, 10);
@@ -304,15 +312,45 @@ void* BlockCache::take(size_t bytes, size_t* mapped) {
     ++hits_;
     return p;
   }
-  const int64_t after = in_use_ + static_cast<int64_t>(r);
-  unmap_kept(std::max(high_, after) - after);
-  void* p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED && kept_bytes_ > 0) {  // the system is short: give back every kept block
-    unmap_kept(0);
-    p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // None of the size. Where a new block fits under the ceiling with every kept one still kept,
+  // it is mapped (the kept ones wait for their own sizes); else a kept block is resized to it
+  // (mremap keeps its pages up to the smaller size, so a shrunk block faults nothing and a grown
+  // one only its new pages): the smallest larger one, else the largest. What is kept then
+  // shrinks to fit the ceiling.
+  void* p = nullptr;
+  size_t was = 0;
+  const int64_t ceiling = std::max(high_, in_use_ + static_cast<int64_t>(r));
+  if (!kept_.empty() && in_use_ + static_cast<int64_t>(r) + kept_bytes_ > ceiling) {
+    auto it = kept_.lower_bound(r);
+    if (it == kept_.end()) it = std::prev(kept_.end());
+    was = it->first;
+    p = it->second;
+    kept_bytes_ -= static_cast<int64_t>(was);
+    kept_.erase(it);
   }
-  if (p == MAP_FAILED) return nullptr;
-  ++maps_;
+  const int64_t after = in_use_ + static_cast<int64_t>(r);
+  unmap_kept(ceiling - after);
+  bool resized = false;
+  if (p) {
+    void* q = mremap(p, was, r, MREMAP_MAYMOVE);
+    resized = q != MAP_FAILED;
+    if (!resized) {
+      munmap(p, was);
+      ++unmaps_;
+    }
+    p = q;
+  }
+  if (resized) {
+    ++resizes_;
+  } else {
+    p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED && kept_bytes_ > 0) {  // the system is short: give back every kept block
+      unmap_kept(0);
+      p = mmap(nullptr, r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    if (p == MAP_FAILED) return nullptr;
+    ++maps_;
+  }
   *mapped = r;
   in_use_ = after;
   high_ = std::max(high_, in_use_);
@@ -334,7 +372,7 @@ void BlockCache::trim() {
 
 BlockCache::Stats BlockCache::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {in_use_, kept_bytes_, high_, hits_, maps_, unmaps_};
+  return {in_use_, kept_bytes_, high_, hits_, maps_, unmaps_, resizes_};
 }
 
 void BlockCache::unmap_kept(int64_t down_to) {  // mu_ held

@@ -338,6 +338,7 @@ PYBIND11_MODULE(_graft, m) {
     d["hits"] = s.hits;
     d["maps"] = s.maps;
     d["unmaps"] = s.unmaps;
+    d["resizes"] = s.resizes;
     return d;
   });
   py::class_<PyAdamWFile>(m, "AdamWFile")

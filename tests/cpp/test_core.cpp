@@ -97,27 +97,52 @@ TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
     within_peak();
   }
   EXPECT_EQ(c.stats().kept, 256 * K);
-  // A new size: in use would be 64 K, so at most 256 - 64 K may stay kept: the smallest block
-  // that alone suffices goes (one of 128 K), not both.
+  // A new size: the smallest larger kept block is shrunk to it (its first pages stay mapped).
   Tensor w = Tensor::empty(f32(64 * K), DType::F32, a, Category::Activation);
   EXPECT_EQ(c.stats().kept, 128 * K);
-  EXPECT_EQ(c.stats().unmaps, 1);
+  EXPECT_EQ(c.stats().resizes, 1);
+  EXPECT_EQ(c.stats().maps, 2);
+  EXPECT_EQ(c.stats().unmaps, 0);
+  w.data<float>()[64 * K / 4 - 1] = 1;  // the whole request is there
   within_peak();
-  // Past the ceiling: nothing may stay kept, and the ceiling rises.
+  // Past the ceiling: none larger is kept, so the largest grows; nothing may stay kept, and the
+  // ceiling rises.
   Tensor big = Tensor::empty(f32(512 * K), DType::F32, a, Category::Activation);
   EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(c.stats().resizes, 2);
   EXPECT_EQ(c.stats().high, 576 * K);
+  big.data<float>()[512 * K / 4 - 1] = 1;
+  within_peak();
+  // A larger new size: none kept is larger, so the largest grows (only its new pages fault).
+  w = Tensor();
+  EXPECT_EQ(c.stats().kept, 64 * K);
+  Tensor w2 = Tensor::empty(f32(96 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(c.stats().resizes, 3);
+  EXPECT_EQ(c.stats().maps, 2);
+  EXPECT_EQ(c.stats().high, 608 * K);
   within_peak();
   big = Tensor();
-  w = Tensor();
-  EXPECT_EQ(c.stats().kept, 576 * K);
+  w2 = Tensor();
+  EXPECT_EQ(c.stats().kept, 608 * K);
+  within_peak();
   c.trim();
   EXPECT_EQ(c.stats().kept, 0);
+  EXPECT_EQ(c.stats().unmaps, 2);
   EXPECT_EQ(c.stats().high, 0) << "the ceiling restarts from what is in use";
   Tensor again = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
-  EXPECT_EQ(c.stats().maps, 5);  // x, y, w, big, again
-  EXPECT_EQ(a.peak(), 592 * K) << "kept blocks never count toward the allocator's peak";
+  Tensor two = Tensor::empty(f32(128 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().maps, 4);  // x, y, again, two
+  again = Tensor();
+  two = Tensor();
+  // 192 K: one 128 K block grows to it; 192 + 128 K would pass the 256 K ceiling, so the other
+  // is unmapped.
+  Tensor more = Tensor::empty(f32(192 * K), DType::F32, a, Category::Activation);
+  EXPECT_EQ(c.stats().resizes, 4);
+  EXPECT_EQ(c.stats().unmaps, 3);
+  EXPECT_EQ(c.stats().kept, 0);
   within_peak();
+  EXPECT_EQ(a.peak(), 624 * K) << "kept blocks never count toward the allocator's peak";
 }
 
 // Under the memory policy (an explicit MALLOC_MMAP_THRESHOLD_) blocks are reused within a run
@@ -146,11 +171,11 @@ TEST(BlockCache, UnderTheMemoryPolicyRunsKeepNothingBetweenThem) {
   }
 }
 
-// Kept are blocks from MALLOC_MMAP_THRESHOLD_ up where it is set (those malloc maps alone), else
-// from 64 KiB, the same blocks as under the benchmarks' memory policy.
+// Cached are blocks from MALLOC_MMAP_THRESHOLD_ up where it is set (those malloc maps alone),
+// else from 1 MiB (smaller ones stay in malloc's heap, Note [mapped block cache]).
 TEST(Allocator, ReuseMinimumFollowsMallocPolicy) {
   const char* e = std::getenv("MALLOC_MMAP_THRESHOLD_");
-  const size_t expect = e ? std::max<size_t>(std::strtoull(e, nullptr, 10), 32 << 10) : 64 << 10;
+  const size_t expect = e ? std::max<size_t>(std::strtoull(e, nullptr, 10), 32 << 10) : 1 << 20;
   EXPECT_EQ(Allocator().reuse_min_bytes(), expect);
 }
 
