@@ -6,6 +6,7 @@ RAM; what it keeps in RAM; a path it cannot use.
 Run with the compiled package on the path:  PYTHONPATH=build/python python3 -m pytest tests/python/test_optim.py
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -163,3 +164,23 @@ def test_a_path_it_cannot_use_is_an_error_naming_it(tmp_path):
         AdamW(model().parameters(), state_file=bad)
     with pytest.raises(graft.GraftArgumentError):
         AdamW(model().half().parameters(), state_file=tmp_path / "h.bin")
+
+
+@pytest.mark.skipif(os.environ.get("GRAFT_BLOCK_REUSE") == "0" or "MALLOC_MMAP_THRESHOLD_" in os.environ,
+                    reason="the block cache is off, or trims after every run (memory policy)")
+def test_empty_cache_gives_the_kept_blocks_back():
+    """Note [mapped block cache]: after steps, graft keeps freed blocks of 1 MiB and more for the next
+    step (never more, kept and in use, than its peak in use); graft.empty_cache() unmaps them."""
+    torch.manual_seed(0)
+    g = GraftModule(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)))
+    x = torch.randn(512, 1024)  # 2 MiB activations
+    for _ in range(2):
+        g(x).sum().backward()
+    s = graft.memory_cache_stats()
+    assert s["kept"] >= 2 << 20 and s["in_use"] + s["kept"] <= s["high"], s
+    assert s["hits"] > 0, s  # the second step reused the first's blocks
+    before = rss_anon()
+    graft.empty_cache()
+    after = graft.memory_cache_stats()
+    assert after["kept"] == 0 and after["high"] == after["in_use"], after
+    assert before - rss_anon() >= 0.9 * s["kept"], (before, rss_anon(), s)
