@@ -85,8 +85,8 @@ struct Storage {
   size_t bytes = 0;
   Category category = Category::Activation;
   Allocator* owner = nullptr;
-  size_t mapped =
-      0;  // > 0: a BlockCache block of this many bytes (goes back to it); 0: operator new
+  // > 0: a BlockCache block of this many bytes (it goes back there); 0: from operator new.
+  size_t mapped = 0;
   std::shared_ptr<void> keepalive;
   Storage() = default;
   Storage(const Storage&) = delete;

@@ -319,8 +319,9 @@ void* BlockCache::take(size_t bytes, size_t* mapped) {
   // shrinks to fit the ceiling.
   void* p = nullptr;
   size_t was = 0;
-  const int64_t ceiling = std::max(high_, in_use_ + static_cast<int64_t>(r));
-  if (!kept_.empty() && in_use_ + static_cast<int64_t>(r) + kept_bytes_ > ceiling) {
+  const int64_t after = in_use_ + static_cast<int64_t>(r);
+  const int64_t ceiling = std::max(high_, after);
+  if (!kept_.empty() && after + kept_bytes_ > ceiling) {
     auto it = kept_.lower_bound(r);
     if (it == kept_.end()) it = std::prev(kept_.end());
     was = it->first;
@@ -328,7 +329,6 @@ void* BlockCache::take(size_t bytes, size_t* mapped) {
     kept_bytes_ -= static_cast<int64_t>(was);
     kept_.erase(it);
   }
-  const int64_t after = in_use_ + static_cast<int64_t>(r);
   unmap_kept(ceiling - after);
   bool resized = false;
   if (p) {
