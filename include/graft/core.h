@@ -209,6 +209,23 @@ class Allocator {
   std::vector<MemoryEvent> timeline_;
 };
 
+// Scratch a kernel needs for one call outside any plan (oneDNN's packed GEMM operand, Note
+// [packed GEMM operand] in gemm_dnnl.cpp): a block of the process's BlockCache when that is on
+// (so a same-size request on the next call reuses the pages, and the cache's bound and trims cover
+// it), else operator new. Throws OutOfMemory when the system refuses.
+class ScratchBlock {
+ public:
+  explicit ScratchBlock(size_t bytes);
+  ~ScratchBlock();
+  ScratchBlock(const ScratchBlock&) = delete;
+  ScratchBlock& operator=(const ScratchBlock&) = delete;
+  void* data() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t mapped_ = 0;  // > 0: from the BlockCache
+};
+
 // Memory this process may still take, in bytes: the smaller of /proc/meminfo's MemAvailable and
 // what its cgroup (v2 memory.max, v1 limit_in_bytes) leaves; -1 when neither can be read.
 int64_t available_memory_bytes();

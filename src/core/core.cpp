@@ -274,6 +274,23 @@ void Allocator::release(Storage& s) {
   record();
 }
 
+ScratchBlock::ScratchBlock(size_t bytes) {
+  if (block_cache_enabled() && bytes >= default_reuse_min())
+    p_ = BlockCache::global().take(bytes, &mapped_);
+  else
+    p_ = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t(64), std::nothrow);
+  if (!p_)
+    fail(ErrorKind::OutOfMemory,
+         "the system refused " + std::to_string(bytes) + " bytes of kernel scratch");
+}
+
+ScratchBlock::~ScratchBlock() {
+  if (mapped_)
+    BlockCache::global().give(p_, mapped_);
+  else
+    ::operator delete(p_, std::align_val_t(64));
+}
+
 // ---------------------------------------------------------------------------------------------
 BlockCache& BlockCache::global() {
   static BlockCache* c = [] {

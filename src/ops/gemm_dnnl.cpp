@@ -42,6 +42,19 @@
 // sub-matrix B (ldb != N) is not brgemm's: oneDNN picks its gemm:jit implementation, which
 // mallocs packing buffers per thread per call outside graft's accounting (a higher peak RSS at
 // the seed's size). The numbers: docs/performance.md, "A ragged N: the seed's own size".
+//
+// Note [packed GEMM operand]
+// With B row-major K x N (not transposed: the dX = dY W and dW = dY^T X products of a Linear layer,
+// and every product of GPT-2's Conv1D layers), oneDNN 2.6's brgemm matmul copies B's blocks into
+// its own layout as it goes and runs far below its rate on many shapes: 1576x3072x768 ran at 130
+// GFLOP/s against 290 with B transposed, and 768x3072x1576 (A transposed) at 90-130; torch.mm
+// (MKL) ran both at ~250 (docs/performance.md, "B in oneDNN's own layout"). Such products of at
+// least 2^25 multiply-adds are created with B's format `any`, and B is reordered into the layout
+// the primitive picks before each call (a reorder primitive, on the OpenMP team: ~1 ms for a
+// 768x3072 B, against the 15-30 ms it saves), into a ScratchBlock: the block cache's, so the next
+// call of the size reuses its pages and the cache's bound covers it. Packed B larger than 64 MiB
+// (GPT-2's tied 50257x768 embedding as the B of the LM head's dX) stays in place: that copy would
+// raise the step's peak. GRAFT_GEMM_PACK=0 turns packing off (an A/B switch).
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -49,6 +62,7 @@
 #include <cstring>
 #include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <optional>
 #include <tuple>
 
 #include "graft/ops.h"
@@ -58,6 +72,18 @@
 namespace graft {
 
 namespace {
+// Note [packed GEMM operand]: which products pack B, and GRAFT_GEMM_PACK=0 keeps B in the
+// caller's layout (an A/B switch for benchmarks).
+constexpr int64_t kPackMinMacs = int64_t{1} << 25;
+constexpr size_t kPackMaxBytes = size_t{64} << 20;
+bool packs_b_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("GRAFT_GEMM_PACK");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 thread_local bool t_bf16 = false;
 // The bf16 copies of the current product's operands: grown as needed and reused by every product
 // of the scope (no allocation, page faults or zeroing per call), freed when the outermost scope
@@ -117,6 +143,11 @@ using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, 
 struct Prim {
   dnnl::matmul mm;
   dnnl::memory::desc a, b, c, scratch;
+  // Note [packed GEMM operand]: when set, B (in the caller's layout b_user) is reordered into b
+  // (the primitive's own blocked layout) in scratch before each call.
+  bool packs_b = false;
+  dnnl::memory::desc b_user;
+  dnnl::reorder pack;
 };
 
 opsutil::LruCache<Key, const Prim>& primitives() {
@@ -145,9 +176,21 @@ std::shared_ptr<const Prim> primitive(bool ta, bool tb, int64_t M, int64_t N, in
       po.append_sum(beta);
       attr.set_post_ops(po);
     }
+    if (!bf16 && !tb && M * N * K >= kPackMinMacs && packs_b_enabled()) {
+      // Note [packed GEMM operand]: B row-major, in the layout the primitive picks.
+      dnnl::memory::desc any({K, N}, in, dnnl::memory::format_tag::any);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, any, c), attr, opsutil::dnnl_engine());
+      const dnnl::memory::desc packed = pd.weights_desc();
+      if (packed != b && packed.get_size() <= kPackMaxBytes) {
+        dnnl::reorder::primitive_desc rd(opsutil::dnnl_engine(), b, opsutil::dnnl_engine(), packed);
+        return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, packed, c,
+                                                 pd.scratchpad_desc(), true, b, dnnl::reorder(rd)});
+      }
+    }
     try {
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
-      return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()});
+      return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(),
+                                               false, {}, {}});
     } catch (const dnnl::error& e) {
       if (!bf16) throw;  // the caller falls back to OpenBLAS
       fail(ErrorKind::Unsupported,
@@ -250,8 +293,18 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   }
   auto& eng = opsutil::dnnl_engine();
   dnnl::stream s(eng);
-  dnnl::memory ma(p->a, eng, const_cast<float*>(A)), mb(p->b, eng, const_cast<float*>(B)),
-      mc(p->c, eng, C), ms(p->scratch, eng, t_scratch.get());
+  std::optional<ScratchBlock> packed;
+  dnnl::memory mb;
+  if (p->packs_b) {
+    packed.emplace(p->b.get_size());
+    mb = dnnl::memory(p->b, eng, packed->data());
+    dnnl::memory user(p->b_user, eng, const_cast<float*>(B));
+    p->pack.execute(s, user, mb);
+  } else {
+    mb = dnnl::memory(p->b, eng, const_cast<float*>(B));
+  }
+  dnnl::memory ma(p->a, eng, const_cast<float*>(A)), mc(p->c, eng, C),
+      ms(p->scratch, eng, t_scratch.get());
   p->mm.execute(
       s,
       {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../../src/ops/lru.h"
+#include "graft/core.h"
 #include "../../src/ops/util.h"
 
 using namespace graft;
@@ -81,6 +82,11 @@ const std::vector<Case> kMedium = {
     {true, false, 50, 530, 200, 7, 1.f, -0.5f},
     {false, false, 64, 259, 64, 2, 1.f, 0.5f},
     {true, false, 40, 35, 300, 0, -2.f, 0.f},
+    // At least 2^25 multiply-adds with B not transposed: B packed into oneDNN's layout first
+    // (Note [packed GEMM operand]), with A plain or transposed, padded, alpha and beta.
+    {false, false, 256, 384, 384, 0, 1.f, 0.f},
+    {true, false, 384, 256, 512, 3, 0.5f, 1.f},
+    {false, false, 130, 768, 512, 1, -1.f, 0.25f},
 };
 
 }  // namespace
@@ -184,4 +190,27 @@ TEST(PrimitiveCache, GemmsOfMoreShapesThanItHoldsStayBoundedAndRight) {
     ASSERT_EQ(C[r * N + col], want) << "M=" << M;
   }
   EXPECT_EQ(opsutil::dnnl_gemm_primitives(), opsutil::kPrimitiveCacheCapacity);
+}
+
+// Note [packed GEMM operand]: the packed copy of B is a ScratchBlock, so with the block cache on
+// the next product of the same size reuses its pages (a hit) and nothing stays in use after a call.
+TEST(Gemm, PackedOperandReusesTheBlockCachesPages) {
+  if (const char* v = std::getenv("GRAFT_GEMM"); v && std::string(v) == "openblas")
+    GTEST_SKIP() << "GRAFT_GEMM=openblas: oneDNN runs no float32 GEMM";
+  if (const char* v = std::getenv("GRAFT_GEMM_PACK"); v && std::string(v) == "0")
+    GTEST_SKIP() << "GRAFT_GEMM_PACK=0";
+  if (Allocator().allocate(size_t{2} << 20, Category::Workspace)->mapped == 0)
+    GTEST_SKIP() << "the block cache is off (GRAFT_BLOCK_REUSE=0 or a sanitizer build)";
+  const Case c{false, false, 128, 768, 512, 0, 1.f, 0.f};  // packed B: 1.5 MiB
+  const BlockCache::Stats s0 = BlockCache::global().stats();
+  check(c, [](auto... args) { ASSERT_TRUE(opsutil::gemm_f32_dnnl(args...)); });
+  const BlockCache::Stats s1 = BlockCache::global().stats();
+  check(c, [](auto... args) { ASSERT_TRUE(opsutil::gemm_f32_dnnl(args...)); });
+  const BlockCache::Stats s2 = BlockCache::global().stats();
+  EXPECT_EQ(s1.in_use, s0.in_use) << "the packed B was not given back";
+  EXPECT_GT(s1.hits + s1.maps + s1.resizes, s0.hits + s0.maps + s0.resizes)
+      << "the packed B did not come from the block cache";
+  EXPECT_EQ(s2.hits, s1.hits + 1) << "the second product did not reuse the first one's block";
+  EXPECT_EQ(s2.maps, s1.maps);
+  EXPECT_EQ(s2.in_use, s0.in_use);
 }
