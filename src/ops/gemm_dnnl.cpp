@@ -183,14 +183,14 @@ std::shared_ptr<const Prim> primitive(bool ta, bool tb, int64_t M, int64_t N, in
       const dnnl::memory::desc packed = pd.weights_desc();
       if (packed != b && packed.get_size() <= kPackMaxBytes) {
         dnnl::reorder::primitive_desc rd(opsutil::dnnl_engine(), b, opsutil::dnnl_engine(), packed);
-        return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, packed, c,
-                                                 pd.scratchpad_desc(), true, b, dnnl::reorder(rd)});
+        return std::make_shared<const Prim>(
+            Prim{dnnl::matmul(pd), a, packed, c, pd.scratchpad_desc(), true, b, dnnl::reorder(rd)});
       }
     }
     try {
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
-      return std::make_shared<const Prim>(Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(),
-                                               false, {}, {}});
+      return std::make_shared<const Prim>(
+          Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), false, {}, {}});
     } catch (const dnnl::error& e) {
       if (!bf16) throw;  // the caller falls back to OpenBLAS
       fail(ErrorKind::Unsupported,

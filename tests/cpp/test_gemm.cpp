@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "../../src/ops/lru.h"
-#include "graft/core.h"
 #include "../../src/ops/util.h"
+#include "graft/core.h"
 
 using namespace graft;
 
