@@ -182,73 +182,90 @@ void each_sub(const Dims& d, int64_t sb, int64_t r0, int64_t m, int64_t kn, F&& 
   }
 }
 
-// S[m x kn] (scores of rows r0.. of head (b, h), already scaled) gets the mask and the causal
-// triangle: -inf where a query does not attend.
+// S[m x kn] (scores of rows r0.. of head (b, h), already scaled) gets the mask: -inf where a
+// boolean mask says no, a float mask added. (The causal triangle is softmax_rows's.)
 template <class T>
 void mask_scores(const Dims& d, const Tensor* mask, int64_t b, int64_t h, int64_t r0, int64_t m,
                  int64_t kn, T* S) {
+  if (!d.has_mask) return;
   const T ninf = -std::numeric_limits<T>::infinity();
   parallel_for(m, 2 * kn, [&](int, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       T* s = S + i * kn;
-      const int64_t row = r0 + i;
-      if (d.has_mask) {
-        const int64_t base = b * d.ms[0] + h * d.ms[1] + row * d.ms[2];
-        if (d.bool_mask) {
-          const bool* mk = mask->data<bool>() + base;
-          for (int64_t j = 0; j < kn; ++j)
-            if (!mk[j * d.ms[3]]) s[j] = ninf;
-        } else {
-          const T* mk = mask->data<T>() + base;
-          for (int64_t j = 0; j < kn; ++j) s[j] += mk[j * d.ms[3]];
-        }
+      const int64_t base = b * d.ms[0] + h * d.ms[1] + (r0 + i) * d.ms[2];
+      if (d.bool_mask) {
+        const bool* mk = mask->data<bool>() + base;
+        for (int64_t j = 0; j < kn; ++j)
+          if (!mk[j * d.ms[3]]) s[j] = ninf;
+      } else {
+        const T* mk = mask->data<T>() + base;
+        for (int64_t j = 0; j < kn; ++j) s[j] += mk[j * d.ms[3]];
       }
-      if (d.causal)
-        for (int64_t j = row + 1; j < kn; ++j) s[j] = ninf;
     }
   });
 }
 
-// Row softmax in place over S[m x kn]: P = exp(S - max) / sum; lse[i] = max + log(sum). A row
-// with no finite score becomes zeros with lse = -inf. With `lse_in`, P = exp(S - lse_in) instead
-// (the backward's recomputation: its rows sum to 1 up to lse_in's rounding, which the backward
-// divides out).
+// The keys row `row` attends to among the kn of its block: all, or (causal) up to its diagonal.
+inline int64_t row_keys(const Dims& d, int64_t row, int64_t kn) {
+  return d.causal ? std::min(kn, row + 1) : kn;
+}
+
+// Row softmax in place over S[m x kn] (rows r0..): P = exp(S - max) / sum; lse[i] = max +
+// log(sum). A causal row's keys past its diagonal get P = 0 without being read. A row with no
+// finite score becomes zeros with lse = -inf. With `lse_in`, P = exp(S - lse_in) instead (the
+// backward's recomputation: its rows sum to 1 up to lse_in's rounding, which the backward divides
+// out). float32 rows run vmath's one-pass kernels (max, then exp with the sum in double: Note
+// [row sums in double], vmath_impl.h).
 template <class T>
-void softmax_rows(int64_t m, int64_t kn, T* S, T* lse_out, const T* lse_in) {
+void softmax_rows(const Dims& d, int64_t r0, int64_t m, int64_t kn, T* S, T* lse_out,
+                  const T* lse_in) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const bool vec = std::is_same_v<T, float> && vmath::active();
-  parallel_for(m, (vec ? 8 : 24) * kn, [&](int, int64_t i0, int64_t i1) {
+  parallel_for(m, (vec ? 4 : 24) * kn, [&](int, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       T* s = S + i * kn;
+      const int64_t lim = row_keys(d, r0 + i, kn);
+      std::fill(s + lim, s + kn, T(0));
       T mx = ninf;
       if (lse_in) {
         mx = lse_in[i];
+      } else if constexpr (std::is_same_v<T, float>) {
+        if (vec && lim > 0)
+          mx = vmath::max_of(s, lim);
+        else
+          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
       } else {
-        for (int64_t j = 0; j < kn; ++j) mx = std::max(mx, s[j]);
+        for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
       }
       if (!(mx > ninf)) {  // attends to nothing (or NaN scores: they stay NaN below)
         if (std::isnan(static_cast<double>(mx))) {
-          for (int64_t j = 0; j < kn; ++j) s[j] = mx;
+          std::fill(s, s + lim, mx);
         } else {
-          std::fill(s, s + kn, T(0));
+          std::fill(s, s + lim, T(0));
         }
         if (lse_out) lse_out[i] = mx;
         continue;
       }
-      for (int64_t j = 0; j < kn; ++j) s[j] -= mx;
+      double sum = 0;
       if constexpr (std::is_same_v<T, float>) {
-        if (vec)
-          vmath::map(vmath::Fn::Exp, s, s, kn);
-        else
-          for (int64_t j = 0; j < kn; ++j) s[j] = std::exp(s[j]);
+        if (vec) {
+          sum = vmath::exp_shift_sum(s, mx, s, lim);
+        } else {
+          for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));
+        }
       } else {
-        for (int64_t j = 0; j < kn; ++j) s[j] = std::exp(s[j]);
+        for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));
       }
       if (lse_in) continue;
-      double sum = 0;
-      for (int64_t j = 0; j < kn; ++j) sum += static_cast<double>(s[j]);
       const T inv = static_cast<T>(1.0 / sum);
-      for (int64_t j = 0; j < kn; ++j) s[j] *= inv;
+      if constexpr (std::is_same_v<T, float>) {
+        if (vec)
+          vmath::scale(s, inv, lim);
+        else
+          for (int64_t j = 0; j < lim; ++j) s[j] *= inv;
+      } else {
+        for (int64_t j = 0; j < lim; ++j) s[j] *= inv;
+      }
       if (lse_out) lse_out[i] = mx + static_cast<T>(std::log(sum));
     }
   });
@@ -290,8 +307,8 @@ void attention_kernel(KernelCtx& c) {
             gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D,
                        K, d.D, T(0), S + s0 * kn, kn);
           });
-          mask_scores<T>(d, mask, b, h, r0, m, kn, S);  // (causal: -inf past each diagonal)
-          softmax_rows<T>(m, kn, S, lse, nullptr);
+          mask_scores<T>(d, mask, b, h, r0, m, kn, S);
+          softmax_rows<T>(d, r0, m, kn, S, lse, nullptr);
           if (drop.on)
             parallel_for(m, 8 * kn, [&](int, int64_t i0, int64_t i1) {
               for (int64_t i = i0; i < i1; ++i)
@@ -362,7 +379,7 @@ void attention_grad_kernel(KernelCtx& c) {
                        K, d.D, T(0), P + s0 * kn, kn);
           });
           mask_scores<T>(d, mask, b, h, r0, m, kn, P);
-          softmax_rows<T>(m, kn, P, nullptr, L + r0);
+          softmax_rows<T>(d, r0, m, kn, P, nullptr, L + r0);
           auto first = [&](int64_t i) {  // the flat position of row i's key 0 in the mask
             return static_cast<uint64_t>((qh * d.Tq + r0 + i) * d.Tk);
           };
@@ -391,9 +408,10 @@ void attention_grad_kernel(KernelCtx& c) {
             });
           else
             std::fill(dP, dP + m * kn, T(0));
-          parallel_for(m, 5 * kn, [&](int, int64_t i0, int64_t i1) {
+          const bool vec = std::is_same_v<T, float> && vmath::active();
+          parallel_for(m, (vec ? 2 : 5) * kn, [&](int, int64_t i0, int64_t i1) {
             for (int64_t i = i0; i < i1; ++i) {
-              const int64_t lim = d.causal ? std::min(kn, r0 + i + 1) : kn;
+              const int64_t lim = row_keys(d, r0 + i, kn);
               T* ds = dP + i * kn;
               const T* p = P + i * kn;
               if (drop.on) drop.apply(first(i), lim, ds);  // the gradient of P before dropout
@@ -401,14 +419,22 @@ void attention_grad_kernel(KernelCtx& c) {
               // 1 + delta, and without the division the row sum of dS would be -delta * rowsum
               // (not 0), a bias in every gradient that is 0 in exact arithmetic (a key bias's).
               double acc = 0, psum = 0;
-              for (int64_t j = 0; j < lim; ++j) {
-                acc += static_cast<double>(p[j]) * ds[j];
-                psum += p[j];
+              if constexpr (std::is_same_v<T, float>) {
+                if (vec) vmath::dot_and_sum(p, ds, lim, &acc, &psum);
               }
+              if (!vec)
+                for (int64_t j = 0; j < lim; ++j) {
+                  acc += static_cast<double>(p[j]) * ds[j];
+                  psum += p[j];
+                }
               acc = psum > 0 ? acc / psum : 0.0;
               if (dL && std::isfinite(static_cast<double>(L[r0 + i]))) acc -= dL[r0 + i];
               Di[i] = static_cast<T>(acc);
-              for (int64_t j = 0; j < lim; ++j) ds[j] = p[j] * (ds[j] - Di[i]);
+              if constexpr (std::is_same_v<T, float>) {
+                if (vec) vmath::sub_mul(p, Di[i], ds, lim);
+              }
+              if (!vec)
+                for (int64_t j = 0; j < lim; ++j) ds[j] = p[j] * (ds[j] - Di[i]);
               std::fill(ds + lim, ds + kn, T(0));
             }
           });

@@ -62,6 +62,16 @@ GRAFT_VM V xor_sign(V a, V s) {
 GRAFT_VM V round(V a) {
   return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+// Double vectors of half the lanes, for sums in double (Note [row sums in double]).
+using VD = __m512d;
+GRAFT_VM VD zero_d() { return _mm512_setzero_pd(); }
+GRAFT_VM VD add_d(VD a, VD b) { return _mm512_add_pd(a, b); }
+GRAFT_VM VD mul_d(VD a, VD b) { return _mm512_mul_pd(a, b); }
+GRAFT_VM VD lo_d(V a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(a)); }
+GRAFT_VM VD hi_d(V a) {
+  return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+GRAFT_VM void store_d(double* p, VD a) { _mm512_storeu_pd(p, a); }
 GRAFT_VM V ldexp2(V a, V n) {  // a * 2^(n/2 rounded down) * 2^(the rest)
   const __m512i ni = _mm512_cvtps_epi32(n);
   const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
@@ -102,6 +112,13 @@ GRAFT_VM V xor_sign(V a, V s) {
   return _mm256_xor_ps(a, _mm256_and_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))));
 }
 GRAFT_VM V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+using VD = __m256d;
+GRAFT_VM VD zero_d() { return _mm256_setzero_pd(); }
+GRAFT_VM VD add_d(VD a, VD b) { return _mm256_add_pd(a, b); }
+GRAFT_VM VD mul_d(VD a, VD b) { return _mm256_mul_pd(a, b); }
+GRAFT_VM VD lo_d(V a) { return _mm256_cvtps_pd(_mm256_castps256_ps128(a)); }
+GRAFT_VM VD hi_d(V a) { return _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)); }
+GRAFT_VM void store_d(double* p, VD a) { _mm256_storeu_pd(p, a); }
 GRAFT_VM V ldexp2(V a, V n) {
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
@@ -191,6 +208,33 @@ inline float max_of(const float* x, int64_t n) {
   return level() == 2 ? avx512::max_n(x, n) : avx2::max_n(x, n);
 #else
   return x[0];
+#endif
+}
+
+// Note [row sums in double]: the row kernels of softmax-like ops, each one pass over a row.
+// y[i] = exp(x[i] - c) over n elements (x == y allowed); returns the sum of the y[i] in double.
+// dot_and_sum: sum p[i] * d[i] and sum p[i], both in double. scale: y[i] *= a. sub_mul:
+// d[i] = p[i] * (d[i] - c). Only when active().
+inline double exp_shift_sum(const float* x, float c, float* y, int64_t n) {
+#ifdef GRAFT_VMATH_X86
+  return level() == 2 ? avx512::exp_shift_sum(x, c, y, n) : avx2::exp_shift_sum(x, c, y, n);
+#else
+  return 0;
+#endif
+}
+inline void dot_and_sum(const float* p, const float* d, int64_t n, double* pd, double* ps) {
+#ifdef GRAFT_VMATH_X86
+  level() == 2 ? avx512::dot_and_sum(p, d, n, pd, ps) : avx2::dot_and_sum(p, d, n, pd, ps);
+#endif
+}
+inline void scale(float* y, float a, int64_t n) {
+#ifdef GRAFT_VMATH_X86
+  level() == 2 ? avx512::scale_n(y, a, n) : avx2::scale_n(y, a, n);
+#endif
+}
+inline void sub_mul(const float* p, float c, float* d, int64_t n) {
+#ifdef GRAFT_VMATH_X86
+  level() == 2 ? avx512::sub_mul_n(p, c, d, n) : avx2::sub_mul_n(p, c, d, n);
 #endif
 }
 

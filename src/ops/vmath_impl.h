@@ -4,7 +4,9 @@
 // mul, div, fma (a * b + c, one rounding), min, max (both return the second operand when either is
 // NaN, as x86 does), lt, ge (ordered: false on NaN), sel (m ? t : f), abs, xor_sign (x with the
 // sign bit of s flipped in), round (to nearest even) and ldexp2 (x * 2^n for float n, exact for a
-// normal result, n in [-75, 64]). No #pragma once: each inclusion makes its own namespace's copy.
+// normal result, n in [-75, 64]), and for double sums VD (kLanes / 2 doubles) with zero_d, add_d,
+// mul_d, lo_d / hi_d (a V's low / high half widened) and store_d. No #pragma once: each inclusion
+// makes its own namespace's copy.
 //
 // Every function is a fixed sequence of IEEE operations, so the AVX-512 and AVX2 copies give the
 // same bits, and an element's value does not depend on its position (the tails go through the
@@ -194,4 +196,80 @@ GRAFT_VM_LOOP float max_n(const float* x, int64_t n) {
   for (int64_t k = 1; k < kLanes; ++k) r = b[k] > r ? b[k] : r;
   for (; i < n; ++i) r = x[i] > r ? x[i] : r;
   return r;
+}
+
+// Note [row sums in double]
+// A row's sums (softmax's normalizer, attention's rowsum(P * dP)) are taken in double, as the
+// scalar loops did, in 16 partial sums: element i goes to partial i % 16, and the partials are
+// added in order at the end. Both ISAs keep the same 16 partials (AVX-512: two 8-double vectors
+// per 16 elements; AVX2: four 4-double vectors), so they give the same bits, and a row's result
+// does not depend on which thread ran it.
+constexpr int kSumLanes = 16;
+constexpr int kSumVecs = 2 * kSumLanes / static_cast<int>(kLanes);  // VDs per 16 elements
+GRAFT_VM_LOOP double sum_partials(const VD* acc, const double* tail) {
+  double part[kSumLanes];
+  for (int v = 0; v < kSumVecs; ++v) store_d(part + v * (kLanes / 2), acc[v]);
+  double s = 0;
+  for (int l = 0; l < kSumLanes; ++l) s += part[l] + tail[l];
+  return s;
+}
+
+GRAFT_VM_LOOP double exp_shift_sum(const float* x, float c, float* y, int64_t n) {
+  VD acc[kSumVecs];
+  for (VD& a : acc) a = zero_d();
+  const V vc = set1(c);
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes)
+    for (int h = 0; h < kSumLanes / kLanes; ++h) {
+      const V e = v_exp(sub(load(x + i + h * kLanes), vc));
+      store(y + i + h * kLanes, e);
+      acc[2 * h] = add_d(acc[2 * h], lo_d(e));
+      acc[2 * h + 1] = add_d(acc[2 * h + 1], hi_d(e));
+    }
+  double tail[kSumLanes] = {};
+  for (; i < n; i += kLanes) {  // the rest, through a padded vector
+    const int64_t k = n - i < kLanes ? n - i : kLanes;
+    float bx[kLanes] = {}, by[kLanes];
+    std::memcpy(bx, x + i, k * sizeof(float));
+    store(by, v_exp(sub(load(bx), vc)));
+    std::memcpy(y + i, by, k * sizeof(float));
+    for (int64_t j = 0; j < k; ++j) tail[(i + j) % kSumLanes] += static_cast<double>(by[j]);
+  }
+  return sum_partials(acc, tail);
+}
+
+GRAFT_VM_LOOP void dot_and_sum(const float* p, const float* d, int64_t n, double* pd, double* ps) {
+  VD ad[kSumVecs], as[kSumVecs];
+  for (int v = 0; v < kSumVecs; ++v) ad[v] = as[v] = zero_d();
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes)
+    for (int h = 0; h < kSumLanes / kLanes; ++h) {
+      const V vp = load(p + i + h * kLanes), vd = load(d + i + h * kLanes);
+      const VD pl = lo_d(vp), ph = hi_d(vp);
+      ad[2 * h] = add_d(ad[2 * h], mul_d(pl, lo_d(vd)));
+      ad[2 * h + 1] = add_d(ad[2 * h + 1], mul_d(ph, hi_d(vd)));
+      as[2 * h] = add_d(as[2 * h], pl);
+      as[2 * h + 1] = add_d(as[2 * h + 1], ph);
+    }
+  double td[kSumLanes] = {}, ts[kSumLanes] = {};
+  for (; i < n; ++i) {
+    td[i % kSumLanes] += static_cast<double>(p[i]) * static_cast<double>(d[i]);
+    ts[i % kSumLanes] += static_cast<double>(p[i]);
+  }
+  *pd = sum_partials(ad, td);
+  *ps = sum_partials(as, ts);
+}
+
+GRAFT_VM_LOOP void scale_n(float* y, float a, int64_t n) {
+  const V va = set1(a);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, mul(load(y + i), va));
+  for (; i < n; ++i) y[i] *= a;
+}
+
+GRAFT_VM_LOOP void sub_mul_n(const float* p, float c, float* d, int64_t n) {
+  const V vc = set1(c);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(d + i, mul(load(p + i), sub(load(d + i), vc)));
+  for (; i < n; ++i) d[i] = p[i] * (d[i] - c);
 }
