@@ -95,6 +95,73 @@ int match_gelu(Graph& g, Node& m2, const std::vector<std::vector<int>>& cons,
   return -1;
 }
 
+// The operand of binary node n that is not the constant scalar `c` (either order), or -1.
+int other_than_scalar(const Graph& g, const Node& n, double c) {
+  if (n.inputs.size() != 2) return -1;
+  double v;
+  for (int k = 0; k < 2; ++k)
+    if (const_scalar(g, n.inputs[1 - k], v) && near(v, c)) return n.inputs[k];
+  return -1;
+}
+
+// Tanh GELU written out, as HF's gelu_new (GPT-2) and the ONNX exporter spell it:
+//   0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// as Mul(Mul(x, 0.5), Add(Tanh(..), 1)) or Mul(Mul(x, Add(Tanh(..), 1)), 0.5), x^3 as Pow(x, 3),
+// either operand order at each step, at node m2. Returns x and marks the inner nodes dead, or -1.
+int match_gelu_tanh(Graph& g, Node& m2, const std::vector<std::vector<int>>& cons,
+                    const std::set<int>& outs) {
+  if (!is_onnx(m2, "Mul") || m2.inputs.size() != 2) return -1;
+  // The tanh branch: Add(Tanh(Mul(Add(x, Mul(Pow(x, 3), 0.044715)), sqrt(2/pi))), 1) read from v;
+  // the nodes to drop go to `dead`.
+  auto tanh_branch = [&](int v, int x, std::vector<Node*>& dead) {
+    Node* add1 = sole(g, v, "Add", cons, outs);
+    if (!add1) return false;
+    Node* th = sole(g, other_than_scalar(g, *add1, 1.0), "Tanh", cons, outs);
+    if (!th) return false;
+    Node* mc = sole(g, th->inputs[0], "Mul", cons, outs);
+    if (!mc) return false;
+    Node* inner = sole(g, other_than_scalar(g, *mc, 0.7978845608028654), "Add", cons, outs);
+    if (!inner || inner->inputs.size() != 2) return false;
+    for (int k = 0; k < 2; ++k) {
+      if (inner->inputs[k] != x) continue;
+      Node* cube_c = sole(g, inner->inputs[1 - k], "Mul", cons, outs);
+      if (!cube_c) continue;
+      Node* pw = sole(g, other_than_scalar(g, *cube_c, 0.044715), "Pow", cons, outs);
+      double e;
+      if (!pw || pw->inputs.size() != 2 || pw->inputs[0] != x ||
+          !const_scalar(g, pw->inputs[1], e) || e != 3.0)
+        continue;
+      dead = {add1, th, mc, inner, cube_c, pw};
+      return true;
+    }
+    return false;
+  };
+  std::vector<Node*> dead;
+  int x = -1;
+  for (int k = 0; k < 2 && x < 0; ++k) {
+    Node* m1 = sole(g, m2.inputs[k], "Mul", cons, outs);
+    if (!m1 || m1->inputs.size() != 2) continue;
+    if (const int hx = other_than_scalar(g, *m1, 0.5); hx >= 0) {
+      // Mul(Mul(x, 0.5), tanh branch)
+      if (tanh_branch(m2.inputs[1 - k], hx, dead)) {
+        x = hx;
+        dead.push_back(m1);
+      }
+      continue;
+    }
+    double c;
+    if (!const_scalar(g, m2.inputs[1 - k], c) || !near(c, 0.5)) continue;
+    for (int j = 0; j < 2 && x < 0; ++j)  // Mul(Mul(x, tanh branch), 0.5)
+      if (tanh_branch(m1->inputs[1 - j], m1->inputs[j], dead)) {
+        x = m1->inputs[j];
+        dead.push_back(m1);
+      }
+  }
+  if (x < 0 || g.values[x].shape != g.values[m2.outputs[0]].shape) return -1;
+  for (Node* n : dead) n->dead = true;
+  return x;
+}
+
 // Mul(x, Sigmoid(x)) -- torch's export of SiLU -- at node m. Returns x (Sigmoid marked dead) or -1.
 int match_silu(Graph& g, Node& m, const std::vector<std::vector<int>>& cons,
                const std::set<int>& outs) {
@@ -134,6 +201,11 @@ int rewrite_for_training(Graph& g) {
     if (n.dead) continue;
     int x = match_gelu(g, n, cons, outs);
     std::string op = "Gelu", domain;
+    bool tanh = false;
+    if (x < 0) {
+      x = match_gelu_tanh(g, n, cons, outs);
+      tanh = x >= 0;
+    }
     if (x < 0) {
       x = match_silu(g, n, cons, outs);
       op = "Silu";
@@ -145,6 +217,7 @@ int rewrite_for_training(Graph& g) {
     n.def = nullptr;
     n.inputs = {x};
     n.attrs = Attrs();
+    if (tanh) n.attrs.set_string("approximate", "tanh");
     touched.insert(static_cast<int>(i));
     ++changed;
   }

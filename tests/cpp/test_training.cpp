@@ -79,3 +79,78 @@ TEST(ZeroGrad, SetToNoneReleasesAndFalseKeepsZeroedBuffers) {
   EXPECT_EQ(alloc.current(Category::Gradient), 0);
   EXPECT_FALSE(s.parameters()[0].grad.defined());
 }
+
+// ---- activations written out (src/autodiff/rewrite.cpp) ----------------------------------------
+// The tanh GELU as HF's gelu_new (GPT-2) writes it, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+// x^3))), in both of its spellings, runs as one Gelu(approximate = "tanh") with the loss and
+// gradients of the same graph kept unfused (the tanh also a graph output, so the rewrite may not
+// take it), in float64.
+namespace {
+struct GeluRun {
+  bool fused = false, leftovers = false;
+  double loss = 0;
+  std::vector<double> grad;
+};
+
+GeluRun run_written_out_gelu(bool half_first, bool keep_tanh) {
+  Allocator alloc;
+  Graph g;
+  g.opset = 17;
+  Tensor x0 = Tensor::empty({3, 7}, DType::F64, alloc, Category::Parameter);
+  Tensor r = Tensor::empty({3, 7}, DType::F64, alloc, Category::Workspace);
+  for (int64_t i = 0; i < x0.numel(); ++i) {
+    x0.data<double>()[i] = 4 * std::sin(1.3 * static_cast<double>(i)) - 0.5;
+    r.data<double>()[i] = std::cos(0.7 * static_cast<double>(i));
+  }
+  const int x = g.add_param("x", x0);
+  auto scalar = [&](const char* name, double v) {
+    Tensor t = Tensor::empty({}, DType::F64, alloc, Category::Workspace);
+    t.data<double>()[0] = v;
+    return g.add_constant(name, t, false);
+  };
+  const int cube = g.add_op1("Pow", {x, scalar("three", 3.0)});
+  const int inner = g.add_op1("Add", {x, g.add_op1("Mul", {scalar("c", 0.044715), cube})});
+  const int th = g.add_op1("Tanh", {g.add_op1("Mul", {inner, scalar("k", 0.7978845608028654)})});
+  const int onep = g.add_op1("Add", {scalar("one", 1.0), th});
+  const int y = half_first ? g.add_op1("Mul", {g.add_op1("Mul", {scalar("half", 0.5), x}), onep})
+                           : g.add_op1("Mul", {g.add_op1("Mul", {x, onep}), scalar("half", 0.5)});
+  const int loss = g.add_op1(
+      "ReduceSum", {g.add_op1("Mul", {y, g.add_constant("r", r, false)})},
+      [] {
+        Attrs a;
+        a.set_int("keepdims", 0);
+        return a;
+      }(),
+      "", "loss");
+  g.outputs = {loss};
+  if (keep_tanh) g.outputs.push_back(th);
+  SessionOptions opt;
+  opt.loss = "loss";
+  opt.alloc = &alloc;
+  TrainSession sess(std::move(g), opt);
+  GeluRun run;
+  run.loss = sess.step();
+  for (const Node& n : sess.graph().nodes) {
+    if (n.dead) continue;
+    if (n.op == "Gelu" && n.attrs.get_string("approximate", "none") == "tanh") run.fused = true;
+    if (n.op == "Pow" || n.op == "Tanh") run.leftovers = true;
+  }
+  const Tensor& gr = sess.parameters()[0].grad;
+  run.grad.assign(gr.data<double>(), gr.data<double>() + gr.numel());
+  return run;
+}
+}  // namespace
+
+TEST(Rewrite, WrittenOutTanhGeluRunsAsOneGeluWithTheSameGradients) {
+  for (bool half_first : {true, false}) {
+    SCOPED_TRACE(half_first ? "Mul(Mul(0.5, x), 1 + tanh)" : "Mul(Mul(x, 1 + tanh), 0.5)");
+    const GeluRun fused = run_written_out_gelu(half_first, false),
+                  ref = run_written_out_gelu(half_first, true);
+    EXPECT_TRUE(fused.fused);
+    EXPECT_FALSE(fused.leftovers);
+    EXPECT_FALSE(ref.fused);
+    EXPECT_NEAR(fused.loss, ref.loss, 1e-12 * (1 + std::abs(ref.loss)));
+    ASSERT_EQ(fused.grad.size(), ref.grad.size());
+    for (size_t i = 0; i < ref.grad.size(); ++i) EXPECT_NEAR(fused.grad[i], ref.grad[i], 1e-12);
+  }
+}
