@@ -5,8 +5,9 @@
         [gpt2|bert|resnet50|vit|llama1b] [--steps 3] [--threads 2] [--scale real|tiny]
 
 GraftModule(gradients="step", AdamW) with GRAFT_PROFILE=1: per step, forward and backward wall
-times; then, for the last step, each op's total time (GraftModule.op_times()) and the bytes the
-forward keeps for backward grouped by the op that made them (GraftModule.saved_for_backward()).
+times; then, for the last step, each op's total time (GraftModule.op_times()) and rate
+(GraftModule.node_flops()), and the bytes the forward keeps for backward grouped by the op that
+made them (GraftModule.saved_for_backward()).
 """
 import argparse
 import collections
@@ -42,14 +43,17 @@ def main(argv):
     print(f"\nkept for backward: {sum(kept.values()) / 2**30:.3f} GiB")
     for op, b in kept.most_common(10):
         print(f"  {op:28s} {b / 2**20:9.1f} MiB")
-    times, count = collections.Counter(), collections.Counter()
-    for _, op, s in g.op_times():
+    times, count, flops = collections.Counter(), collections.Counter(), collections.Counter()
+    node_flops = dict(g.node_flops())
+    for name, op, s in g.op_times():
         times[op] += s
         count[op] += 1
+        flops[op] += node_flops.get(name, 0.0)
     total = sum(times.values())
-    print(f"\nop times of the last step: {total:.3f} s")
+    print(f"\nop times of the last step: {total:.3f} s (GFLOP/s: the op's arithmetic over its time)")
     for op, s in times.most_common(20):
-        print(f"  {op:28s} {s:8.3f} s {100 * s / total:5.1f}%  ({count[op]} nodes)")
+        rate = f"  {flops[op] / s / 1e9:6.0f} GFLOP/s" if flops[op] and s > 0 else ""
+        print(f"  {op:28s} {s:8.3f} s {100 * s / total:5.1f}%  ({count[op]} nodes){rate}")
     return 0
 
 

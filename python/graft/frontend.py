@@ -610,6 +610,13 @@ class GraftModule(torch.nn.Module):
         entry = self._latest_entry()
         return list(entry.session.op_times()) if entry else []
 
+    def node_flops(self) -> List[Tuple[str, float]]:
+        """(node, arithmetic FLOPs per run) of the most recently called graph's nodes, for rates
+        beside op_times(): matrix products, convolutions and attention count; elementwise ops are
+        0."""
+        entry = self._latest_entry()
+        return list(entry.session.node_flops()) if entry else []
+
     def _latest_entry(self):
         """The cache entry of the most recently called graph (None before the first call)."""
         with self._lock:

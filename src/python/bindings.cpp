@@ -607,6 +607,16 @@ PYBIND11_MODULE(_graft, m) {
                  r.emplace_back(g.nodes[t.node].name, g.nodes[t.node].op, t.seconds);
              return r;
            })
+      // [(node, flops)]: each node's arithmetic FLOPs per run (node_flops; 0 for elementwise),
+      // for rates beside op_times.
+      .def("node_flops",
+           [](PySession& p) {
+             std::vector<std::pair<std::string, double>> r;
+             const Graph& g = p.s->graph();
+             for (const Node& n : g.nodes)
+               if (!n.dead) r.emplace_back(n.name, node_flops(g, n));
+             return r;
+           })
       // [(value, op, node, bytes)]: the buffers alive at the planned activation peak.
       .def("live_at_peak", [](PySession& p) {
         std::vector<std::tuple<std::string, std::string, std::string, int64_t>> r;

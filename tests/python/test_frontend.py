@@ -777,6 +777,13 @@ def test_op_times_with_graft_profile(monkeypatch):
     assert "Gemm" in ops or "MatMul" in ops
     assert any(o.endswith("Grad") or o == "GradSink" for o in ops[len(fwd):])  # backward ops recorded
     assert sum(s for _, _, s in both[len(fwd):]) <= wall  # times are the backward's own
+    # node_flops (the profiler's rates): the forward's products are the three Linear layers'
+    # 2 * batch * in * out, whatever op (Gemm, MatMul) the capture made of them.
+    flops = dict(m.node_flops())
+    assert set(n for n, _, _ in both) <= set(flops)
+    assert sum(flops[n] for n, o, _ in fwd if o in ("Gemm", "MatMul", "FusedMatMul")) == \
+        2 * 8 * (16 * 32 + 32 * 32 + 32 * 4)
+    assert all(flops[n] == 0 for n, o, _ in fwd if o in ("Relu", "Tanh"))
 
 
 # SoftmaxCrossEntropyLoss and its gradient in float32 (the vectorized path: positions in parallel,
