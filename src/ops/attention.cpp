@@ -229,13 +229,12 @@ void softmax_rows(const Dims& d, int64_t r0, int64_t m, int64_t kn, T* S, T* lse
       T mx = ninf;
       if (lse_in) {
         mx = lse_in[i];
-      } else if constexpr (std::is_same_v<T, float>) {
-        if (vec && lim > 0)
-          mx = vmath::max_of(s, lim);
-        else
-          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
       } else {
-        for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
+        if constexpr (std::is_same_v<T, float>) {
+          if (vec && lim > 0) mx = vmath::max_of(s, lim);
+        }
+        if (!vec)
+          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
       }
       if (!(mx > ninf)) {  // attends to nothing (or NaN scores: they stay NaN below)
         if (std::isnan(static_cast<double>(mx))) {
@@ -248,24 +247,17 @@ void softmax_rows(const Dims& d, int64_t r0, int64_t m, int64_t kn, T* S, T* lse
       }
       double sum = 0;
       if constexpr (std::is_same_v<T, float>) {
-        if (vec) {
-          sum = vmath::exp_shift_sum(s, mx, s, lim);
-        } else {
-          for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));
-        }
-      } else {
-        for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));
+        if (vec) sum = vmath::exp_shift_sum(s, mx, s, lim);
       }
+      if (!vec)
+        for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));
       if (lse_in) continue;
       const T inv = static_cast<T>(1.0 / sum);
       if constexpr (std::is_same_v<T, float>) {
-        if (vec)
-          vmath::scale(s, inv, lim);
-        else
-          for (int64_t j = 0; j < lim; ++j) s[j] *= inv;
-      } else {
-        for (int64_t j = 0; j < lim; ++j) s[j] *= inv;
+        if (vec) vmath::scale(s, inv, lim);
       }
+      if (!vec)
+        for (int64_t j = 0; j < lim; ++j) s[j] *= inv;
       if (lse_out) lse_out[i] = mx + static_cast<T>(std::log(sum));
     }
   });

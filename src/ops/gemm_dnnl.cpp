@@ -48,7 +48,7 @@
 // and every product of GPT-2's Conv1D layers), oneDNN 2.6's brgemm matmul copies B's blocks into
 // its own layout as it goes and runs far below its rate on many shapes: 1576x3072x768 ran at 130
 // GFLOP/s against 290 with B transposed, and 768x3072x1576 (A transposed) at 90-130; torch.mm
-// (MKL) ran both at ~250 (docs/performance.md, "B in oneDNN's own layout"). Such products of at
+// (MKL) ran both at ~250 (docs/performance.md, "Real size, round 3"). Such products of at
 // least 2^25 multiply-adds are created with B's format `any`, and B is reordered into the layout
 // the primitive picks before each call (a reorder primitive, on the OpenMP team: ~1 ms for a
 // 768x3072 B, against the 15-30 ms it saves), into a ScratchBlock: the block cache's, so the next
@@ -143,9 +143,8 @@ using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, 
 struct Prim {
   dnnl::matmul mm;
   dnnl::memory::desc a, b, c, scratch;
-  // Note [packed GEMM operand]: when set, B (in the caller's layout b_user) is reordered into b
-  // (the primitive's own blocked layout) in scratch before each call.
-  bool packs_b = false;
+  // Note [packed GEMM operand]: where `pack` is a primitive, B (in the caller's layout b_user) is
+  // reordered into b (the primitive's own blocked layout) in scratch before each call.
   dnnl::memory::desc b_user;
   dnnl::reorder pack;
 };
@@ -184,13 +183,13 @@ std::shared_ptr<const Prim> primitive(bool ta, bool tb, int64_t M, int64_t N, in
       if (packed != b && packed.get_size() <= kPackMaxBytes) {
         dnnl::reorder::primitive_desc rd(opsutil::dnnl_engine(), b, opsutil::dnnl_engine(), packed);
         return std::make_shared<const Prim>(
-            Prim{dnnl::matmul(pd), a, packed, c, pd.scratchpad_desc(), true, b, dnnl::reorder(rd)});
+            Prim{dnnl::matmul(pd), a, packed, c, pd.scratchpad_desc(), b, dnnl::reorder(rd)});
       }
     }
     try {
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, opsutil::dnnl_engine());
       return std::make_shared<const Prim>(
-          Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), false, {}, {}});
+          Prim{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), {}, {}});
     } catch (const dnnl::error& e) {
       if (!bf16) throw;  // the caller falls back to OpenBLAS
       fail(ErrorKind::Unsupported,
@@ -295,7 +294,7 @@ bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   dnnl::stream s(eng);
   std::optional<ScratchBlock> packed;
   dnnl::memory mb;
-  if (p->packs_b) {
+  if (p->pack) {
     packed.emplace(p->b.get_size());
     mb = dnnl::memory(p->b, eng, packed->data());
     dnnl::memory user(p->b_user, eng, const_cast<float*>(B));
