@@ -274,8 +274,8 @@ def test_bf16_loss_curve_tracks_fp32_over_200_steps(name):
     import numpy as np
     if not hasattr(torch, "compile"):
         # 400 steps per model (resnet18: ~3 minutes): run once, on the current stack (CTest
-        # zoo_current), not again on torch 1.13; bf16's kernels are graft's own on both stacks.
-        pytest.skip("the bf16 curves run on the current PyTorch stack (zoo_current)")
+        # zoo_current_rest), not again on torch 1.13; bf16's kernels are graft's own on both stacks.
+        pytest.skip("the bf16 curves run on the current PyTorch stack (zoo_current_rest)")
     z = zoo.build(name, dropout=False)
     batch = z.make_batch(0)
     curves = {}
