@@ -6,7 +6,7 @@ written out, what torch 1.13 and nn.MultiheadAttention's need_weights path run).
         [--seq 512,2048,8192] [--batch 1] [--heads 8] [--repeat 3] [--threads 2] [--dropout P] [--json]
 
 Each (system, T) runs in its own process, the systems alternated over the repeats. One step is
-out = attention(q, k, v) (B=1, H=8 unless --batch / --heads say, head size 64, float32, causal) and out.backward(dout), with q,
+out = attention(q, k, v) (B=1, H=8 unless --batch / --heads say, head size 64, float32, causal unless --full) and out.backward(dout), with q,
 k, v leaves that require grad; graft runs it as GraftModule over a module that calls
 F.scaled_dot_product_attention (captured as graft.Attention). Reported per system and T: the
 median step time over the timed steps (after a warm-up), the best of the repeats, and the peak
@@ -25,7 +25,7 @@ import time
 B, H, D = 1, 8, 64
 
 
-def child(system, T, threads, steps, p, B=B, H=H):
+def child(system, T, threads, steps, p, B=B, H=H, causal=True):
     import torch
     import torch.nn.functional as F
     from graft._proc import StepMarks
@@ -35,20 +35,20 @@ def child(system, T, threads, steps, p, B=B, H=H):
     dout = torch.randn(B, H, T, D, generator=g)
 
     if system == "eager_math":
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1) if causal else torch.zeros(T, T, dtype=torch.bool)
 
         def attn(q, k, v):
             s = (q @ k.transpose(-1, -2)) / D ** 0.5
             return F.dropout(torch.softmax(s.masked_fill(mask, float("-inf")), -1), p) @ v
     elif system == "eager_sdpa":
         def attn(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
     else:
         from graft.frontend import GraftModule
 
         class Attn(torch.nn.Module):
             def forward(self, q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
         attn = GraftModule(Attn())
     marks = StepMarks()
     times = []
@@ -75,11 +75,12 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=B)
     ap.add_argument("--heads", type=int, default=H, help="(GPT-2 124M at B=4, T=512: --batch 4 --heads 12)")
+    ap.add_argument("--full", action="store_true", help="every query attends to every key (BERT, ViT), not causal")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "T"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child[0], int(a.child[1]), a.threads, a.steps or 3, a.dropout, a.batch, a.heads)
+        child(a.child[0], int(a.child[1]), a.threads, a.steps or 3, a.dropout, a.batch, a.heads, not a.full)
         return
     from graft._proc import run_sampled, summarize_anon
     systems = ("eager_sdpa", "graft", "eager_math")
@@ -90,7 +91,7 @@ def main():
             for system in systems:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", system, str(T),
                        "--threads", str(a.threads), "--steps", str(steps), "--dropout", str(a.dropout),
-                       "--batch", str(a.batch), "--heads", str(a.heads)]
+                       "--batch", str(a.batch), "--heads", str(a.heads)] + (["--full"] if a.full else [])
                 rc, out, err, samples = run_sampled(cmd, env=dict(os.environ))
                 if rc != 0:
                     raise SystemExit(f"{system} T={T} failed:\n{err[-2000:]}")
@@ -107,10 +108,10 @@ def main():
         row["time_vs_eager_sdpa"] = row["step_seconds"] / ref["step_seconds"]
         out.append(row)
     if a.json:
-        print(json.dumps({"bench": "attention", "B": a.batch, "H": a.heads, "D": D, "causal": True, "dtype": "float32", "dropout": a.dropout,
+        print(json.dumps({"bench": "attention", "B": a.batch, "H": a.heads, "D": D, "causal": not a.full, "dtype": "float32", "dropout": a.dropout,
                           "rows": out}, indent=1))
         return
-    print(f"causal attention B={a.batch} H={a.heads} D={D} fp32, dropout {a.dropout}, {a.threads} threads; "
+    print(f"{'full' if a.full else 'causal'} attention B={a.batch} H={a.heads} D={D} fp32, dropout {a.dropout}, {a.threads} threads; "
           "step = forward + backward")
     print(f"{'T':>6} {'system':<11} {'step s':>8} {'vs sdpa':>8} {'step peak MiB':>14}")
     for row in sorted(out, key=lambda r: (r["T"], systems.index(r["system"]))):

@@ -31,11 +31,14 @@
 // not O(T^2). rowsum(P * dP) equals FlashAttention's rowsum(dO * O) (O = P V), but needs no O:
 // the backward does not keep the output, which the next layer usually keeps in another layout
 // (the heads transposed back), so the forward's result is not held twice. The GEMMs run on graft's
-// GEMM entry point (threaded, oneDNN / OpenBLAS); the row softmax runs on the op families' threads.
+// GEMM entry point (oneDNN / OpenBLAS) and the row softmax on the op families' threads, the heads
+// in parallel where there are enough of them (Note [heads in parallel]).
 // Causal blocks stop at their last row's diagonal, and on short sequences their GEMMs run in
 // sub-blocks that each stop at their own (sub_rows).
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "util.h"
 #include "vmath.h"
@@ -182,6 +185,40 @@ void each_sub(const Dims& d, int64_t sb, int64_t r0, int64_t m, int64_t kn, F&& 
   }
 }
 
+// Note [heads in parallel]
+// Per unit of work (a query head in the forward; in the backward a key/value head with the query
+// heads that read it, since they add into the same dK and dV) attention is a few GEMMs of about
+// rows x Tk x D and row loops over rows x Tk. At BERT's, ViT's and GPT-2's sizes (T 197-512, D 64)
+// each is small, and splitting each one over the threads costs a fork and a join per GEMM and per
+// row loop: `perf` put libgomp at half the GEMMs' share of attention's time. With at least four
+// units per thread, the units run in parallel instead, each on one thread with its own block of
+// scores (so the workspace is one block per thread), its GEMMs single-threaded (oneDNN runs on the
+// calling thread inside a parallel region) and its row loops inline (parallel_for nests that way).
+// No two units write the same bytes, and a unit's arithmetic is the same in both modes up to the
+// GEMM library's own split of a product. GRAFT_ATTENTION_HEADS=0 keeps units one at a time, each
+// GEMM and row loop threaded (an A/B switch).
+int unit_slots(int64_t units) {
+  static const bool off = [] {
+    const char* v = std::getenv("GRAFT_ATTENTION_HEADS");
+    return v && std::string(v) == "0";
+  }();
+  const int t = max_threads();
+  return !off && t > 1 && units >= 4 * int64_t{t} ? t : 1;
+}
+// Runs unit(slot, u) for u in [0, units): in parallel (slots > 1: slot < slots, the running
+// thread's block of scores) or one after another in slot 0.
+template <class F>
+void each_unit(int64_t units, int slots, int64_t work_per_unit, F&& unit) {
+  if (slots == 1) {
+    for (int64_t u = 0; u < units; ++u) unit(0, u);
+    return;
+  }
+  parallel_for(units, std::max<int64_t>(work_per_unit, kParallelGrain),
+               [&](int slot, int64_t u0, int64_t u1) {
+                 for (int64_t u = u0; u < u1; ++u) unit(slot, u);
+               });
+}
+
 // S[m x kn] (scores of rows r0.. of head (b, h), already scaled) gets the mask: -inf where a
 // boolean mask says no, a float mask added. (The causal triangle is softmax_rows's.)
 template <class T>
@@ -270,49 +307,50 @@ void attention_kernel(KernelCtx& c) {
       dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(4) ? &c.in(4) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
+  const int slots = unit_slots(d.B * d.H);  // Note [heads in parallel]
   dispatch_float(q.dtype(), c, [&]<class T>() {
-    Tensor ws = Tensor::empty({rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
+    Tensor ws =
+        Tensor::empty({slots, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
     Tensor lse_ws;
     T* lse_all = nullptr;
     if (c.has_out(1)) {
       lse_all = c.out(1).data<T>();
     } else {
-      lse_ws = Tensor::empty({rows}, q.dtype(), c.alloc, Category::Workspace, "lse");
+      lse_ws = Tensor::empty({slots, rows}, q.dtype(), c.alloc, Category::Workspace, "lse");
     }
-    T* S = ws.data<T>();
-    for (int64_t b = 0; b < d.B; ++b)
-      for (int64_t h = 0; h < d.H; ++h) {
-        const int64_t hk = h / group;
-        const T* Q = q.data<T>() + (b * d.H + h) * d.Tq * d.D;
-        const T* K = k.data<T>() + (b * d.Hk + hk) * d.Tk * d.D;
-        const T* V = v.data<T>() + (b * d.Hk + hk) * d.Tk * d.Dv;
-        T* O = c.out(0).data<T>() + (b * d.H + h) * d.Tq * d.Dv;
-        for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
-          const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
-          T* lse = lse_all ? lse_all + (b * d.H + h) * d.Tq + r0 : lse_ws.data<T>();
-          if (kn == 0) {  // no keys at all (Tk = 0)
-            std::fill(O + r0 * d.Dv, O + (r0 + m) * d.Dv, T(0));
-            std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
-            continue;
-          }
-          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-            gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D,
-                       K, d.D, T(0), S + s0 * kn, kn);
-          });
-          mask_scores<T>(d, mask, b, h, r0, m, kn, S);
-          softmax_rows<T>(d, r0, m, kn, S, lse, nullptr);
-          if (drop.on)
-            parallel_for(m, 8 * kn, [&](int, int64_t i0, int64_t i1) {
-              for (int64_t i = i0; i < i1; ++i)
-                drop.apply(static_cast<uint64_t>(((b * d.H + h) * d.Tq + r0 + i) * d.Tk), kn,
-                           S + i * kn);
-            });
-          each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-            gemm_ld<T>(false, false, ms, d.Dv, ks, T(1), S + s0 * kn, kn, V, d.Dv, T(0),
-                       O + (r0 + s0) * d.Dv, d.Dv);
-          });
+    auto unit = [&](int slot, int64_t bh) {
+      const int64_t b = bh / d.H, h = bh % d.H, hk = h / group;
+      T* S = ws.data<T>() + slot * rows * d.Tk;
+      const T* Q = q.data<T>() + bh * d.Tq * d.D;
+      const T* K = k.data<T>() + (b * d.Hk + hk) * d.Tk * d.D;
+      const T* V = v.data<T>() + (b * d.Hk + hk) * d.Tk * d.Dv;
+      T* O = c.out(0).data<T>() + bh * d.Tq * d.Dv;
+      for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
+        const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
+        T* lse = lse_all ? lse_all + bh * d.Tq + r0 : lse_ws.data<T>() + slot * rows;
+        if (kn == 0) {  // no keys at all (Tk = 0)
+          std::fill(O + r0 * d.Dv, O + (r0 + m) * d.Dv, T(0));
+          std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
+          continue;
         }
+        each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+          gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D, K,
+                     d.D, T(0), S + s0 * kn, kn);
+        });
+        mask_scores<T>(d, mask, b, h, r0, m, kn, S);
+        softmax_rows<T>(d, r0, m, kn, S, lse, nullptr);
+        if (drop.on)
+          parallel_for(m, 8 * kn, [&](int, int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i)
+              drop.apply(static_cast<uint64_t>((bh * d.Tq + r0 + i) * d.Tk), kn, S + i * kn);
+          });
+        each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
+          gemm_ld<T>(false, false, ms, d.Dv, ks, T(1), S + s0 * kn, kn, V, d.Dv, T(0),
+                     O + (r0 + s0) * d.Dv, d.Dv);
+        });
       }
+    };
+    each_unit(d.B * d.H, slots, rows * d.Tk * (d.D + d.Dv), unit);
   });
 }
 
@@ -338,18 +376,22 @@ void attention_grad_kernel(KernelCtx& c) {
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
+  const int slots = unit_slots(d.B * d.Hk);  // Note [heads in parallel]
   dispatch_float(q.dtype(), c, [&]<class T>() {
-    Tensor ws = Tensor::empty({2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
-    Tensor dws = Tensor::empty({rows}, q.dtype(), c.alloc, Category::Workspace, "rowdot");
-    T* P = ws.data<T>();
-    T* dP = P + rows * d.Tk;
-    T* Di = dws.data<T>();
+    Tensor ws =
+        Tensor::empty({slots, 2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
+    Tensor dws = Tensor::empty({slots, rows}, q.dtype(), c.alloc, Category::Workspace, "rowdot");
     if (want_k) std::memset(c.out(1).raw(), 0, c.out(1).nbytes());
     if (want_v) std::memset(c.out(2).raw(), 0, c.out(2).nbytes());
     if (want_mask) std::memset(c.out(3).raw(), 0, c.out(3).nbytes());
-    for (int64_t b = 0; b < d.B; ++b)
-      for (int64_t h = 0; h < d.H; ++h) {
-        const int64_t hk = h / group, qh = (b * d.H + h), kh = (b * d.Hk + hk);
+    // A unit: key/value head kh = (b, hk) and its query heads, which add into the same dK and dV.
+    auto unit = [&](int slot, int64_t kh) {
+      T* P = ws.data<T>() + slot * 2 * rows * d.Tk;
+      T* dP = P + rows * d.Tk;
+      T* Di = dws.data<T>() + slot * rows;
+      const int64_t b = kh / d.Hk, hk = kh % d.Hk;
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const int64_t qh = (b * d.H + h);
         const T* Q = q.data<T>() + qh * d.Tq * d.D;
         const T* K = k.data<T>() + kh * d.Tk * d.D;
         const T* V = v.data<T>() + kh * d.Tk * d.Dv;
@@ -375,7 +417,8 @@ void attention_grad_kernel(KernelCtx& c) {
           auto first = [&](int64_t i) {  // the flat position of row i's key 0 in the mask
             return static_cast<uint64_t>((qh * d.Tq + r0 + i) * d.Tk);
           };
-          // dV += P^T dO, with the dropped probabilities (made in dP's buffer) under dropout
+          // dV += P^T dO, with the dropped probabilities (made in dP's buffer) under
+          // dropout
           if (dV && dO) {
             const T* Pv = P;
             if (drop.on) {
@@ -392,7 +435,8 @@ void attention_grad_kernel(KernelCtx& c) {
                          d.Dv, T(1), dV, d.Dv);
             });
           }
-          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
+          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's
+          // diagonal
           if (dO)
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
               gemm_ld<T>(false, true, ms, ks, d.Dv, T(1), dO + (r0 + s0) * d.Dv, d.Dv, V, d.Dv,
@@ -407,9 +451,10 @@ void attention_grad_kernel(KernelCtx& c) {
               T* ds = dP + i * kn;
               const T* p = P + i * kn;
               if (drop.on) drop.apply(first(i), lim, ds);  // the gradient of P before dropout
-              // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp sums to
-              // 1 + delta, and without the division the row sum of dS would be -delta * rowsum
-              // (not 0), a bias in every gradient that is 0 in exact arithmetic (a key bias's).
+              // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp
+              // sums to 1 + delta, and without the division the row sum of dS would be
+              // -delta * rowsum (not 0), a bias in every gradient that is 0 in exact
+              // arithmetic (a key bias's).
               double acc = 0, psum = 0;
               if constexpr (std::is_same_v<T, float>) {
                 if (vec) vmath::dot_and_sum(p, ds, lim, &acc, &psum);
@@ -445,6 +490,8 @@ void attention_grad_kernel(KernelCtx& c) {
           });
         }
       }
+    };
+    each_unit(d.B * d.Hk, slots, group * rows * d.Tk * (2 * d.D + 2 * d.Dv), unit);
   });
 }
 

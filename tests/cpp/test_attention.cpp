@@ -180,6 +180,89 @@ TEST(Attention, CausalSubBlocksMatchNaiveReference) {
     ASSERT_NEAR(o.data<double>()[i], ref[i], 1e-12) << "element " << i;
 }
 
+// Note [heads in parallel]: with at least four units of work per thread, the heads run one per
+// thread, each with its own block of scores and its products single-threaded (oneDNN's, at these
+// sizes: 96 x 96 x 32 is above its 2^18 floor). Float32, a boolean mask and grouped-query heads,
+// forward and backward: on two threads (in parallel: one block of scores per thread, by the
+// workspace's exact bytes) and on one (one head at a time) they agree with each other and with
+// float64.
+struct HeadsRun {
+  std::vector<double> o, dq, dk, dv;
+  int64_t fwd_workspace = 0, bwd_workspace = 0;
+};
+HeadsRun run_heads(DType dt, int threads, bool causal) {
+  const int64_t B = 2, H = 8, Hk = 4, T = 96, D = 32;
+  const int before = num_threads();
+  set_num_threads(threads);
+  Allocator io, ws;  // ws sees only what the kernels allocate for themselves
+  std::mt19937_64 rng(7);
+  Tensor q = random({B, H, T, D}, dt, io, rng), k = random({B, Hk, T, D}, dt, io, rng);
+  Tensor v = random({B, Hk, T, D}, dt, io, rng), dout = random({B, H, T, D}, dt, io, rng);
+  Tensor mask = Tensor::empty({T, T}, DType::Bool, io, Category::Workspace);
+  for (int64_t i = 0; i < T * T; ++i) mask.data<bool>()[i] = (i * 7 % 5) != 0;
+  Tensor o = Tensor::empty({B, H, T, D}, dt, io, Category::Workspace);
+  Tensor lse = Tensor::empty({B, H, T}, dt, io, Category::Workspace);
+  Tensor dq = Tensor::empty({B, H, T, D}, dt, io, Category::Workspace);
+  Tensor dk = Tensor::empty({B, Hk, T, D}, dt, io, Category::Workspace);
+  Tensor dv = Tensor::empty({B, Hk, T, D}, dt, io, Category::Workspace);
+  Node f;
+  f.op = "Attention";
+  f.domain = "graft";
+  f.name = "attn";
+  f.attrs.set_int("causal", causal ? 1 : 0);
+  f.inputs.assign(4, 0);
+  f.outputs = {0, 1};
+  std::vector<const Tensor*> fin = {&q, &k, &v, &mask};
+  std::vector<Tensor*> fout = {&o, &lse};
+  run_node(f, fin, fout, ws);
+  HeadsRun r;
+  r.fwd_workspace = ws.peak();
+  Node g = f;
+  g.op = "AttentionGrad";
+  g.inputs.assign(6, 0);
+  g.outputs = {0, 1, 2};
+  std::vector<const Tensor*> gin = {&dout, &q, &k, &v, &lse, &mask};
+  std::vector<Tensor*> gout = {&dq, &dk, &dv};
+  ws.reset_peak();
+  run_node(g, gin, gout, ws);
+  r.bwd_workspace = ws.peak();
+  set_num_threads(before);
+  auto doubles = [](const Tensor& t) {
+    std::vector<double> x(t.numel());
+    for (int64_t i = 0; i < t.numel(); ++i)
+      x[i] = t.dtype() == DType::F64 ? t.data<double>()[i] : t.data<float>()[i];
+    return x;
+  };
+  r.o = doubles(o), r.dq = doubles(dq), r.dk = doubles(dk), r.dv = doubles(dv);
+  return r;
+}
+
+TEST(Attention, HeadsInParallelMatchOneAtATimeAndFloat64) {
+  const int64_t T = 96;  // one block of rows: rows = T
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    const HeadsRun par = run_heads(DType::F32, 2, causal), one = run_heads(DType::F32, 1, causal);
+    const HeadsRun ref = run_heads(DType::F64, 1, causal);
+    EXPECT_EQ(par.fwd_workspace, 2 * T * T * 4);  // a block of scores per thread
+    EXPECT_EQ(one.fwd_workspace, T * T * 4);
+    EXPECT_EQ(par.bwd_workspace, 2 * (2 * T * T + T) * 4);  // P, dP and a row sum per thread
+    EXPECT_EQ(one.bwd_workspace, (2 * T * T + T) * 4);
+    const std::pair<const char*, std::vector<double> HeadsRun::*> outs[] = {
+        {"O", &HeadsRun::o}, {"dQ", &HeadsRun::dq}, {"dK", &HeadsRun::dk}, {"dV", &HeadsRun::dv}};
+    for (const auto& [name, field] : outs) {
+      SCOPED_TRACE(name);
+      const std::vector<double>&a = par.*field, &b = one.*field, &x = ref.*field;
+      double scale = 0;
+      for (double e : x) scale = std::max(scale, std::abs(e));
+      ASSERT_GT(scale, 0.1);
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_NEAR(a[i], x[i], 2e-6 * scale) << "element " << i;
+        ASSERT_NEAR(a[i], b[i], 2e-6 * scale) << "element " << i;
+      }
+    }
+  }
+}
+
 // One training step of loss = sum(Attention(Q, K, V) * R) with Q, K, V trained: the bytes it
 // allocates beyond the parameters and R, at its peak.
 struct Measured {
