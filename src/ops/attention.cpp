@@ -196,11 +196,13 @@ void each_sub(const Dims& d, int64_t sb, int64_t r0, int64_t m, int64_t kn, F&& 
 // calling thread inside a parallel region) and its row loops inline (parallel_for nests that way).
 // No two units write the same bytes, and a unit's arithmetic is the same in both modes up to the
 // GEMM library's own split of a product. GRAFT_ATTENTION_HEADS=0 keeps units one at a time, each
-// GEMM and row loop threaded (an A/B switch).
+// GEMM and row loop threaded (an A/B switch); so does GRAFT_POOL=own (Note [one thread pool]),
+// whose workers are not an OpenMP team: oneDNN would start a team of its own under each.
 int unit_slots(int64_t units) {
   static const bool off = [] {
     const char* v = std::getenv("GRAFT_ATTENTION_HEADS");
-    return v && std::string(v) == "0";
+    const char* pool = std::getenv("GRAFT_POOL");
+    return (v && std::string(v) == "0") || (pool && std::string(pool) == "own");
   }();
   const int t = max_threads();
   return !off && t > 1 && units >= 4 * int64_t{t} ? t : 1;
