@@ -27,6 +27,9 @@ inline int max_threads() { return std::max(1, num_threads()); }
 // inline, in order, in slot 0 when called from a pool task (nesting), while another thread has the
 // pool, or in a forked child.
 void run_tasks(int n, void (*fn)(void*, int, int), void* ctx);
+// Whether run_tasks runs on libgomp's OpenMP team (the default) rather than graft's own pool
+// (GRAFT_POOL=own). On the team, a oneDNN call inside a task runs on that task's thread alone.
+bool pool_is_openmp();
 
 // Below this many element operations a loop runs on the calling thread: waking a worker costs a
 // few microseconds, which this much work pays for (docs/performance.md, "What changed").

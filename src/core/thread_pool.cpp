@@ -120,13 +120,6 @@ namespace {
 // OpenBLAS's pthreads, a third set of threads). Measured on the zoo: docs/performance.md, "Three
 // thread pools on two cores" and "One thread pool". GRAFT_POOL=own runs graft's own pool below
 // (an A/B switch).
-bool pool_is_omp() {
-  static const bool omp = [] {
-    const char* v = std::getenv("GRAFT_POOL");
-    return !(v && std::strcmp(v, "own") == 0);
-  }();
-  return omp;
-}
 // run_tasks' contract on the OpenMP team: tasks claimed from a counter, slot = the team index.
 void run_tasks_omp(int n, void (*fn)(void*, int, int), void* ctx) {
   std::atomic<int> next{0};
@@ -159,6 +152,14 @@ void run_tasks_omp(int n, void (*fn)(void*, int, int), void* ctx) {
 }
 }  // namespace
 
+bool pool_is_openmp() {
+  static const bool omp = [] {
+    const char* v = std::getenv("GRAFT_POOL");
+    return !(v && std::strcmp(v, "own") == 0);
+  }();
+  return omp;
+}
+
 void run_tasks(int n, void (*fn)(void*, int, int), void* ctx) {
   static const bool atfork = [] { return pthread_atfork(nullptr, nullptr, mark_forked) == 0; }();
   (void)atfork;
@@ -168,7 +169,7 @@ void run_tasks(int n, void (*fn)(void*, int, int), void* ctx) {
     for (int i = 0; i < n; ++i) fn(ctx, i, 0);
     return;
   }
-  if (pool_is_omp()) return run_tasks_omp(n, fn, ctx);
+  if (pool_is_openmp()) return run_tasks_omp(n, fn, ctx);
   const int want = std::min(n, max_threads()) - 1;
   while (p.workers < want) {
     const int slot = ++p.workers;

@@ -201,8 +201,7 @@ void each_sub(const Dims& d, int64_t sb, int64_t r0, int64_t m, int64_t kn, F&& 
 int unit_slots(int64_t units) {
   static const bool off = [] {
     const char* v = std::getenv("GRAFT_ATTENTION_HEADS");
-    const char* pool = std::getenv("GRAFT_POOL");
-    return (v && std::string(v) == "0") || (pool && std::string(pool) == "own");
+    return (v && std::string(v) == "0") || !pool_is_openmp();
   }();
   const int t = max_threads();
   return !off && t > 1 && units >= 4 * int64_t{t} ? t : 1;
@@ -437,8 +436,7 @@ void attention_grad_kernel(KernelCtx& c) {
                          d.Dv, T(1), dV, d.Dv);
             });
           }
-          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's
-          // diagonal
+          // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
           if (dO)
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
               gemm_ld<T>(false, true, ms, ks, d.Dv, T(1), dO + (r0 + s0) * d.Dv, d.Dv, V, d.Dv,
@@ -453,10 +451,9 @@ void attention_grad_kernel(KernelCtx& c) {
               T* ds = dP + i * kn;
               const T* p = P + i * kn;
               if (drop.on) drop.apply(first(i), lim, ds);  // the gradient of P before dropout
-              // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp
-              // sums to 1 + delta, and without the division the row sum of dS would be
-              // -delta * rowsum (not 0), a bias in every gradient that is 0 in exact
-              // arithmetic (a key bias's).
+              // rowsum(P * dP) over rowsum(P): P recomputed from a rounded log-sum-exp sums to
+              // 1 + delta, and without the division the row sum of dS would be -delta * rowsum
+              // (not 0), a bias in every gradient that is 0 in exact arithmetic (a key bias's).
               double acc = 0, psum = 0;
               if constexpr (std::is_same_v<T, float>) {
                 if (vec) vmath::dot_and_sum(p, ds, lim, &acc, &psum);

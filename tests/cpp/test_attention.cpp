@@ -6,10 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <random>
-#include <string>
 
 #include "graft/ops.h"
 #include "graft/train.h"
@@ -240,8 +238,7 @@ HeadsRun run_heads(DType dt, int threads, bool causal) {
 }
 
 TEST(Attention, HeadsInParallelMatchOneAtATimeAndFloat64) {
-  if (const char* pool = std::getenv("GRAFT_POOL"); pool && std::string(pool) == "own")
-    GTEST_SKIP() << "GRAFT_POOL=own runs heads one at a time";
+  if (!pool_is_openmp()) GTEST_SKIP() << "GRAFT_POOL=own runs heads one at a time";
   const int64_t T = 96;  // one block of rows: rows = T
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "full");
