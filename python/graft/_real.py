@@ -16,6 +16,7 @@ Systems, each (model, system) in its own process, the order alternated over --re
 drift in the machine's speed falls on every system alike:
 
   eager         the module, torch.optim.AdamW after backward (zero_grad set_to_none);
+  eager-fused   the same with AdamW(fused=True), the kernel graft-step runs (only when named);
   compile       torch.compile(module) (inductor, default mode), same optimizer;
   compile-max   torch.compile(module, mode="max-autotune-no-cudagraphs");
   graft-hook    graft.GraftModule(module), torch.optim.AdamW after backward;
@@ -44,6 +45,7 @@ from . import _proc
 
 MODELS = ("gpt2", "bert", "resnet50", "vit", "llama1b")
 SYSTEMS = ("eager", "compile", "compile-max", "graft-hook", "graft-step", "eager-bf16", "compile-bf16", "graft-bf16")
+EXTRA_SYSTEMS = ("eager-fused",)  # only when named in --systems
 _VOCAB_TINY = 512
 
 
@@ -143,7 +145,9 @@ def worker(a):
     marks = _proc.StepMarks()
     module, inputs, items, unit = build(a.model, a.scale)
     lr = 1e-5
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    # eager-fused: AdamW(fused=True), torch's one-pass kernel, which graft's step mode runs for the
+    # default AdamW (Note [fused update in step mode]): what eager gains from the same kernel
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, **({"fused": True} if a.system == "eager-fused" else {}))
     bf16 = a.system.endswith("bf16")
     if a.system.startswith("graft"):
         import graft
@@ -274,7 +278,7 @@ def _ratios(summary):
     for model in {s["model"] for s in summary}:
         rows = {s["system"]: s for s in summary if s["model"] == model and s["ok"]}
         r = {}
-        for g, peers in (("graft-step", ("eager", "compile", "compile-max")),
+        for g, peers in (("graft-step", ("eager", "eager-fused", "compile", "compile-max")),
                          ("graft-hook", ("eager", "compile", "compile-max")),
                          ("graft-bf16", ("eager-bf16", "compile-bf16"))):
             if g not in rows:
@@ -294,9 +298,10 @@ def main(argv):
     p.add_argument("--real-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
-    p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=SYSTEMS + EXTRA_SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("models", nargs="*", help=f"of {', '.join(MODELS)} (default: all)")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"any of {', '.join(SYSTEMS + EXTRA_SYSTEMS)} (default: all but {', '.join(EXTRA_SYSTEMS)})")
     p.add_argument("--repeats", type=int, default=3, help="rounds, each system once per model per round")
     p.add_argument("--steps", type=int, default=3, help="timed steps per process, after the first")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -309,9 +314,9 @@ def main(argv):
         return 0
     models = a.models or list(MODELS)
     systems = [s for s in a.systems.split(",") if s]
-    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS]
+    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS + EXTRA_SYSTEMS]
     if bad or a.repeats < 1 or a.steps < 1:
-        print(f"models are {', '.join(MODELS)}; --systems takes {', '.join(SYSTEMS)}; --repeats and --steps "
+        print(f"models are {', '.join(MODELS)}; --systems takes {', '.join(SYSTEMS + EXTRA_SYSTEMS)}; --repeats and --steps "
               f">= 1 (got {' '.join(bad) or 'a count below 1'})", file=sys.stderr)
         return 2
     measures = {}

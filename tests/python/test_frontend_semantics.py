@@ -651,6 +651,52 @@ def test_step_mode_updates_inside_backward_as_the_eager_loop(opt_name):
     assert torch.equal(m[2].bias, e[2].bias)  # frozen: untouched in both
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["adamw", "adam-amsgrad", "off"])
+def test_step_mode_runs_torchs_fused_adam_kernel_with_eagers_state(kind, dtype, monkeypatch):
+    """Note [fused update in step mode]: with a PyTorch that has fused CPU Adam (>= 2.4), step mode
+    updates each parameter that has state through torch's fused kernel (counted here), its first
+    update through the optimizer's own path; parameters and the optimizer's state_dict (the step
+    count's dtype included) match the eager loop's. GRAFT_FUSED_STEP=0 ("off") never fuses."""
+    from graft import _function
+    if kind == "off":
+        monkeypatch.setenv("GRAFT_FUSED_STEP", "0")
+    calls = []
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        if hasattr(torch, name):
+            real = getattr(torch, name)
+            monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: (calls.append(len(a[0])), _real(*a, **k))[1])
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3)).to(dtype)
+    e = copy.deepcopy(m)
+
+    def make(model):
+        if kind == "adam-amsgrad":
+            return torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1, amsgrad=True)
+        return torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.99))
+    opt_g, opt_e = make(m), make(e)
+    g = GraftModule(m, gradients="step", optimizer=opt_g)
+    steps = 4
+    for k in range(steps):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k), dtype=dtype)
+        g(x).square().mean().backward()
+        opt_e.zero_grad()
+        e(x).square().mean().backward()
+        opt_e.step()
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        close(a, b, n)
+    sg, se = opt_g.state_dict(), opt_e.state_dict()
+    assert sg["param_groups"] == se["param_groups"]
+    assert sg["state"].keys() == se["state"].keys()
+    for i, st in se["state"].items():
+        assert st.keys() == sg["state"][i].keys()
+        for key, v in st.items():
+            assert sg["state"][i][key].dtype == v.dtype, (i, key)
+            close(sg["state"][i][key], v, f"state {i} {key}")
+    fused = _function._FUSED_CPU and kind != "off"
+    assert calls == ([1] * (steps - 1) * len(list(m.parameters())) if fused else []), calls
+
+
 def test_step_mode_needs_an_optimizer():
     with pytest.raises(graft.GraftArgumentError, match="optimizer"):
         GraftModule(Net(), gradients="step")

@@ -52,12 +52,17 @@ def test_every_system_reports_the_tables_columns_and_the_same_first_loss():
 
 def test_rounds_alternate_the_order_and_the_summary_takes_each_systems_rounds():
     # Two systems, two rounds (torch.compile's first calls are the test above's: minutes each).
-    doc = run("gpt2", "--systems", "eager,graft-step", "--repeats", "2", "--steps", "1")
+    # eager-fused (AdamW(fused=True)) runs only when named, and is one of graft-step's peers.
+    doc = run("gpt2", "--systems", "eager,eager-fused,graft-step", "--repeats", "2", "--steps", "1")
     assert [(r["round"], r["system"]) for r in doc["rows"]] == \
-        [(0, "eager"), (0, "graft-step"), (1, "graft-step"), (1, "eager")]
+        [(0, "eager"), (0, "eager-fused"), (0, "graft-step"), (1, "graft-step"), (1, "eager-fused"), (1, "eager")]
     for s in doc["summary"]:
         assert s["ok"] and len(s["step_seconds_rounds"]) == 2, s
         assert s["step_seconds"] == pytest.approx(statistics.median(s["step_seconds_rounds"])), s
+    rows = {s["system"]: s for s in doc["summary"]}
+    assert rows["eager-fused"]["loss"] == rows["eager"]["loss"]  # the first loss: before any update
+    assert doc["ratios"]["gpt2"]["graft-step/eager-fused"]["step"] == \
+        pytest.approx(rows["graft-step"]["step_seconds"] / rows["eager-fused"]["step_seconds"])
 
 
 def test_a_failing_system_is_a_row_with_its_error_not_a_crash():
