@@ -106,9 +106,9 @@ class BlockCache {
   BlockCache& operator=(const BlockCache&) = delete;
   ~BlockCache();  // unmaps what is kept (blocks still in use must have gone back first)
 
-  // A block of at least `bytes` (page-aligned): a kept one of the same page-rounded size, else a
-  // new mapping; its size in *mapped. nullptr if the system refuses even after every kept block
-  // went back.
+  // A block of `bytes` rounded up to pages (page-aligned): a kept range of that size, else the
+  // front of the smallest larger kept range, else a new (or grown) mapping; its size in *mapped.
+  // nullptr if the system refuses even after every kept range went back.
   void* take(size_t bytes, size_t* mapped);
   void give(void* p, size_t mapped);  // `mapped` as take() set it
   // Every kept block back to the system; the ceiling restarts from what is in use now.
@@ -120,18 +120,24 @@ class BlockCache {
   void set_trim_after_runs(bool on) { trim_after_runs_ = on; }
 
   struct Stats {
-    int64_t in_use, kept, high, hits, maps, unmaps, resizes;
+    int64_t in_use, kept, high, hits, splits, maps, unmaps, resizes;
   };
   Stats stats() const;
 
   static BlockCache& global();  // never destroyed: blocks may go back during static destruction
 
  private:
-  void unmap_kept(int64_t down_to);  // mu_ held
+  // mu_ held for these:
+  void unmap_kept(int64_t down_to);
+  void keep(char* p, size_t n);  // into kept_ and kept_at_, merged with its kept neighbours
+  void unkeep(std::multimap<size_t, char*>::iterator it);
   mutable std::mutex mu_;
-  std::multimap<size_t, void*> kept_;
+  std::multimap<size_t, char*>
+      kept_;                         // kept ranges by size (of one size: most recently kept first)
+  std::map<char*, size_t> kept_at_;  // the same ranges by address
   bool trim_after_runs_ = false;
-  int64_t in_use_ = 0, kept_bytes_ = 0, high_ = 0, hits_ = 0, maps_ = 0, unmaps_ = 0, resizes_ = 0;
+  int64_t in_use_ = 0, kept_bytes_ = 0, high_ = 0, hits_ = 0, splits_ = 0, maps_ = 0, unmaps_ = 0,
+          resizes_ = 0;
 };
 
 struct MemoryEvent {

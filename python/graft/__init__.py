@@ -25,7 +25,8 @@ def empty_cache():
 
 def memory_cache_stats():
     """Bytes of graft's blocks in use and kept for reuse, the ceiling on their sum, and counts of
-    requests served from kept blocks (hits), new mappings (maps) and blocks given back (unmaps)."""
+    requests served from a kept range of their size (hits) or from part of a larger one (splits), new
+    mappings (maps), grown ones (resizes) and ranges given back (unmaps)."""
     from . import _graft
     return dict(_graft.block_cache_stats())
 

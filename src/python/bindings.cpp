@@ -336,6 +336,7 @@ PYBIND11_MODULE(_graft, m) {
     d["kept"] = s.kept;
     d["high"] = s.high;
     d["hits"] = s.hits;
+    d["splits"] = s.splits;
     d["maps"] = s.maps;
     d["unmaps"] = s.unmaps;
     d["resizes"] = s.resizes;

@@ -178,7 +178,7 @@ def test_empty_cache_gives_the_kept_blocks_back():
         g(x).sum().backward()
     s = graft.memory_cache_stats()
     assert s["kept"] >= 2 << 20 and s["in_use"] + s["kept"] <= s["high"], s
-    assert s["hits"] > 0, s  # the second step reused the first's blocks
+    assert s["hits"] + s["splits"] > 0, s  # the second step reused the first's pages
     before = rss_anon()
     graft.empty_cache()
     after = graft.memory_cache_stats()
