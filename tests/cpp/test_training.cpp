@@ -154,3 +154,69 @@ TEST(Rewrite, WrittenOutTanhGeluRunsAsOneGeluWithTheSameGradients) {
     for (size_t i = 0; i < ref.grad.size(); ++i) EXPECT_NEAR(fused.grad[i], ref.grad[i], 1e-12);
   }
 }
+
+// Note [sibling gathers as one split]: Gathers of every index of an axis (one constant scalar
+// each, in any order) become one Split; the gradient is then one Concat. The loss is
+// sum_k <x[k], r_k> + <x, q> (x's other reader stays), so d loss / d x[k] = r_k + q[k] exactly.
+TEST(Rewrite, SiblingGathersOfEveryIndexBecomeOneSplit) {
+  for (int64_t axis : {0, 1, -2}) {
+    for (bool every : {true, false}) {
+      SCOPED_TRACE("axis " + std::to_string(axis) + (every ? ", every index" : ", a gap"));
+      Allocator alloc;
+      Graph g;
+      const Shape xs{3, 3, 5};
+      const int64_t ax = axis < 0 ? axis + 3 : axis;
+      Tensor x0 = Tensor::empty(xs, DType::F64, alloc, Category::Parameter);
+      Tensor q = Tensor::empty(xs, DType::F64, alloc, Category::Workspace);
+      for (int64_t i = 0; i < x0.numel(); ++i) {
+        x0.data<double>()[i] = std::sin(1.3 * static_cast<double>(i));
+        q.data<double>()[i] = std::cos(0.3 * static_cast<double>(i));
+      }
+      const int x = g.add_param("x", x0);
+      Attrs sum;
+      sum.set_int("keepdims", 0);
+      Attrs on;
+      on.set_int("axis", axis);
+      const std::vector<int64_t> order = every ? std::vector<int64_t>{2, -3, 1}  // -3 is 0
+                                               : std::vector<int64_t>{2, 0};
+      std::vector<Tensor> rs;
+      int total =
+          g.add_op1("ReduceSum", {g.add_op1("Mul", {x, g.add_constant("q", q, false)})}, sum);
+      for (int64_t k : order) {
+        Tensor idx = Tensor::empty({}, DType::I64, alloc, Category::Workspace);
+        idx.data<int64_t>()[0] = k;
+        const int part = g.add_op1("Gather", {x, g.add_constant("i", idx)}, on);
+        Tensor r = Tensor::empty({3, 5}, DType::F64, alloc, Category::Workspace);
+        for (int64_t i = 0; i < r.numel(); ++i)
+          r.data<double>()[i] = static_cast<double>(10 * (k < 0 ? k + 3 : k) + i % 7);
+        rs.push_back(r);
+        const int term =
+            g.add_op1("ReduceSum", {g.add_op1("Mul", {part, g.add_constant("r", r)})}, sum);
+        total = g.add_op1("Add", {total, term});
+      }
+      g.outputs = {g.add_op1("Identity", {total}, {}, "", "loss")};
+      SessionOptions opt;
+      opt.loss = "loss";
+      opt.alloc = &alloc;
+      TrainSession sess(std::move(g), opt);
+      sess.step();
+      int splits = 0, gathers = 0;
+      for (const Node& n : sess.graph().nodes) {
+        if (n.dead) continue;
+        splits += n.op == "Split";
+        gathers += n.op == "Gather" || n.op == "GatherGrad";
+      }
+      EXPECT_EQ(splits, every ? 1 : 0);
+      EXPECT_EQ(gathers, every ? 0 : 4);  // two Gathers and their two GatherGrads
+      const Tensor& gr = sess.parameters()[0].grad;
+      for (int64_t i = 0; i < gr.numel(); ++i) {
+        const int64_t k = ax == 0 ? i / 15 : i / 5 % 3,
+                      rest = ax == 0 ? i % 15 : i / 15 * 5 + i % 5;
+        double want = q.data<double>()[i];
+        for (size_t j = 0; j < order.size(); ++j)
+          if ((order[j] < 0 ? order[j] + 3 : order[j]) == k) want += rs[j].data<double>()[rest];
+        EXPECT_NEAR(gr.data<double>()[i], want, 1e-12) << i;
+      }
+    }
+  }
+}
