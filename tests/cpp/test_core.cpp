@@ -52,6 +52,13 @@ TEST(Allocator, LimitIsATypedErrorAndLeavesStateUsable) {
   EXPECT_EQ(a.current(), 100);
 }
 
+// An allocator taking its blocks from 32 KiB up from cache c (as under
+// MALLOC_MMAP_THRESHOLD_=32768).
+static void serve_from(Allocator& a, BlockCache& c) {
+  a.set_block_cache(&c);
+  a.set_reuse_min_bytes(32 * 1024);
+}
+
 // Note [mapped block cache]: a freed block goes to the next request of its page-rounded size,
 // from any allocator on the cache, across runs; kept + in use never exceeds the most ever in use.
 TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
@@ -59,8 +66,7 @@ TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
   auto f32 = [](int64_t bytes) { return Shape{bytes / 4}; };
   BlockCache c;
   Allocator a;
-  a.set_block_cache(&c);
-  a.set_reuse_min_bytes(32 * K);  // as under MALLOC_MMAP_THRESHOLD_=32768
+  serve_from(a, c);  // as under MALLOC_MMAP_THRESHOLD_=32768
   auto within_peak = [&] {
     const auto s = c.stats();
     EXPECT_LE(s.in_use + s.kept, s.high);
@@ -90,8 +96,7 @@ TEST(BlockCache, KeepsFreedBlocksAcrossRunsNeverAboveThePeakInUse) {
     // nothing new: the next step's requests. (x's and y's ranges may have merged if the kernel
     // placed them side by side: then the two requests are the merged range's two halves.)
     Allocator b;
-    b.set_block_cache(&c);
-    b.set_reuse_min_bytes(32 * K);
+    serve_from(b, c);
     Tensor u = Tensor::empty(f32(128 * K), DType::F32, b, Category::Activation);
     Tensor v = Tensor::empty(f32(128 * K - 100), DType::F32, b, Category::Activation);
     EXPECT_EQ(c.stats().maps, 2) << "a size within the same pages reuses too";
@@ -155,8 +160,7 @@ TEST(BlockCache, KeptRangesSplitForOtherSizesAndMergeBack) {
   constexpr int64_t K = 1024;
   BlockCache c;
   Allocator a;
-  a.set_block_cache(&c);
-  a.set_reuse_min_bytes(32 * K);
+  serve_from(a, c);
   auto bytes = [&](int64_t n) {
     return Tensor::empty({n / 4}, DType::F32, a, Category::Activation);
   };
@@ -198,8 +202,7 @@ TEST(BlockCache, UnderTheMemoryPolicyRunsKeepNothingBetweenThem) {
   constexpr int64_t K = 1024;
   BlockCache c;
   Allocator a;
-  a.set_block_cache(&c);
-  a.set_reuse_min_bytes(32 * K);
+  serve_from(a, c);
   EXPECT_EQ(BlockCache::global().trims_after_runs(),
             std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr);
   for (bool trims : {false, true}) {
