@@ -46,6 +46,7 @@ from . import _proc
 MODELS = ("gpt2", "bert", "resnet50", "vit", "llama1b")
 SYSTEMS = ("eager", "compile", "compile-max", "graft-hook", "graft-step", "eager-bf16", "compile-bf16", "graft-bf16")
 EXTRA_SYSTEMS = ("eager-fused",)  # only when named in --systems
+ALL_SYSTEMS = SYSTEMS + EXTRA_SYSTEMS
 _VOCAB_TINY = 512
 
 
@@ -298,10 +299,10 @@ def main(argv):
     p.add_argument("--real-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
-    p.add_argument("--system", choices=SYSTEMS + EXTRA_SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=ALL_SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("models", nargs="*", help=f"of {', '.join(MODELS)} (default: all)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"any of {', '.join(SYSTEMS + EXTRA_SYSTEMS)} (default: all but {', '.join(EXTRA_SYSTEMS)})")
+                   help=f"any of {', '.join(ALL_SYSTEMS)} (default: all but {', '.join(EXTRA_SYSTEMS)})")
     p.add_argument("--repeats", type=int, default=3, help="rounds, each system once per model per round")
     p.add_argument("--steps", type=int, default=3, help="timed steps per process, after the first")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -314,9 +315,9 @@ def main(argv):
         return 0
     models = a.models or list(MODELS)
     systems = [s for s in a.systems.split(",") if s]
-    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in SYSTEMS + EXTRA_SYSTEMS]
+    bad = [m for m in models if m not in MODELS] + [s for s in systems if s not in ALL_SYSTEMS]
     if bad or a.repeats < 1 or a.steps < 1:
-        print(f"models are {', '.join(MODELS)}; --systems takes {', '.join(SYSTEMS + EXTRA_SYSTEMS)}; --repeats and --steps "
+        print(f"models are {', '.join(MODELS)}; --systems takes {', '.join(ALL_SYSTEMS)}; --repeats and --steps "
               f">= 1 (got {' '.join(bad) or 'a count below 1'})", file=sys.stderr)
         return 2
     measures = {}

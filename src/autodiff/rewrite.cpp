@@ -198,7 +198,7 @@ std::vector<int> clone_node(Graph& g, const Node& src, const std::vector<int>& i
 // become one Split into n parts of 1 and, for a scalar index, Squeezes (aliases) of its parts: the
 // same values, copied once each as before. Returns how many such groups were rewritten; `touched`
 // gets the rewritten Gathers, `splits` each Split's first output (the Split is appended to the
-// list; restore_list_order moves it ahead of its readers: autodiff walks the list backwards).
+// list; place_ahead_of_readers moves it: autodiff walks the list backwards).
 int split_sibling_gathers(Graph& g, const std::vector<std::vector<int>>& cons,
                           std::set<int>& touched, std::vector<int>& splits) {
   int groups = 0;
@@ -256,13 +256,21 @@ int split_sibling_gathers(Graph& g, const std::vector<std::vector<int>>& cons,
   return groups;
 }
 
-// Re-sorts the node list topologically, each node in `place_before` just ahead of the node it
-// names, every other pair in its present order.
-void restore_list_order(Graph& g, const std::map<int, int>& place_before) {
+// Re-sorts the node list topologically: each producer of one of `values` just ahead of its first
+// reader, every other pair of nodes in its present order.
+void place_ahead_of_readers(Graph& g, const std::vector<int>& values) {
   const int nn = static_cast<int>(g.nodes.size());
+  const auto readers = g.consumers();
   std::vector<double> key(nn);
   for (int i = 0; i < nn; ++i) key[i] = i;
-  for (const auto& [node, before] : place_before) key[node] = before - 0.5;
+  for (int v : values) {
+    const int node = g.values[v].producer;
+    int first = nn;
+    for (int o : g.nodes[node].outputs)
+      if (o >= 0)
+        for (int r : readers[o]) first = std::min(first, r);
+    key[node] = first - 0.5;
+  }
   std::vector<std::vector<int>> succ(nn);
   for (int i = 0; i < nn; ++i)
     for (int v : g.nodes[i].inputs)
@@ -362,19 +370,7 @@ int rewrite_for_training(Graph& g) {
     }
   }
   if (dead) g.remove_dead_nodes();
-  if (!splits.empty()) {
-    std::map<int, int> at;  // each Split (its index now) -> its first reader
-    const auto readers = g.consumers();
-    for (int v : splits) {
-      const int node = g.values[v].producer;
-      int first = static_cast<int>(g.nodes.size());
-      for (int o : g.nodes[node].outputs)
-        if (o >= 0)
-          for (int r : readers[o]) first = std::min(first, r);
-      at[node] = first;
-    }
-    restore_list_order(g, at);
-  }
+  if (!splits.empty()) place_ahead_of_readers(g, splits);
   return changed;
 }
 

@@ -396,23 +396,19 @@ void BlockCache::give(void* p, size_t mapped) {
 }
 
 void BlockCache::keep(char* p, size_t n) {
-  if (auto next = kept_at_.find(p + n); next != kept_at_.end()) {
-    n += next->second;
-    auto [lo, hi] = kept_.equal_range(next->second);
-    while (lo->second != next->first) ++lo;
-    kept_.erase(lo);
-    kept_at_.erase(next);
-  }
-  if (auto prev = kept_at_.lower_bound(p); prev != kept_at_.begin()) {
-    --prev;
-    if (prev->first + prev->second == p) {
-      auto [lo, hi] = kept_.equal_range(prev->second);
-      while (lo->second != prev->first) ++lo;
-      kept_.erase(lo);
-      p = prev->first;
-      n += prev->second;
-      kept_at_.erase(prev);
-    }
+  // A kept neighbour leaves both maps and joins the range.
+  auto absorb = [&](std::map<char*, size_t>::iterator at) {
+    auto it = kept_.lower_bound(at->second);
+    while (it->second != at->first) ++it;
+    p = std::min(p, at->first);
+    n += at->second;
+    kept_.erase(it);
+    kept_at_.erase(at);
+  };
+  if (auto next = kept_at_.find(p + n); next != kept_at_.end()) absorb(next);
+  if (auto at = kept_at_.lower_bound(p); at != kept_at_.begin()) {
+    const auto prev = std::prev(at);
+    if (prev->first + prev->second == p) absorb(prev);
   }
   kept_.emplace_hint(kept_.lower_bound(n), n, p);  // first of its size
   kept_at_.emplace(p, n);
