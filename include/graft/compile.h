@@ -32,6 +32,9 @@ struct CompileOptions {
   // each intermediate, where that lowers the activation peak (Note [pointwise recompute],
   // src/plan/recompute.cpp).
   bool recompute_pointwise = true;
+  // Keep float32 activations between convolutions in oneDNN's channel-blocked layout instead of
+  // reordering them around every convolution (Note [channel-blocked values], src/plan/layout.cpp).
+  bool blocked_layouts = true;
 };
 
 // One training step, compiled: the backward graph (its nodes appended to the graph) and the plan
@@ -44,6 +47,7 @@ struct CompiledStep {
   // Per requested input gradient (AutodiffOptions::input_grads): its index in plan.keep, or -1.
   std::vector<int> input_grad_keep;
   int recomputed = 0;  // nodes the activation budget cloned into the backward
+  int blocked = 0;     // values stored channel-blocked (Note [channel-blocked values])
 };
 
 // Compiles `g` in place (shapes bound from `input_shapes` for symbolic dims; constants folded into

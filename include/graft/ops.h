@@ -138,6 +138,22 @@ using GradFn = void (*)(GradBuilder&);
 // is the bytes they move, which the caller counts (node_flops is 0 for them).
 using FlopsFn = double (*)(const Graph&, const Node&);
 
+// --- layouts ------------------------------------------------------------------------------------
+// Note [channel-blocked values] (src/plan/layout.cpp): a float32 activation [N, C, spatial...]
+// with C % 16 == 0 may be stored channel-blocked, as [N, C/16, spatial..., 16] (oneDNN's
+// nChw16c), so that consecutive convolutions never reorder it. What a node can take so:
+struct BlockedUse {
+  uint32_t in = 0, out = 0;  // bit i: input / output i may be channel-blocked
+  // true: an elementwise node whose masked operands all have one shape; they must share one layout
+  // and the kernel never learns which. false: the kernel reads each operand's layout from the
+  // node's int attribute kBlockedAttr (bit i: input i, bit 16 + j: output j).
+  bool tied = false;
+};
+using BlockedFn = BlockedUse (*)(const Graph&, const Node&);
+inline constexpr const char* kBlockedAttr = "graft_blocked";
+// The elementwise rule: every input and output when they all have one shape, else none.
+BlockedUse blocked_elementwise(const Graph& g, const Node& n);
+
 // --- the table ----------------------------------------------------------------------------------
 // Rows are written with designated initializers; only what differs from these defaults is named:
 //   {.name = "Relu", .min_in = 1, .max_in = 1, .infer = infer_unary_float, .kernel = relu_kernel,
@@ -181,6 +197,8 @@ struct OpDef {
   // recomputes chains of such ops in backward instead of keeping their results (Note [pointwise
   // recompute], src/plan/recompute.cpp).
   bool pointwise = false;
+  // Which operands may be channel-blocked (Note [channel-blocked values]); nullptr: none.
+  BlockedFn blocked = nullptr;
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");

@@ -63,6 +63,12 @@ struct Plan {
 };
 
 Plan make_plan(const Graph& g, const PlanOptions& opt);
+// Note [channel-blocked values] (src/plan/layout.cpp): on a graph whose shapes are inferred,
+// chooses the float32 activations stored channel-blocked ([N, C/16, spatial..., 16]) and marks
+// the nodes that read the layout themselves (kBlockedAttr, ops.h). `external`: values the caller
+// reads or binds (kept gradients, the loss), never blocked; graph inputs, outputs, parameters and
+// constants never are either. Returns the number of values blocked.
+int choose_blocked_layouts(Graph& g, const std::vector<int>& external);
 // Checks the plan's invariants; throws Internal with the violation.
 void check_plan(const Graph& g, const Plan& p);
 

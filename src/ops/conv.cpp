@@ -404,6 +404,18 @@ void conv_kernel(KernelCtx& c) {
     const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
     T* y = c.out(0).data<T>();
+    if constexpr (std::is_same_v<T, float>) {
+      if (a.blocked) {  // Note [channel-blocked values]: only ever given to oneDNN's convolutions
+        ConvShape cs = conv_shape(w, N, C, M, g);
+        cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16);
+        const auto d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr);
+        if (!d) c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
+        Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
+        dnnl_conv_forward(*d, px, pw, b, y, scratch.data<float>());
+        return;
+      }
+    }
+    if (a.blocked) c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32");
     Plane2 p;
     if constexpr (std::is_same_v<T, float>) {
       if (depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p)) {
@@ -503,9 +515,14 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
     if (dw) std::fill(dw, dw + wt.numel(), T(0));
     if (db) std::fill(db, db + M, T(0));
     const T *pdy = dy.data<T>(), *px = x.data<T>(), *pw = wt.data<T>();
+    // ConvGrad's channel-blocked operands (Note [channel-blocked values]): dY, X, dX. Only ever
+    // given to a float32 convolution oneDNN runs.
+    const bool dy_blk = a.blocked & 1u, x_blk = a.blocked & 2u, dx_blk = a.blocked & (1u << 16);
+    if (a.blocked && !(std::is_same_v<T, float> && dnnl_conv_enabled()))
+      c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
     Plane2 p;
     if constexpr (std::is_same_v<T, float>) {
-      if (depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p) &&
+      if (!a.blocked && depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p) &&
           (!dx || (p.sh == 1 && p.sw == 1))) {
         // One task per block of 16 channels: its dW rows sum over the images.
         const Plane2 q = dx_plane(p);
@@ -559,7 +576,7 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
         return;
       }
     }
-    if (depthwise_plane(w, Cg, p)) {
+    if (!a.blocked && depthwise_plane(w, Cg, p)) {
       // One task per group (input channel): its dW rows sum over the images.
       const Plane2 q = dx_plane(p);
       const bool flipped = p.sh == 1 && p.sw == 1 && Mg == 1;  // dX as a forward pass
@@ -601,18 +618,30 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      const ConvShape cs = conv_shape(w, N, C, M, g);
+      ConvShape cs = conv_shape(w, N, C, M, g);
+      cs.y_blocked = dy_blk;
       const bool bf16 = bf16_gemm_active();
+      cs.x_blocked = dx_blk;
       const auto dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
+      cs.x_blocked = x_blk;
       const auto wgrad =
           dw ? dnnl_conv(cs, ConvPass::BackwardWeights, bf16, db != nullptr) : nullptr;
+      if (a.blocked && !((!dx || dgrad) && (!dw || wgrad)))
+        c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
       if ((!dx || dgrad) && (!dw || wgrad)) {
         Tensor scratch = dnnl_scratch(
             std::max(dgrad ? dnnl_conv_scratch(*dgrad) : 0, wgrad ? dnnl_conv_scratch(*wgrad) : 0),
             c.alloc);
         if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
         if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, px, dw, db, scratch.data<float>());
-        if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images and positions
+        if (db && !dw && dy_blk) {  // the same over [N, M/16, O, 16]
+          std::vector<double> s(M, 0.0);
+          for (int64_t q = 0; q < N * (M / 16); ++q)
+            for (int64_t o = 0; o < O; ++o)
+              for (int64_t l = 0; l < 16; ++l)
+                s[(q % (M / 16)) * 16 + l] += pdy[(q * O + o) * 16 + l];
+          for (int64_t m = 0; m < M; ++m) db[m] = static_cast<float>(s[m]);
+        } else if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images, positions
           Shape per_channel(dy.shape().size(), 1);
           per_channel[1] = M;
           sum_to_shape(pdy, dy.shape(), db, per_channel, false);
@@ -695,6 +724,23 @@ void grad_conv(GradBuilder& g) {
   }
 }
 
+// Note [channel-blocked values]: oneDNN's convolutions read and write x and y (ConvGrad: dY, X and
+// dX) channel-blocked; only a float32 convolution with more than one channel per group runs
+// there (depthwise ones keep graft's direct kernels, float64 im2col).
+bool runs_on_dnnl(const Graph& g, const Node& n, int x_input) {
+  if (n.inputs.size() <= static_cast<size_t>(x_input) || n.inputs[x_input] < 0) return false;
+  const Value& x = g.values[n.inputs[x_input]];
+  const int64_t group = n.attrs.get_int("group", 1, n.label());
+  return dnnl_conv_enabled() && x.dtype == DType::F32 && x.shape.size() >= 3 &&
+         x.shape.size() <= 5 && group >= 1 && x.shape[1] % group == 0 && x.shape[1] / group > 1;
+}
+BlockedUse blocked_conv(const Graph& g, const Node& n) {
+  return runs_on_dnnl(g, n, 0) ? BlockedUse{1u, 1u, false} : BlockedUse{};
+}
+BlockedUse blocked_conv_grad(const Graph& g, const Node& n) {
+  return runs_on_dnnl(g, n, 1) ? BlockedUse{3u, 1u, false} : BlockedUse{};
+}
+
 // 2 * out * (C / group * kernel): each output element is a multiply-add over that many weights.
 double conv_flops(const Graph& g, const Node& n) {
   if (n.inputs.size() < 2 || input_shape(g, n, 1).empty()) return 0;
@@ -710,7 +756,8 @@ const OpDef kOps[] = {
      .prepare = prepare_conv,
      .kernel = conv_kernel,
      .grad = grad_conv,
-     .flops = conv_flops},
+     .flops = conv_flops,
+     .blocked = blocked_conv},
     {.name = "ConvGrad",
      .domain = "graft",
      .min_in = 3,
@@ -718,7 +765,8 @@ const OpDef kOps[] = {
      .max_out = 3,
      .infer = infer_conv_grad,
      .prepare = prepare_conv,
-     .kernel = conv_grad_kernel},
+     .kernel = conv_grad_kernel,
+     .blocked = blocked_conv_grad},
 };
 
 }  // namespace

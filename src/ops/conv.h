@@ -40,6 +40,9 @@ struct ConvAttrs {
   int64_t storage_order = 0;  // MaxPool
   bool argmax = false;        // PoolGrad through the argmax the forward saved; x_shape: X's shape
   Shape x_shape;
+  // Conv, ConvGrad: which operands are channel-blocked (kBlockedAttr, Note [channel-blocked
+  // values]): bit i input i, bit 16 + j output j.
+  uint32_t blocked = 0;
 };
 ConvAttrs conv_attrs(const Node& n);
 std::shared_ptr<const void> prepare_conv(const Node& n);  // OpDef::prepare of every op here

@@ -55,7 +55,13 @@ memory::format_tag plain_tag(size_t rank) {
   }
 }
 
-// The plain descriptors of x (or dx), w (or dw) and y (or dy).
+// The channel-blocked layout of an activation of this rank (Note [channel-blocked values]).
+memory::format_tag blocked_tag(size_t rank) {
+  using t = memory::format_tag;
+  return rank == 3 ? t::aBc16b : rank == 4 ? t::aBcd16b : rank == 5 ? t::aBcde16b : t::undef;
+}
+
+// graft's descriptors of x (or dx), w (or dw) and y (or dy): plain, or x and y channel-blocked.
 struct Plain {
   memory::desc x, w, y, b;
 };
@@ -67,9 +73,12 @@ Plain plain(const ConvShape& s) {
   w.push_back(s.M / s.g);
   w.push_back(s.C / s.g);
   w.insert(w.end(), s.k.begin(), s.k.end());
-  return {memory::desc(x, dt::f32, plain_tag(x.size())),
+  auto tag = [](bool blocked, size_t rank) {
+    return blocked ? blocked_tag(rank) : plain_tag(rank);
+  };
+  return {memory::desc(x, dt::f32, tag(s.x_blocked, x.size())),
           memory::desc(w, dt::f32, plain_tag(w.size())),
-          memory::desc(y, dt::f32, plain_tag(y.size())),
+          memory::desc(y, dt::f32, tag(s.y_blocked, y.size())),
           memory::desc({s.M}, dt::f32, memory::format_tag::a)};
 }
 
@@ -109,10 +118,11 @@ void prepare(Operand& o, const memory::desc& user, bool input, size_t& bytes) {
   bytes += align64(o.want.get_size());
 }
 
-using Key = std::tuple<std::vector<int64_t>, int, bool, bool>;
+using Key = std::tuple<std::vector<int64_t>, int, bool, bool>;  // (geometry and layouts, ...)
 
 Key key_of(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
-  std::vector<int64_t> k{s.N, s.C, s.M, s.g, static_cast<int64_t>(s.in.size())};
+  std::vector<int64_t> k{s.N,         s.C,        s.M, s.g, static_cast<int64_t>(s.in.size()),
+                         s.x_blocked, s.y_blocked};
   for (const auto* v : {&s.in, &s.out, &s.k, &s.stride, &s.dil, &s.pad_begin, &s.pad_end})
     k.insert(k.end(), v->begin(), v->end());
   return {k, static_cast<int>(pass), bf16, bias};
@@ -228,12 +238,16 @@ void run(const DnnlConv& e, const float* a, const float* b, float* c, const floa
 }
 }  // namespace
 
-std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+bool dnnl_conv_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("GRAFT_CONV");
     return !(v && std::string(v) == "im2col");
   }();
-  return on ? cached(s, pass, bf16, bias) : nullptr;
+  return on;
+}
+
+std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
+  return dnnl_conv_enabled() ? cached(s, pass, bf16, bias) : nullptr;
 }
 
 int64_t dnnl_conv_scratch(const DnnlConv& c) { return static_cast<int64_t>(c.bytes); }

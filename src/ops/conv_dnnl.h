@@ -12,6 +12,9 @@ namespace graft::opsutil {
 struct ConvShape {
   int64_t N = 0, C = 0, M = 0, g = 1;
   std::vector<int64_t> in, out, k, stride, dil, pad_begin, pad_end;  // per spatial dim
+  // The x side (x or dx) and the y side (y or dy) of the pass are channel-blocked,
+  // [N, C/16, spatial..., 16] (Note [channel-blocked values], src/plan/layout.cpp); else plain.
+  bool x_blocked = false, y_blocked = false;
 };
 enum class ConvPass : uint8_t { Forward, BackwardData, BackwardWeights };
 
@@ -22,6 +25,9 @@ struct DnnlConv;
 // of bench_conv and the tests): then the caller runs im2col + GEMM. `bf16`: operands rounded to
 // bfloat16, float32 accumulation and results (Note [bf16 GEMMs]).
 std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
+// Whether float32 convolutions may run here at all (false under GRAFT_CONV=im2col): a channel-
+// blocked operand is only ever given to a convolution that does.
+bool dnnl_conv_enabled();
 // The scratch bytes the pass needs (layout reorders and oneDNN's scratchpad; the caller allocates
 // them, so they are counted like every other workspace).
 int64_t dnnl_conv_scratch(const DnnlConv& c);

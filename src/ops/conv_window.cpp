@@ -31,6 +31,7 @@ ConvAttrs conv_attrs(const Node& n) {
   a.storage_order = n.attrs.get_int("storage_order", 0, where);
   a.argmax = n.attrs.get_int("argmax", 0, where) != 0;
   a.x_shape = n.attrs.get_ints("x_shape", {}, where);
+  a.blocked = static_cast<uint32_t>(n.attrs.get_int(kBlockedAttr, 0, where));
   return a;
 }
 std::shared_ptr<const void> prepare_conv(const Node& n) { return prepared(conv_attrs(n)); }

@@ -184,12 +184,16 @@ struct BnAttrs {
   double epsilon = 1e-5, momentum = 0.9;
   bool training = false;     // training_mode
   bool batch_stats = false;  // BatchNormGrad: mean and var are the batch's (the forward's 3, 4)
+  // Channel-blocked operands (kBlockedAttr, Note [channel-blocked values]): bit i input i,
+  // bit 16 + j output j.
+  uint32_t blocked = 0;
 };
 BnAttrs bn_attrs(const Node& n) {
   const std::string where = n.label();
   return {n.attrs.get_float("epsilon", 1e-5, where), n.attrs.get_float("momentum", 0.9, where),
           n.attrs.get_int("training_mode", 0, where) != 0,
-          n.attrs.get_int("batch_stats", 0, where) != 0};
+          n.attrs.get_int("batch_stats", 0, where) != 0,
+          static_cast<uint32_t>(n.attrs.get_int(kBlockedAttr, 0, where))};
 }
 std::shared_ptr<const void> prepare_bn(const Node& n) { return prepared(bn_attrs(n)); }
 void infer_batchnorm(InferCtx& c) {
@@ -240,6 +244,145 @@ void bn_batch_stats(const T* x, BnView v, std::vector<double>& mean, std::vector
     }
   });
 }
+// ---- channel-blocked operands (Note [channel-blocked values], src/plan/layout.cpp)
+// float32 [N, C, S] stored as [N, C/16, S, 16]: the loops below walk a block of 16 channels with
+// its lanes innermost (contiguous when blocked; a plain operand beside a blocked one is read with
+// a stride of S between lanes). The statistics are the same sums in double as above, each lane's
+// summed in order.
+template <bool B>
+GRAFT_INLINE int64_t at16(int64_t b, int64_t cb, int64_t s, int64_t l, int64_t CB, int64_t S) {
+  if constexpr (B)
+    return ((b * CB + cb) * S + s) * 16 + l;
+  else
+    return ((b * CB + cb) * 16 + l) * S + s;
+}
+// Calls f.template operator()<A, B, C>() with the three flags as constants.
+template <class F>
+void with_layouts(bool a, bool b, bool c, F&& f) {
+  auto two = [&]<bool A>() {
+    auto one = [&]<bool B>() {
+      if (c)
+        f.template operator()<A, B, true>();
+      else
+        f.template operator()<A, B, false>();
+    };
+    if (b)
+      one.template operator()<true>();
+    else
+      one.template operator()<false>();
+  };
+  if (a)
+    two.template operator()<true>();
+  else
+    two.template operator()<false>();
+}
+// One block's batch mean and biased variance, x blocked.
+GRAFT_INLINE void bn_stats16_impl(const float* x, BnView v, int64_t cb, double* m, double* q) {
+  const int64_t CB = v.C / 16;
+  const double n = static_cast<double>(v.N * v.S);
+  for (int l = 0; l < 16; ++l) m[l] = q[l] = 0;
+  for (int64_t b = 0; b < v.N; ++b) {
+    const float* xb = x + (b * CB + cb) * v.S * 16;
+    for (int64_t s = 0; s < v.S; ++s)
+      for (int l = 0; l < 16; ++l) m[l] += xb[s * 16 + l];
+  }
+  for (int l = 0; l < 16; ++l) m[l] /= n ? n : 1;
+  for (int64_t b = 0; b < v.N; ++b) {
+    const float* xb = x + (b * CB + cb) * v.S * 16;
+    for (int64_t s = 0; s < v.S; ++s)
+      for (int l = 0; l < 16; ++l) {
+        const double d = xb[s * 16 + l] - m[l];
+        q[l] += d * d;
+      }
+  }
+  for (int l = 0; l < 16; ++l) q[l] /= n ? n : 1;
+}
+GRAFT_ISA_CLONES void bn_stats16(const float* x, BnView v, int64_t cb, double* m, double* q) {
+  bn_stats16_impl(x, v, cb, m, q);
+}
+void bn_batch_stats16(const float* x, BnView v, std::vector<double>& mean,
+                      std::vector<double>& var) {
+  mean.assign(v.C, 0.0);
+  var.assign(v.C, 0.0);
+  parallel_for(v.C / 16, 2 * 16 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
+    for (int64_t cb = c0; cb < c1; ++cb) bn_stats16(x, v, cb, &mean[cb * 16], &var[cb * 16]);
+  });
+}
+// y = (x - mu) * a + bi per channel, for images and blocks [p0, p1) of N * C/16.
+template <bool XB, bool YB>
+GRAFT_INLINE void bn_apply16_impl(const float* x, BnView v, int64_t p0, int64_t p1, const float* a,
+                                  const float* mu, const float* bi, float* y) {
+  const int64_t CB = v.C / 16;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = p / CB, cb = p % CB;
+    const float *ac = a + cb * 16, *mc = mu + cb * 16, *bc = bi + cb * 16;
+    for (int64_t s = 0; s < v.S; ++s)
+      for (int l = 0; l < 16; ++l)
+        y[at16<YB>(b, cb, s, l, CB, v.S)] =
+            (x[at16<XB>(b, cb, s, l, CB, v.S)] - mc[l]) * ac[l] + bc[l];
+  }
+}
+GRAFT_ISA_CLONES void bn_apply16_bb(const float* x, BnView v, int64_t p0, int64_t p1,
+                                    const float* a, const float* mu, const float* bi, float* y) {
+  bn_apply16_impl<true, true>(x, v, p0, p1, a, mu, bi, y);
+}
+// BatchNormGrad for the channels of blocks [c0, c1): sums, then dX (when wanted).
+struct BnGrad16 {
+  BnView v;
+  const float *dy, *x, *sc;
+  const double *mean, *var;
+  double eps;
+  bool train;
+  float *dx, *dscale, *dbias;  // each may be null
+};
+template <bool DB, bool XB, bool OB>
+GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, int64_t c0, int64_t c1) {
+  const BnView v = k.v;
+  const int64_t CB = v.C / 16;
+  const double n = static_cast<double>(v.N * v.S);
+  for (int64_t cb = c0; cb < c1; ++cb) {
+    double m[16], sdy[16] = {}, sdyx[16] = {};
+    for (int l = 0; l < 16; ++l) m[l] = k.mean[cb * 16 + l];
+    for (int64_t b = 0; b < v.N; ++b)
+      for (int64_t s = 0; s < v.S; ++s)
+        for (int l = 0; l < 16; ++l) {
+          const double d = k.dy[at16<DB>(b, cb, s, l, CB, v.S)];
+          sdy[l] += d;
+          sdyx[l] += d * (k.x[at16<XB>(b, cb, s, l, CB, v.S)] - m[l]);
+        }
+    float t1[16], t2[16], t0[16], tm[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t ch = cb * 16 + l;
+      const double inv = 1.0 / std::sqrt(k.var[ch] + k.eps);
+      sdyx[l] *= inv;
+      if (k.dscale) k.dscale[ch] = static_cast<float>(sdyx[l]);
+      if (k.dbias) k.dbias[ch] = static_cast<float>(sdy[l]);
+      const double k1 = k.sc[ch] * inv;
+      t1[l] = static_cast<float>(k1);
+      t2[l] = static_cast<float>(k.train && n ? -k1 * inv * sdyx[l] / n : 0.0);
+      t0[l] = static_cast<float>(k.train && n ? -k1 * sdy[l] / n : 0.0);
+      tm[l] = static_cast<float>(m[l]);
+    }
+    if (!k.dx) continue;
+    for (int64_t b = 0; b < v.N; ++b)
+      for (int64_t s = 0; s < v.S; ++s)
+        for (int l = 0; l < 16; ++l)
+          k.dx[at16<OB>(b, cb, s, l, CB, v.S)] =
+              t1[l] * k.dy[at16<DB>(b, cb, s, l, CB, v.S)] +
+              t2[l] * (k.x[at16<XB>(b, cb, s, l, CB, v.S)] - tm[l]) + t0[l];
+  }
+}
+GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, int64_t c0, int64_t c1) {
+  bn_grad16_impl<true, true, true>(k, c0, c1);
+}
+void bn_grad16(const BnGrad16& k, bool dy_blk, bool x_blk, bool dx_blk) {
+  parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
+    if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, c0, c1);
+    with_layouts(dy_blk, x_blk, dx_blk,
+                 [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, c0, c1); });
+  });
+}
+
 // y = (x - mean) * a + B per channel, a = scale / sqrt(var + eps) (in T: vectorizable; x - mean
 // first, so a large mean does not cost precision).
 void batchnorm_kernel(KernelCtx& c) {
@@ -251,8 +394,13 @@ void batchnorm_kernel(KernelCtx& c) {
     const bool train = ba.training;
     const T *px = x.data<T>(), *sc = c.in(1).data<T>(), *bi = c.in(2).data<T>();
     const T *rm = c.in(3).data<T>(), *rv = c.in(4).data<T>();
+    const bool x_blk = ba.blocked & 1u, y_blk = ba.blocked & (1u << 16);
+    if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
+      c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
     std::vector<double> mean(v.C), var(v.C);
-    if (train) {
+    if (train && x_blk) {
+      if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
+    } else if (train) {
       bn_batch_stats(px, v, mean, var);
     } else {
       for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -266,14 +414,25 @@ void batchnorm_kernel(KernelCtx& c) {
       mu[ch] = static_cast<T>(mean[ch]);
     }
     T* y = c.out(0).data<T>();
-    parallel_for(v.N * v.C, v.S, [&](int, int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t ch = p % v.C;
-        const T ac = a[ch], mc = mu[ch], bc = bi[ch], *xp = px + p * v.S;
-        T* yp = y + p * v.S;
-        for (int64_t i = 0; i < v.S; ++i) yp[i] = (xp[i] - mc) * ac + bc;
+    if constexpr (std::is_same_v<T, float>) {
+      if (ba.blocked) {
+        parallel_for(v.N * v.C / 16, 16 * v.S, [&](int, int64_t p0, int64_t p1) {
+          if (x_blk && y_blk) return bn_apply16_bb(px, v, p0, p1, a.data(), mu.data(), bi, y);
+          with_layouts(x_blk, y_blk, false, [&]<bool XB, bool YB, bool>() {
+            bn_apply16_impl<XB, YB>(px, v, p0, p1, a.data(), mu.data(), bi, y);
+          });
+        });
       }
-    });
+    }
+    if (!ba.blocked)
+      parallel_for(v.N * v.C, v.S, [&](int, int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t ch = p % v.C;
+          const T ac = a[ch], mc = mu[ch], bc = bi[ch], *xp = px + p * v.S;
+          T* yp = y + p * v.S;
+          for (int64_t i = 0; i < v.S; ++i) yp[i] = (xp[i] - mc) * ac + bc;
+        }
+      });
     if (!train) return;
     const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
     for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -342,8 +501,13 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     const double eps = ba.epsilon;
     const bool train = ba.training;
     const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
+    const bool dy_blk = ba.blocked & 1u, x_blk = ba.blocked & 2u, dx_blk = ba.blocked & (1u << 16);
+    if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
+      c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
     std::vector<double> mean(v.C), var(v.C);
-    if (train && !ba.batch_stats) {
+    if (train && !ba.batch_stats && x_blk) {
+      if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
+    } else if (train && !ba.batch_stats) {
       bn_batch_stats(px, v, mean, var);
     } else {
       for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -353,6 +517,22 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     }
     const double n = static_cast<double>(v.N * v.S);
     T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      if (ba.blocked) {
+        const BnGrad16 k{v,
+                         dy,
+                         px,
+                         sc,
+                         mean.data(),
+                         var.data(),
+                         eps,
+                         train,
+                         dx,
+                         c.has_out(1) ? c.out(1).data<float>() : nullptr,
+                         c.has_out(2) ? c.out(2).data<float>() : nullptr};
+        return bn_grad16(k, dy_blk, x_blk, dx_blk);
+      }
+    }
     parallel_for(v.C, 3 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
       for (int64_t ch = c0; ch < c1; ++ch) {
         const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
@@ -371,6 +551,11 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     });
   });
 }
+// Note [channel-blocked values]: X and Y (BatchNormGrad: dY, X and dX) may be channel-blocked;
+// the pass checks their dtype and channel count.
+BlockedUse blocked_bn(const Graph&, const Node&) { return {1u, 1u, false}; }
+BlockedUse blocked_bn_grad(const Graph&, const Node&) { return {3u, 1u, false}; }
+
 void grad_batchnorm(GradBuilder& g) {
   const Node& n = g.node();
   if ((n.outputs.size() > 1 && n.outputs[1] >= 0 && g.dy(1) >= 0) ||
@@ -400,7 +585,8 @@ const OpDef kOps[] = {
      .prepare = prepare_bn,
      .kernel = batchnorm_kernel,
      .grad = grad_batchnorm,
-     .nondiff_inputs = {3, 4}},
+     .nondiff_inputs = {3, 4},
+     .blocked = blocked_bn},
     {.name = "BatchNormGrad",
      .domain = "graft",
      .min_in = 5,
@@ -409,7 +595,8 @@ const OpDef kOps[] = {
      .infer = infer_batchnorm_grad,
      .prepare = prepare_bn,
      .kernel = batchnorm_grad_kernel,
-     .nondiff_inputs = {3, 4}},
+     .nondiff_inputs = {3, 4},
+     .blocked = blocked_bn_grad},
     {.name = "LayerNormalization",
      .min_in = 2,
      .max_in = 3,

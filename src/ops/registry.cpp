@@ -93,6 +93,22 @@ double node_flops(const Graph& g, const Node& n) {
   return d && d->flops ? d->flops(g, n) : 0.0;
 }
 
+BlockedUse blocked_elementwise(const Graph& g, const Node& n) {
+  const Shape* first = nullptr;
+  for (const auto* list : {&n.inputs, &n.outputs})
+    for (int v : *list) {
+      if (v < 0) continue;
+      const Shape& s = g.values[v].shape;
+      if (first && s != *first) return {};
+      first = &s;
+    }
+  BlockedUse u;
+  u.in = n.inputs.size() >= 32 ? ~0u : (1u << n.inputs.size()) - 1;
+  u.out = n.outputs.size() >= 32 ? ~0u : (1u << n.outputs.size()) - 1;
+  u.tied = true;
+  return u;
+}
+
 // --- InferCtx / KernelCtx ----------------------------------------------------------------------
 const Value& InferCtx::in(int i) const {
   GRAFT_CHECK(has_in(i), ErrorKind::InvalidModel,

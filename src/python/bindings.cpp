@@ -195,6 +195,9 @@ struct PySession {
     o.check_finite = check_finite;
     o.max_memory = max_memory;
     o.activation_budget = activation_budget;
+    // GRAFT_BLOCKED=0: every activation plain (Note [channel-blocked values]; the A/B switch).
+    const char* blk = std::getenv("GRAFT_BLOCKED");
+    o.blocked_layouts = !(blk && std::strcmp(blk, "0") == 0);
     // GRAFT_PROFILE=1: per-op wall times of the last forward and backward (op_times below).
     const char* prof = std::getenv("GRAFT_PROFILE");
     o.profile = prof && *prof && std::strcmp(prof, "0") != 0;

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 #include "graft/models.h"
+#include "graft/ops.h"
 #include "graft/train.h"
 #include "test_util.h"
 
@@ -218,5 +220,105 @@ TEST(Rewrite, SiblingGathersOfEveryIndexBecomeOneSplit) {
         EXPECT_NEAR(gr.data<double>()[i], want, 1e-12) << i;
       }
     }
+  }
+}
+
+// Note [channel-blocked values]: the activations between convolutions are stored channel-blocked
+// (oneDNN's nChw16c) where every reader and writer takes that layout; a graph input, a max pool's
+// input and what feeds the loss stay plain. Same loss and gradients as with every value plain (the
+// layout only changes summation orders: BatchNormalization's statistics), and the nodes that read
+// the layout are told which operands are blocked.
+namespace {
+struct BlockedRun {
+  double loss = 0;
+  std::vector<std::vector<float>> grads;
+  std::map<std::string, int64_t> masks;  // node -> kBlockedAttr (0 when absent)
+};
+BlockedRun blocked_run(bool blocked) {
+  Allocator alloc;
+  Graph g;
+  auto param = [&](const std::string& name, const Shape& s, double scale, double offset = 0) {
+    Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter, name);
+    for (int64_t i = 0; i < t.numel(); ++i)
+      t.data<float>()[i] = static_cast<float>(offset + scale * std::sin(0.7 * i + name.size()));
+    return g.add_param(name, t);
+  };
+  auto constant = [&](const std::string& name, int64_t c, float v) {
+    Tensor t = Tensor::empty({c}, DType::F32, alloc, Category::Parameter, name);
+    std::fill(t.data<float>(), t.data<float>() + c, v);
+    return g.add_constant(name, t);
+  };
+  auto conv = [&](const std::string& name, int x, int64_t c, int64_t m, int64_t k, int64_t stride,
+                  bool bias) {
+    Attrs a;
+    a.set_ints("pads", std::vector<int64_t>(4, k / 2));
+    a.set_ints("strides", {stride, stride});
+    std::vector<int> in{x, param(name + ".w", {m, c, k, k}, 0.3 / std::sqrt(double(c * k * k)))};
+    if (bias) in.push_back(param(name + ".b", {m}, 0.1));
+    return g.add_op1("Conv", in, a, "", name);
+  };
+  auto bn = [&](const std::string& name, int x, int64_t c) {
+    Attrs a;
+    a.set_int("training_mode", 1);
+    return g.add_op1("BatchNormalization",
+                     {x, param(name + ".g", {c}, 0.2, 1.0), param(name + ".b", {c}, 0.1),
+                      constant(name + ".mean", c, 0.f), constant(name + ".var", c, 1.f)},
+                     a, "", name);
+  };
+  const int x = g.add_input("x", DType::F32, {2, 16, 10, 10});
+  const int r1 = g.add_op1("Relu", {bn("bn1", conv("conv1", x, 16, 32, 3, 1, false), 32)});
+  const int s2 = g.add_op1("Add", {bn("bn2", conv("conv2", r1, 32, 32, 3, 1, true), 32), r1});
+  const int r2 = g.add_op1("Relu", {s2});
+  const int r3 = g.add_op1("Relu", {bn("bn3", conv("conv3", r2, 32, 48, 1, 2, false), 48)});
+  Attrs pool;
+  pool.set_ints("kernel_shape", {2, 2});
+  pool.set_ints("strides", {2, 2});
+  Attrs all;
+  all.set_int("keepdims", 0);
+  g.outputs = {g.add_op1("ReduceMean", {g.add_op1("MaxPool", {r3}, pool)}, all, "", "loss")};
+  SessionOptions o = graft_test::session_options(alloc);
+  o.blocked_layouts = blocked;
+  TrainSession s(std::move(g), o);
+  Tensor in = Tensor::empty({2, 16, 10, 10}, DType::F32, alloc, Category::Workspace);
+  for (int64_t i = 0; i < in.numel(); ++i) in.data<float>()[i] = std::cos(0.37 * i);
+  s.set_input("x", in);
+  BlockedRun r;
+  r.loss = s.step();
+  for (const Parameter& p : s.parameters())
+    r.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  for (const Node& n : s.graph().nodes)
+    if (!n.dead && (n.op == "Conv" || n.op == "ConvGrad" || n.op == "BatchNormalization" ||
+                    n.op == "BatchNormGrad"))
+      r.masks[n.name + "|" + n.op] = n.attrs.get_int(kBlockedAttr, 0, n.name);
+  return r;
+}
+}  // namespace
+
+TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
+  const BlockedRun plain = blocked_run(false), blocked = blocked_run(true);
+  for (const auto& [name, mask] : plain.masks) EXPECT_EQ(mask, 0) << name;
+  auto mask_of = [&](const std::string& prefix, const std::string& op) -> int64_t {
+    for (const auto& [name, mask] : blocked.masks)
+      if (name.rfind(prefix, 0) == 0 && name.substr(name.find('|') + 1) == op) return mask;
+    ADD_FAILURE() << "no " << op << " node named " << prefix << "...";
+    return -1;
+  };
+  const int64_t X0 = 1, X1 = 2, Y0 = 1 << 16;
+  EXPECT_EQ(mask_of("conv1", "Conv"), Y0);       // x: a graph input
+  EXPECT_EQ(mask_of("conv2", "Conv"), X0 | Y0);  // between convolutions
+  EXPECT_EQ(mask_of("conv3", "Conv"), X0 | Y0);
+  EXPECT_EQ(mask_of("bn2", "BatchNormalization"), X0 | Y0);
+  EXPECT_EQ(mask_of("bn3", "BatchNormalization"), X0);  // y: Relu -> MaxPool, plain
+  EXPECT_EQ(mask_of("bn3", "BatchNormGrad"), X1 | Y0);  // dY plain (MaxPool's gradient)
+  EXPECT_EQ(mask_of("conv1", "ConvGrad"), X0);          // no dX for the graph input
+  EXPECT_EQ(mask_of("conv2", "ConvGrad"), X0 | X1 | Y0);
+  EXPECT_NEAR(blocked.loss, plain.loss, 1e-6 * std::abs(plain.loss) + 1e-7);
+  ASSERT_EQ(blocked.grads.size(), plain.grads.size());
+  for (size_t i = 0; i < plain.grads.size(); ++i) {
+    double scale = 0;
+    for (float v : plain.grads[i]) scale = std::max(scale, double(std::abs(v)));
+    for (size_t k = 0; k < plain.grads[i].size(); ++k)
+      EXPECT_NEAR(blocked.grads[i][k], plain.grads[i][k], 1e-4 * scale + 1e-7)
+          << "parameter " << i << "[" << k << "]";
   }
 }
