@@ -233,8 +233,11 @@ struct BlockedRun {
   double loss = 0;
   std::vector<std::vector<float>> grads;
   std::map<std::string, int64_t> masks;  // node -> kBlockedAttr (0 when absent)
+  int64_t planned = 0;
+  int recomputed = 0;
 };
-BlockedRun blocked_run(bool blocked) {
+// budget: CompileOptions::activation_budget (0: none).
+BlockedRun blocked_run(bool blocked, int64_t budget = 0) {
   Allocator alloc;
   Graph g;
   auto param = [&](const std::string& name, const Shape& s, double scale, double offset = 0) {
@@ -278,12 +281,15 @@ BlockedRun blocked_run(bool blocked) {
   g.outputs = {g.add_op1("ReduceMean", {g.add_op1("MaxPool", {r3}, pool)}, all, "", "loss")};
   SessionOptions o = graft_test::session_options(alloc);
   o.blocked_layouts = blocked;
+  o.activation_budget = budget;
   TrainSession s(std::move(g), o);
   Tensor in = Tensor::empty({2, 16, 10, 10}, DType::F32, alloc, Category::Workspace);
   for (int64_t i = 0; i < in.numel(); ++i) in.data<float>()[i] = std::cos(0.37 * i);
   s.set_input("x", in);
   BlockedRun r;
   r.loss = s.step();
+  r.planned = s.plan().planned_peak;
+  r.recomputed = s.recomputed_nodes();
   for (const Parameter& p : s.parameters())
     r.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
   for (const Node& n : s.graph().nodes)
@@ -321,4 +327,15 @@ TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
       EXPECT_NEAR(blocked.grads[i][k], plain.grads[i][k], 1e-4 * scale + 1e-7)
           << "parameter " << i << "[" << k << "]";
   }
+}
+
+// Recomputed under an activation budget, a node's clone keeps its layouts: the same gradients
+// bit for bit.
+TEST(BlockedLayouts, RecomputedNodesKeepTheirLayouts) {
+  const BlockedRun free = blocked_run(true);
+  const BlockedRun tight = blocked_run(true, free.planned * 3 / 4);
+  EXPECT_GT(tight.recomputed, 0);
+  EXPECT_LE(tight.planned, free.planned * 3 / 4);
+  EXPECT_EQ(tight.loss, free.loss);
+  EXPECT_EQ(tight.grads, free.grads);
 }
