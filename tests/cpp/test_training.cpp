@@ -236,8 +236,8 @@ struct BlockedRun {
   int64_t planned = 0;
   int recomputed = 0;
 };
-// budget: CompileOptions::activation_budget (0: none).
-BlockedRun blocked_run(bool blocked, int64_t budget = 0) {
+// budget: CompileOptions::activation_budget (0: none); blocks: residual blocks (conv2's).
+BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1) {
   Allocator alloc;
   Graph g;
   auto param = [&](const std::string& name, const Shape& s, double scale, double offset = 0) {
@@ -270,8 +270,13 @@ BlockedRun blocked_run(bool blocked, int64_t budget = 0) {
   };
   const int x = g.add_input("x", DType::F32, {2, 16, 10, 10});
   const int r1 = g.add_op1("Relu", {bn("bn1", conv("conv1", x, 16, 32, 3, 1, false), 32)});
-  const int s2 = g.add_op1("Add", {bn("bn2", conv("conv2", r1, 32, 32, 3, 1, true), 32), r1});
-  const int r2 = g.add_op1("Relu", {s2});
+  int r2 = r1;
+  for (int b = 0; b < blocks; ++b) {
+    const std::string c = b ? "block" + std::to_string(b) + "." : "";
+    const int s2 =
+        g.add_op1("Add", {bn(c + "bn2", conv(c + "conv2", r2, 32, 32, 3, 1, true), 32), r2});
+    r2 = g.add_op1("Relu", {s2});
+  }
   const int r3 = g.add_op1("Relu", {bn("bn3", conv("conv3", r2, 32, 48, 1, 2, false), 48)});
   Attrs pool;
   pool.set_ints("kernel_shape", {2, 2});
@@ -332,10 +337,14 @@ TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
 // Recomputed under an activation budget, a node's clone keeps its layouts: the same gradients
 // bit for bit.
 TEST(BlockedLayouts, RecomputedNodesKeepTheirLayouts) {
-  const BlockedRun free = blocked_run(true);
-  const BlockedRun tight = blocked_run(true, free.planned * 3 / 4);
+  const BlockedRun free = blocked_run(true, 0, 4);
+  const BlockedRun tight = blocked_run(true, free.planned * 9 / 10, 4);
   EXPECT_GT(tight.recomputed, 0);
-  EXPECT_LE(tight.planned, free.planned * 3 / 4);
+  int blocked_clones = 0;  // recomputed Conv / BatchNormalization nodes reading the layout
+  for (const auto& [name, mask] : tight.masks)
+    blocked_clones += name.find("/recompute") != std::string::npos && mask != 0;
+  EXPECT_GT(blocked_clones, 0);
+  EXPECT_LE(tight.planned, free.planned * 9 / 10);
   EXPECT_EQ(tight.loss, free.loss);
   EXPECT_EQ(tight.grads, free.grads);
 }
