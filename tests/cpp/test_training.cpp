@@ -348,3 +348,69 @@ TEST(BlockedLayouts, RecomputedNodesKeepTheirLayouts) {
   EXPECT_EQ(tight.loss, free.loss);
   EXPECT_EQ(tight.grads, free.grads);
 }
+
+// The same for 1-D convolutions ([N, C, L] stored as [N, C/16, L, 16]) and for 3-D ones
+// ([N, C, D, H, W] as [N, C/16, D, H, W, 16]): Conv -> BN -> ReLU -> Conv -> ReLU -> mean.
+TEST(BlockedLayouts, OneAndThreeDimensionalConvolutions) {
+  for (const Shape& spatial : {Shape{12}, Shape{3, 4, 5}}) {
+    SCOPED_TRACE("spatial rank " + std::to_string(spatial.size()));
+    std::map<bool, std::pair<double, std::vector<std::vector<float>>>> got;
+    std::map<bool, int64_t> middle;  // the second Conv's kBlockedAttr
+    for (bool blocked : {false, true}) {
+      Allocator alloc;
+      Graph g;
+      const size_t nd = spatial.size();
+      auto param = [&](const std::string& name, const Shape& s, double scale, double offset) {
+        Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter, name);
+        for (int64_t i = 0; i < t.numel(); ++i)
+          t.data<float>()[i] = static_cast<float>(offset + scale * std::cos(0.9 * i));
+        return g.add_param(name, t);
+      };
+      auto conv = [&](const std::string& name, int x, int64_t c, int64_t m) {
+        Attrs a;
+        a.set_ints("pads", std::vector<int64_t>(2 * nd, 1));
+        Shape w{m, c};
+        w.insert(w.end(), nd, 3);
+        return g.add_op1("Conv", {x, param(name, w, 0.2, 0)}, a, "", name);
+      };
+      Shape xs{2, 16};
+      xs.insert(xs.end(), spatial.begin(), spatial.end());
+      Attrs train;
+      train.set_int("training_mode", 1);
+      Tensor zero = Tensor::empty({32}, DType::F32, alloc, Category::Parameter);
+      Tensor one = Tensor::empty({32}, DType::F32, alloc, Category::Parameter);
+      std::fill(zero.data<float>(), zero.data<float>() + 32, 0.f);
+      std::fill(one.data<float>(), one.data<float>() + 32, 1.f);
+      const int x = g.add_input("x", DType::F32, xs);
+      const int h = g.add_op1("BatchNormalization",
+                              {conv("c1", x, 16, 32), param("g", {32}, 0.1, 1), param("b", {32}, 0.1, 0),
+                               g.add_constant("mean", zero), g.add_constant("var", one)},
+                              train);
+      const int y = g.add_op1("Relu", {conv("c2", g.add_op1("Relu", {h}), 32, 16)});
+      Attrs all;
+      all.set_int("keepdims", 0);
+      g.outputs = {g.add_op1("ReduceMean", {y}, all, "", "loss")};
+      SessionOptions o = graft_test::session_options(alloc);
+      o.blocked_layouts = blocked;
+      TrainSession s(std::move(g), o);
+      Tensor in = Tensor::empty(xs, DType::F32, alloc, Category::Workspace);
+      for (int64_t i = 0; i < in.numel(); ++i) in.data<float>()[i] = std::sin(0.41 * i);
+      s.set_input("x", in);
+      got[blocked].first = s.step();
+      for (const Parameter& p : s.parameters())
+        got[blocked].second.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+      for (const Node& n : s.graph().nodes)
+        if (n.name == "c2") middle[blocked] = n.attrs.get_int(kBlockedAttr, 0, n.name);
+    }
+    EXPECT_EQ(middle[false], 0);
+    EXPECT_EQ(middle[true], 1);  // x blocked; y feeds a ReLU that feeds the loss: plain
+    EXPECT_NEAR(got[true].first, got[false].first, 1e-6 * std::abs(got[false].first) + 1e-7);
+    for (size_t i = 0; i < got[false].second.size(); ++i) {
+      double scale = 0;
+      for (float v : got[false].second[i]) scale = std::max(scale, double(std::abs(v)));
+      for (size_t k = 0; k < got[false].second[i].size(); ++k)
+        EXPECT_NEAR(got[true].second[i][k], got[false].second[i][k], 1e-4 * scale + 1e-7)
+            << "parameter " << i << "[" << k << "]";
+    }
+  }
+}
