@@ -382,10 +382,11 @@ TEST(BlockedLayouts, OneAndThreeDimensionalConvolutions) {
       std::fill(zero.data<float>(), zero.data<float>() + 32, 0.f);
       std::fill(one.data<float>(), one.data<float>() + 32, 1.f);
       const int x = g.add_input("x", DType::F32, xs);
-      const int h = g.add_op1("BatchNormalization",
-                              {conv("c1", x, 16, 32), param("g", {32}, 0.1, 1), param("b", {32}, 0.1, 0),
-                               g.add_constant("mean", zero), g.add_constant("var", one)},
-                              train);
+      const int h =
+          g.add_op1("BatchNormalization",
+                    {conv("c1", x, 16, 32), param("g", {32}, 0.1, 1), param("b", {32}, 0.1, 0),
+                     g.add_constant("mean", zero), g.add_constant("var", one)},
+                    train);
       const int y = g.add_op1("Relu", {conv("c2", g.add_op1("Relu", {h}), 32, 16)});
       Attrs all;
       all.set_int("keepdims", 0);
@@ -398,7 +399,8 @@ TEST(BlockedLayouts, OneAndThreeDimensionalConvolutions) {
       s.set_input("x", in);
       got[blocked].first = s.step();
       for (const Parameter& p : s.parameters())
-        got[blocked].second.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+        got[blocked].second.emplace_back(p.grad.data<float>(),
+                                         p.grad.data<float>() + p.grad.numel());
       for (const Node& n : s.graph().nodes)
         if (n.name == "c2") middle[blocked] = n.attrs.get_int(kBlockedAttr, 0, n.name);
     }
