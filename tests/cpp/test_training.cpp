@@ -237,7 +237,9 @@ struct BlockedRun {
   int recomputed = 0;
 };
 // budget: CompileOptions::activation_budget (0: none); blocks: residual blocks (conv2's).
-BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1) {
+// freeze: SessionOptions::freeze.
+BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1,
+                       const std::vector<std::string>& freeze = {}) {
   Allocator alloc;
   Graph g;
   auto param = [&](const std::string& name, const Shape& s, double scale, double offset = 0) {
@@ -287,6 +289,7 @@ BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1) {
   SessionOptions o = graft_test::session_options(alloc);
   o.blocked_layouts = blocked;
   o.activation_budget = budget;
+  o.freeze = freeze;
   TrainSession s(std::move(g), o);
   Tensor in = Tensor::empty({2, 16, 10, 10}, DType::F32, alloc, Category::Workspace);
   for (int64_t i = 0; i < in.numel(); ++i) in.data<float>()[i] = std::cos(0.37 * i);
@@ -324,6 +327,25 @@ TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
   EXPECT_EQ(mask_of("conv1", "ConvGrad"), X0);          // no dX for the graph input
   EXPECT_EQ(mask_of("conv2", "ConvGrad"), X0 | X1 | Y0);
   EXPECT_NEAR(blocked.loss, plain.loss, 1e-6 * std::abs(plain.loss) + 1e-7);
+  ASSERT_EQ(blocked.grads.size(), plain.grads.size());
+  for (size_t i = 0; i < plain.grads.size(); ++i) {
+    double scale = 0;
+    for (float v : plain.grads[i]) scale = std::max(scale, double(std::abs(v)));
+    for (size_t k = 0; k < plain.grads[i].size(); ++k)
+      EXPECT_NEAR(blocked.grads[i][k], plain.grads[i][k], 1e-4 * scale + 1e-7)
+          << "parameter " << i << "[" << k << "]";
+  }
+}
+
+// A frozen weight with a trained bias: ConvGrad sums a channel-blocked dY into dB itself.
+TEST(BlockedLayouts, FrozenWeightsBiasGradientFromABlockedGradient) {
+  const BlockedRun plain = blocked_run(false, 0, 1, {"conv2.w"});
+  const BlockedRun blocked = blocked_run(true, 0, 1, {"conv2.w"});
+  int64_t conv2_grad = -1;
+  for (const auto& [name, mask] : blocked.masks)
+    if (name.rfind("conv2", 0) == 0 && name.substr(name.find('|') + 1) == "ConvGrad")
+      conv2_grad = mask;
+  EXPECT_EQ(conv2_grad & 1, 1);  // dY blocked
   ASSERT_EQ(blocked.grads.size(), plain.grads.size());
   for (size_t i = 0; i < plain.grads.size(); ++i) {
     double scale = 0;
