@@ -153,6 +153,9 @@ using BlockedFn = BlockedUse (*)(const Graph&, const Node&);
 inline constexpr const char* kBlockedAttr = "graft_blocked";
 // The elementwise rule: every input and output when they all have one shape, else none.
 BlockedUse blocked_elementwise(const Graph& g, const Node& n);
+// Whether this machine's convolutions take channel-blocked operands at all (oneDNN with 16-channel
+// blocks: AVX-512 and up, and not GRAFT_CONV=im2col).
+bool convolutions_take_blocked_layouts();
 
 // --- the table ----------------------------------------------------------------------------------
 // Rows are written with designated initializers; only what differs from these defaults is named:

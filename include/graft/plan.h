@@ -67,8 +67,9 @@ Plan make_plan(const Graph& g, const PlanOptions& opt);
 // chooses the float32 activations stored channel-blocked ([N, C/16, spatial..., 16]) and marks
 // the nodes that read the layout themselves (kBlockedAttr, ops.h). `external`: values the caller
 // reads or binds (kept gradients, the loss), never blocked; graph inputs, outputs, parameters and
-// constants never are either. Returns the number of values blocked.
-int choose_blocked_layouts(Graph& g, const std::vector<int>& external);
+// constants never are either. enabled = false: every value plain (clears masks a previous run of
+// the pass left). Returns the number of values blocked.
+int choose_blocked_layouts(Graph& g, const std::vector<int>& external, bool enabled = true);
 // Checks the plan's invariants; throws Internal with the violation.
 void check_plan(const Graph& g, const Plan& p);
 

@@ -726,12 +726,13 @@ void grad_conv(GradBuilder& g) {
 
 // Note [channel-blocked values]: oneDNN's convolutions read and write x and y (ConvGrad: dY, X and
 // dX) channel-blocked; only a float32 convolution with more than one channel per group runs
-// there (depthwise ones keep graft's direct kernels, float64 im2col).
+// there (depthwise ones keep graft's direct kernels, float64 im2col), on a CPU whose oneDNN
+// kernels use 16-channel blocks (dnnl_conv_blocked_ok).
 bool runs_on_dnnl(const Graph& g, const Node& n, int x_input) {
   if (n.inputs.size() <= static_cast<size_t>(x_input) || n.inputs[x_input] < 0) return false;
   const Value& x = g.values[n.inputs[x_input]];
   const int64_t group = n.attrs.get_int("group", 1, n.label());
-  return dnnl_conv_enabled() && x.dtype == DType::F32 && x.shape.size() >= 3 &&
+  return dnnl_conv_blocked_ok() && x.dtype == DType::F32 && x.shape.size() >= 3 &&
          x.shape.size() <= 5 && group >= 1 && x.shape[1] % group == 0 && x.shape[1] / group > 1;
 }
 BlockedUse blocked_conv(const Graph& g, const Node& n) {
@@ -770,6 +771,8 @@ const OpDef kOps[] = {
 };
 
 }  // namespace
+
+bool convolutions_take_blocked_layouts() { return opsutil::dnnl_conv_blocked_ok(); }
 
 void register_conv_ops(std::vector<const OpDef*>& t) {
   for (const OpDef& d : kOps) t.push_back(&d);

@@ -246,6 +246,15 @@ bool dnnl_conv_enabled() {
   return on;
 }
 
+bool dnnl_conv_blocked_ok() {
+  static const bool ok = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);
+    return (isa & core) == core;  // the ISA values nest: each includes the bits of those below
+  }();
+  return dnnl_conv_enabled() && ok;
+}
+
 std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   return dnnl_conv_enabled() ? cached(s, pass, bf16, bias) : nullptr;
 }

@@ -25,9 +25,13 @@ struct DnnlConv;
 // of bench_conv and the tests): then the caller runs im2col + GEMM. `bf16`: operands rounded to
 // bfloat16, float32 accumulation and results (Note [bf16 GEMMs]).
 std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, bool bf16, bool bias);
-// Whether float32 convolutions may run here at all (false under GRAFT_CONV=im2col): a channel-
-// blocked operand is only ever given to a convolution that does.
+// Whether float32 convolutions may run here at all (false under GRAFT_CONV=im2col).
 bool dnnl_conv_enabled();
+// Whether convolutions may take channel-blocked operands (Note [channel-blocked values]): oneDNN
+// runs them here and its kernels use 16-channel blocks, in float32 and in bf16 (AVX-512 and up;
+// on AVX2 its blocks are 8 channels wide, so a 16-channel layout would be reordered anyway, and
+// bf16 has no oneDNN convolution there at all).
+bool dnnl_conv_blocked_ok();
 // The scratch bytes the pass needs (layout reorders and oneDNN's scratchpad; the caller allocates
 // them, so they are counted like every other workspace).
 int64_t dnnl_conv_scratch(const DnnlConv& c);

@@ -45,12 +45,10 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
   rematerialize_param_copies(g, bg);
   const bool step_mode = ad.mode == GradMode::Step;
   if (step_mode) order_updates_after_reads(g, bg);
-  if (co.blocked_layouts) {
-    std::vector<int> external = bg.param_grads;
-    external.insert(external.end(), bg.input_grads.begin(), bg.input_grads.end());
-    external.push_back(bg.loss);
-    c.blocked = choose_blocked_layouts(g, external);
-  }
+  std::vector<int> external = bg.param_grads;
+  external.insert(external.end(), bg.input_grads.begin(), bg.input_grads.end());
+  external.push_back(bg.loss);
+  c.blocked = choose_blocked_layouts(g, external, co.blocked_layouts);
 
   // ---- plan ----
   PlanOptions po;

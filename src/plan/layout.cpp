@@ -25,6 +25,8 @@
 // kernels convert at the class boundaries, as oneDNN's reorders did before. On ResNet-50 the
 // residual streams of the first three stages and every convolution's output are blocked; the
 // stem (max pool) and the last stage (global average pool) stay plain.
+// Only on CPUs where oneDNN's convolutions use 16-channel blocks (AVX-512 and up, float32 and
+// bf16); on AVX2 they use 8, so the layout would be reordered anyway (dnnl_conv_blocked_ok).
 // CompileOptions::blocked_layouts = false (GRAFT_BLOCKED=0 in GraftModule) turns it off.
 #include <numeric>
 
@@ -40,7 +42,7 @@ int find_root(std::vector<int>& parent, int v) {
 }
 }  // namespace
 
-int choose_blocked_layouts(Graph& g, const std::vector<int>& external) {
+int choose_blocked_layouts(Graph& g, const std::vector<int>& external, bool enabled) {
   const int nv = static_cast<int>(g.values.size());
   std::vector<int> parent(nv);
   std::iota(parent.begin(), parent.end(), 0);
@@ -50,6 +52,7 @@ int choose_blocked_layouts(Graph& g, const std::vector<int>& external) {
     ok[v] = x.kind == ValueKind::Intermediate && x.shape_known && x.dtype == DType::F32 &&
             x.shape.size() >= 3 && x.shape.size() <= 5 && x.shape[1] > 0 && x.shape[1] % 16 == 0;
   }
+  if (!enabled) ok.assign(nv, 0);  // every value plain; stale masks are cleared below
   for (int v : external)
     if (v >= 0 && v < nv) ok[v] = 0;
   for (int v : g.outputs) ok[v] = 0;
@@ -59,6 +62,10 @@ int choose_blocked_layouts(Graph& g, const std::vector<int>& external) {
     if (n.dead) continue;
     const OpDef* d = op_def(n);
     const BlockedUse u = d && d->blocked ? d->blocked(g, n) : BlockedUse{};
+    // The attribute has 16 bits for inputs and 16 for outputs: an op that reads it may name no
+    // more.
+    GRAFT_CHECK(u.tied || (u.in >> 16 == 0 && u.out >> 16 == 0), ErrorKind::Internal,
+                n.label() + ": a channel-blocked operand past the 16th");
     use[i] = u;
     int first = -1;
     // A gradient sink reads input 0 only; the rest order it after the nodes that read its

@@ -229,6 +229,8 @@ TEST(Rewrite, SiblingGathersOfEveryIndexBecomeOneSplit) {
 // layout only changes summation orders: BatchNormalization's statistics), and the nodes that read
 // the layout are told which operands are blocked.
 namespace {
+// Convolutions take the layout on AVX-512 CPUs only (oneDNN's 16-channel blocks; the note).
+bool blocked_convs_here() { return convolutions_take_blocked_layouts(); }
 struct BlockedRun {
   double loss = 0;
   std::vector<std::vector<float>> grads;
@@ -309,6 +311,7 @@ BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1,
 }  // namespace
 
 TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
+  if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   const BlockedRun plain = blocked_run(false), blocked = blocked_run(true);
   for (const auto& [name, mask] : plain.masks) EXPECT_EQ(mask, 0) << name;
   auto mask_of = [&](const std::string& prefix, const std::string& op) -> int64_t {
@@ -339,6 +342,7 @@ TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
 
 // A frozen weight with a trained bias: ConvGrad sums a channel-blocked dY into dB itself.
 TEST(BlockedLayouts, FrozenWeightsBiasGradientFromABlockedGradient) {
+  if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   const BlockedRun plain = blocked_run(false, 0, 1, {"conv2.w"});
   const BlockedRun blocked = blocked_run(true, 0, 1, {"conv2.w"});
   int64_t conv2_grad = -1;
@@ -359,6 +363,7 @@ TEST(BlockedLayouts, FrozenWeightsBiasGradientFromABlockedGradient) {
 // Recomputed under an activation budget, a node's clone keeps its layouts: the same gradients
 // bit for bit.
 TEST(BlockedLayouts, RecomputedNodesKeepTheirLayouts) {
+  if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   const BlockedRun free = blocked_run(true, 0, 4);
   const BlockedRun tight = blocked_run(true, free.planned * 9 / 10, 4);
   EXPECT_GT(tight.recomputed, 0);
@@ -374,6 +379,7 @@ TEST(BlockedLayouts, RecomputedNodesKeepTheirLayouts) {
 // The same for 1-D convolutions ([N, C, L] stored as [N, C/16, L, 16]) and for 3-D ones
 // ([N, C, D, H, W] as [N, C/16, D, H, W, 16]): Conv -> BN -> ReLU -> Conv -> ReLU -> mean.
 TEST(BlockedLayouts, OneAndThreeDimensionalConvolutions) {
+  if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   for (const Shape& spatial : {Shape{12}, Shape{3, 4, 5}}) {
     SCOPED_TRACE("spatial rank " + std::to_string(spatial.size()));
     std::map<bool, std::pair<double, std::vector<std::vector<float>>>> got;
