@@ -231,6 +231,19 @@ TEST(Rewrite, SiblingGathersOfEveryIndexBecomeOneSplit) {
 namespace {
 // Convolutions take the layout on AVX-512 CPUs only (oneDNN's 16-channel blocks; the note).
 bool blocked_convs_here() { return convolutions_take_blocked_layouts(); }
+// Gradients equal to float32 rounding (the layout changes BatchNormalization's summation order).
+void expect_close_grads(const std::vector<std::vector<float>>& got,
+                        const std::vector<std::vector<float>>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    double scale = 0;
+    for (float v : want[i]) scale = std::max(scale, double(std::abs(v)));
+    ASSERT_EQ(got[i].size(), want[i].size());
+    for (size_t k = 0; k < want[i].size(); ++k)
+      EXPECT_NEAR(got[i][k], want[i][k], 1e-4 * scale + 1e-7)
+          << "parameter " << i << "[" << k << "]";
+  }
+}
 struct BlockedRun {
   double loss = 0;
   std::vector<std::vector<float>> grads;
@@ -308,17 +321,21 @@ BlockedRun blocked_run(bool blocked, int64_t budget = 0, int blocks = 1,
       r.masks[n.name + "|" + n.op] = n.attrs.get_int(kBlockedAttr, 0, n.name);
   return r;
 }
+// The kBlockedAttr of the node of op `op` whose name starts with `prefix`.
+int64_t node_mask(const BlockedRun& r, const std::string& prefix, const std::string& op) {
+  for (const auto& [name, mask] : r.masks)
+    if (name.rfind(prefix, 0) == 0 && name.substr(name.find('|') + 1) == op) return mask;
+  ADD_FAILURE() << "no " << op << " node named " << prefix << "...";
+  return -1;
+}
 }  // namespace
 
 TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
   if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   const BlockedRun plain = blocked_run(false), blocked = blocked_run(true);
   for (const auto& [name, mask] : plain.masks) EXPECT_EQ(mask, 0) << name;
-  auto mask_of = [&](const std::string& prefix, const std::string& op) -> int64_t {
-    for (const auto& [name, mask] : blocked.masks)
-      if (name.rfind(prefix, 0) == 0 && name.substr(name.find('|') + 1) == op) return mask;
-    ADD_FAILURE() << "no " << op << " node named " << prefix << "...";
-    return -1;
+  auto mask_of = [&](const std::string& prefix, const std::string& op) {
+    return node_mask(blocked, prefix, op);
   };
   const int64_t X0 = 1, X1 = 2, Y0 = 1 << 16;
   EXPECT_EQ(mask_of("conv1", "Conv"), Y0);       // x: a graph input
@@ -330,14 +347,7 @@ TEST(BlockedLayouts, ConvolutionsKeepBlockedActivationsWithPlainResults) {
   EXPECT_EQ(mask_of("conv1", "ConvGrad"), X0);          // no dX for the graph input
   EXPECT_EQ(mask_of("conv2", "ConvGrad"), X0 | X1 | Y0);
   EXPECT_NEAR(blocked.loss, plain.loss, 1e-6 * std::abs(plain.loss) + 1e-7);
-  ASSERT_EQ(blocked.grads.size(), plain.grads.size());
-  for (size_t i = 0; i < plain.grads.size(); ++i) {
-    double scale = 0;
-    for (float v : plain.grads[i]) scale = std::max(scale, double(std::abs(v)));
-    for (size_t k = 0; k < plain.grads[i].size(); ++k)
-      EXPECT_NEAR(blocked.grads[i][k], plain.grads[i][k], 1e-4 * scale + 1e-7)
-          << "parameter " << i << "[" << k << "]";
-  }
+  expect_close_grads(blocked.grads, plain.grads);
 }
 
 // A frozen weight with a trained bias: ConvGrad sums a channel-blocked dY into dB itself.
@@ -345,19 +355,8 @@ TEST(BlockedLayouts, FrozenWeightsBiasGradientFromABlockedGradient) {
   if (!blocked_convs_here()) GTEST_SKIP() << "no AVX-512: convolutions keep plain layouts";
   const BlockedRun plain = blocked_run(false, 0, 1, {"conv2.w"});
   const BlockedRun blocked = blocked_run(true, 0, 1, {"conv2.w"});
-  int64_t conv2_grad = -1;
-  for (const auto& [name, mask] : blocked.masks)
-    if (name.rfind("conv2", 0) == 0 && name.substr(name.find('|') + 1) == "ConvGrad")
-      conv2_grad = mask;
-  EXPECT_EQ(conv2_grad & 1, 1);  // dY blocked
-  ASSERT_EQ(blocked.grads.size(), plain.grads.size());
-  for (size_t i = 0; i < plain.grads.size(); ++i) {
-    double scale = 0;
-    for (float v : plain.grads[i]) scale = std::max(scale, double(std::abs(v)));
-    for (size_t k = 0; k < plain.grads[i].size(); ++k)
-      EXPECT_NEAR(blocked.grads[i][k], plain.grads[i][k], 1e-4 * scale + 1e-7)
-          << "parameter " << i << "[" << k << "]";
-  }
+  EXPECT_EQ(node_mask(blocked, "conv2", "ConvGrad") & 1, 1);  // dY blocked
+  expect_close_grads(blocked.grads, plain.grads);
 }
 
 // Recomputed under an activation budget, a node's clone keeps its layouts: the same gradients
@@ -435,12 +434,6 @@ TEST(BlockedLayouts, OneAndThreeDimensionalConvolutions) {
     EXPECT_EQ(middle[false], 0);
     EXPECT_EQ(middle[true], 1);  // x blocked; y feeds a ReLU that feeds the loss: plain
     EXPECT_NEAR(got[true].first, got[false].first, 1e-6 * std::abs(got[false].first) + 1e-7);
-    for (size_t i = 0; i < got[false].second.size(); ++i) {
-      double scale = 0;
-      for (float v : got[false].second[i]) scale = std::max(scale, double(std::abs(v)));
-      for (size_t k = 0; k < got[false].second[i].size(); ++k)
-        EXPECT_NEAR(got[true].second[i][k], got[false].second[i][k], 1e-4 * scale + 1e-7)
-            << "parameter " << i << "[" << k << "]";
-    }
+    expect_close_grads(got[true].second, got[false].second);
   }
 }
