@@ -404,21 +404,13 @@ void conv_kernel(KernelCtx& c) {
     const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
     T* y = c.out(0).data<T>();
-    if constexpr (std::is_same_v<T, float>) {
-      if (a.blocked) {  // Note [channel-blocked values]: only ever given to oneDNN's convolutions
-        ConvShape cs = conv_shape(w, N, C, M, g);
-        cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16);
-        const auto d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr);
-        if (!d) c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
-        Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
-        dnnl_conv_forward(*d, px, pw, b, y, scratch.data<float>());
-        return;
-      }
-    }
-    if (a.blocked) c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32");
+    // Conv's channel-blocked operands (Note [channel-blocked values]): X, Y. Only ever given to a
+    // float32 convolution oneDNN runs.
+    if (a.blocked && !(std::is_same_v<T, float> && dnnl_conv_enabled()))
+      c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
     Plane2 p;
     if constexpr (std::is_same_v<T, float>) {
-      if (depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p)) {
+      if (!a.blocked && depthwise_plane(w, Cg, p) && Mg == 1 && narrow_planes(p)) {
         const int64_t CB = (C + kLanes - 1) / kLanes, per = (p.Hp * p.Wp + K + 1 + O) * kLanes;
         Tensor ws = Tensor::empty({max_threads(), per}, x.dtype(), c.alloc, Category::Workspace,
                                   "channel-blocked planes");
@@ -438,7 +430,7 @@ void conv_kernel(KernelCtx& c) {
         return;
       }
     }
-    if (depthwise_plane(w, Cg, p)) {
+    if (!a.blocked && depthwise_plane(w, Cg, p)) {
       Tensor ws = Tensor::empty({max_threads(), p.Hp * p.Wp}, x.dtype(), c.alloc,
                                 Category::Workspace, "padded plane");
       parallel_for(N * g, Mg * O * K, [&](int t, int64_t q0, int64_t q1) {
@@ -453,8 +445,12 @@ void conv_kernel(KernelCtx& c) {
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      const ConvShape cs = conv_shape(w, N, C, M, g);
-      if (const auto d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr)) {
+      ConvShape cs = conv_shape(w, N, C, M, g);
+      cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16);
+      const auto d = dnnl_conv(cs, ConvPass::Forward, bf16_gemm_active(), b != nullptr);
+      if (a.blocked && !d)
+        c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
+      if (d) {
         Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
         dnnl_conv_forward(*d, px, pw, b, y, scratch.data<float>());
         return;
@@ -634,13 +630,8 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
             c.alloc);
         if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
         if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, px, dw, db, scratch.data<float>());
-        if (db && !dw && dy_blk) {  // the same over [N, M/16, O, 16]
-          std::vector<double> s(M, 0.0);
-          for (int64_t q = 0; q < N * (M / 16); ++q)
-            for (int64_t o = 0; o < O; ++o)
-              for (int64_t l = 0; l < 16; ++l)
-                s[(q % (M / 16)) * 16 + l] += pdy[(q * O + o) * 16 + l];
-          for (int64_t m = 0; m < M; ++m) db[m] = static_cast<float>(s[m]);
+        if (db && !dw && dy_blk) {  // the same over dY as [N, M/16, O, 16]: to [1, M/16, 1, 16]
+          sum_to_shape(pdy, Shape{N, M / 16, O, 16}, db, Shape{1, M / 16, 1, 16}, false);
         } else if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images, positions
           Shape per_channel(dy.shape().size(), 1);
           per_channel[1] = M;

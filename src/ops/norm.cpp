@@ -326,6 +326,15 @@ GRAFT_ISA_CLONES void bn_apply16_bb(const float* x, BnView v, int64_t p0, int64_
                                     const float* a, const float* mu, const float* bi, float* y) {
   bn_apply16_impl<true, true>(x, v, p0, p1, a, mu, bi, y);
 }
+// A channel's dX = k1 * dY + k2 * (X - mean) + k0 (BatchNormGrad, below), from its sums over n
+// elements: sdy = sum dY, sdyx = inv * sum dY * (X - mean).
+struct BnDx {
+  double k1, k2, k0;
+};
+BnDx bn_dx_coefficients(double scale, double inv, double sdy, double sdyx, double n, bool train) {
+  const double k1 = scale * inv;
+  return {k1, train && n ? -k1 * inv * sdyx / n : 0.0, train && n ? -k1 * sdy / n : 0.0};
+}
 // BatchNormGrad for the channels of blocks [c0, c1): sums, then dX (when wanted).
 struct BnGrad16 {
   BnView v;
@@ -357,10 +366,10 @@ GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, int64_t c0, int64_t c1) {
       sdyx[l] *= inv;
       if (k.dscale) k.dscale[ch] = static_cast<float>(sdyx[l]);
       if (k.dbias) k.dbias[ch] = static_cast<float>(sdy[l]);
-      const double k1 = k.sc[ch] * inv;
-      t1[l] = static_cast<float>(k1);
-      t2[l] = static_cast<float>(k.train && n ? -k1 * inv * sdyx[l] / n : 0.0);
-      t0[l] = static_cast<float>(k.train && n ? -k1 * sdy[l] / n : 0.0);
+      const BnDx d = bn_dx_coefficients(k.sc[ch], inv, sdy[l], sdyx[l], n, k.train);
+      t1[l] = static_cast<float>(d.k1);
+      t2[l] = static_cast<float>(d.k2);
+      t0[l] = static_cast<float>(d.k0);
       tm[l] = static_cast<float>(m[l]);
     }
     if (!k.dx) continue;
@@ -542,10 +551,8 @@ void batchnorm_grad_kernel(KernelCtx& c) {
         if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
         if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
         if (!dx) continue;
-        const double k1 = sc[ch] * inv;
-        const double k2 = train && n ? -k1 * inv * sdyx / n : 0.0;
-        const double k0 = train && n ? -k1 * sdy / n : 0.0;
-        const T t1 = static_cast<T>(k1), t2 = static_cast<T>(k2), t0 = static_cast<T>(k0);
+        const BnDx d = bn_dx_coefficients(sc[ch], inv, sdy, sdyx, n, train);
+        const T t1 = static_cast<T>(d.k1), t2 = static_cast<T>(d.k2), t0 = static_cast<T>(d.k0);
         bn_grad_dx(dy, px, v, ch, t1, t2, t0, static_cast<T>(m), dx);
       }
     });
