@@ -10,6 +10,18 @@
 // more than a small GEMM); products under 2^18 multiply-adds skip oneDNN and run the same
 // arithmetic (rounded operands, float32 accumulation) through OpenBLAS. float64 GEMMs never change.
 //
+// Note [bf16 operand scratch]
+// The rounded copies of A and B and oneDNN's scratchpad (scratchpad_mode::user, as for float32)
+// live in one ScratchBlock per product, from the process's block cache, given back as the product
+// returns. They were once per-thread buffers that grew to the largest operands of a forward or
+// backward and lived until its end, plus oneDNN's library-owned scratchpad: GPT-2 124M's LM head
+// (dW = dLogits^T X rounds a 2048 x 50257 dLogits, 206 MB) kept them through the whole backward,
+// and graft's bf16 step peaked 0.37 GiB above its float32 step. From the block cache, the next
+// product's copies and the planner's values reuse the same pages. An operand whose copy would pass
+// 32 MiB (the LM head's dLogits, its 50257 x 768 weight) is rounded a panel at a time: a block of
+// rows of C (A's panel) or of columns (B's), each a product of its own, the other operand rounded
+// once; a panel is a multiple of 64 rows or columns, so each still runs at the kernel's rate.
+//
 // Note [float32 GEMM backend]
 // Outside a Bf16MatmulScope, float32 GEMMs of at least 2^18 multiply-adds run oneDNN's float32
 // matmul primitive (brgemm kernels, JIT for AVX-512) on the operands in place (strides express
@@ -58,6 +70,7 @@
 #include <cblas.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -85,21 +98,8 @@ bool packs_b_enabled() {
 }
 
 thread_local bool t_bf16 = false;
-// The bf16 copies of the current product's operands: grown as needed and reused by every product
-// of the scope (no allocation, page faults or zeroing per call), freed when the outermost scope
-// ends (the end of a forward or a backward).
-struct Scratch {
-  std::unique_ptr<uint16_t[]> p;
-  size_t n = 0;
-  uint16_t* get(size_t want) {
-    if (want > n) {
-      p.reset(new uint16_t[want]);
-      n = want;
-    }
-    return p.get();
-  }
-};
-thread_local Scratch t_a, t_b;
+// Note [bf16 operand scratch]: the largest rounded copy of one operand a product makes at once.
+constexpr size_t kBf16PanelBytes = size_t{32} << 20;
 
 // f32 -> bf16 bits, round to nearest even (NaN stays NaN): the one rounding rule of both paths.
 inline uint16_t bf16_bits(float x) {
@@ -168,7 +168,7 @@ std::shared_ptr<const Prim> primitive(bool ta, bool tb, int64_t M, int64_t N, in
     dnnl::memory::desc b({K, N}, in, tb ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1});
     dnnl::memory::desc c({M, N}, dt::f32, dnnl::memory::dims{ldc, 1});
     dnnl::primitive_attr attr;
-    if (!bf16) attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (alpha != 1.f) attr.set_output_scales(0, {alpha});
     if (beta != 0.f) {
       dnnl::post_ops po;
@@ -215,10 +215,7 @@ thread_local size_t t_scratch_n = 0;
 }  // namespace
 
 Bf16MatmulScope::Bf16MatmulScope(bool bf16) : prev_(t_bf16) { t_bf16 = bf16; }
-Bf16MatmulScope::~Bf16MatmulScope() {
-  t_bf16 = prev_;
-  if (!prev_) t_a = Scratch(), t_b = Scratch();
-}
+Bf16MatmulScope::~Bf16MatmulScope() { t_bf16 = prev_; }
 
 bool bf16_matmul_native() {
   static const bool native = [] {
@@ -260,16 +257,50 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                 static_cast<blasint>(ldc));
     return;
   }
-  const std::shared_ptr<const Prim> p =
-      primitive(ta, tb, M, N, K, ta ? M : K, tb ? K : N, ldc, alpha, beta, true);
-  uint16_t* a = t_a.get(static_cast<size_t>(M * K));
-  uint16_t* b = t_b.get(static_cast<size_t>(K * N));
-  to_bf16(A, ra, ca, lda, a);
-  to_bf16(B, rb, cb, ldb, b);
-  dnnl::stream s(opsutil::dnnl_engine());
-  dnnl::memory ma(p->a, opsutil::dnnl_engine(), a), mb(p->b, opsutil::dnnl_engine(), b),
-      mc(p->c, opsutil::dnnl_engine(), C);
-  p->mm.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  // Note [bf16 operand scratch]: the rounded operands and oneDNN's scratchpad in one block per
+  // call, from the block cache; an operand whose copy would pass kBf16PanelBytes is rounded a panel
+  // at a time (rows of C for A, columns of C for B), the other once.
+  int64_t pm = M, pn = N;
+  const auto panel = [](int64_t whole, int64_t per) {
+    const int64_t fit = static_cast<int64_t>(kBf16PanelBytes / 2) / per;
+    return std::min(whole, std::max<int64_t>(64, fit / 64 * 64));
+  };
+  if (M * K >= K * N && static_cast<size_t>(M * K) * 2 > kBf16PanelBytes)
+    pm = panel(M, K);
+  else if (static_cast<size_t>(K * N) * 2 > kBf16PanelBytes)
+    pn = panel(N, K);
+  const auto prim = [&](int64_t m, int64_t n) {
+    return primitive(ta, tb, m, n, K, ta ? m : K, tb ? K : n, ldc, alpha, beta, true);
+  };
+  size_t pad = prim(pm, pn)->scratch.get_size();
+  if (M % pm) pad = std::max(pad, prim(M % pm, N)->scratch.get_size());
+  if (N % pn) pad = std::max(pad, prim(M, N % pn)->scratch.get_size());
+  const auto round_up = [](size_t n) { return (n + 63) & ~size_t{63}; };
+  const size_t a_bytes = round_up(static_cast<size_t>(pm * K) * 2),
+               b_bytes = round_up(static_cast<size_t>(K * pn) * 2);
+  ScratchBlock scratch(a_bytes + b_bytes + pad);
+  char* base = static_cast<char*>(scratch.data());
+  auto* a = reinterpret_cast<uint16_t*>(base);
+  auto* b = reinterpret_cast<uint16_t*>(base + a_bytes);
+  auto& eng = opsutil::dnnl_engine();
+  dnnl::stream s(eng);
+  if (pm == M) to_bf16(A, ra, ca, lda, a);
+  if (pn == N) to_bf16(B, rb, cb, ldb, b);
+  for (int64_t m0 = 0; m0 < M; m0 += pm) {
+    const int64_t m = std::min(pm, M - m0);
+    if (pm < M) to_bf16(ta ? A + m0 : A + m0 * lda, ta ? K : m, ta ? m : K, lda, a);
+    for (int64_t n0 = 0; n0 < N; n0 += pn) {
+      const int64_t n = std::min(pn, N - n0);
+      if (pn < N) to_bf16(tb ? B + n0 * ldb : B + n0, tb ? n : K, tb ? K : n, ldb, b);
+      const std::shared_ptr<const Prim> p = prim(m, n);
+      dnnl::memory ma(p->a, eng, a), mb(p->b, eng, b), mc(p->c, eng, C + m0 * ldc + n0),
+          ms(p->scratch, eng, base + a_bytes + b_bytes);
+      p->mm.execute(s, {{DNNL_ARG_SRC, ma},
+                        {DNNL_ARG_WEIGHTS, mb},
+                        {DNNL_ARG_DST, mc},
+                        {DNNL_ARG_SCRATCHPAD, ms}});
+    }
+  }
   s.wait();
 }
 

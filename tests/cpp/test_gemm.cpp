@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -15,6 +16,7 @@
 #include "../../src/ops/lru.h"
 #include "../../src/ops/util.h"
 #include "graft/core.h"
+#include "graft/ops.h"
 
 using namespace graft;
 
@@ -33,18 +35,27 @@ std::string name(const Case& c) {
          std::to_string(c.alpha) + " beta " + std::to_string(c.beta);
 }
 
+float round_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
 // Runs `gemm` on random operands and checks C against float64 arithmetic within float32's
-// rounding of a K-term dot product (relative to the sum of absolute products).
+// rounding of a K-term dot product (relative to the sum of absolute products). bf16_exact: the
+// operands are bfloat16 numbers, so a bf16 product must meet the same bound.
 template <class G>
-void check(const Case& c, G gemm) {
+void check(const Case& c, G gemm, bool bf16_exact = false) {
   std::mt19937 rng(static_cast<uint32_t>(c.M * 131 + c.N * 7 + c.K));
   std::uniform_real_distribution<float> d(-1.f, 1.f);
   const int64_t ra = c.ta ? c.K : c.M, ca = c.ta ? c.M : c.K, rb = c.tb ? c.N : c.K,
                 cb = c.tb ? c.K : c.N;
   const int64_t lda = ca + c.pad, ldb = cb + c.pad, ldc = c.N + c.pad;
   std::vector<float> A(ra * lda), B(rb * ldb), C(c.M * ldc);
-  for (float& x : A) x = d(rng);
-  for (float& x : B) x = d(rng);
+  for (float& x : A) x = bf16_exact ? round_bf16(d(rng)) : d(rng);
+  for (float& x : B) x = bf16_exact ? round_bf16(d(rng)) : d(rng);
   for (float& x : C) x = d(rng);
   const std::vector<float> C0 = C;
   gemm(c.ta, c.tb, c.M, c.N, c.K, c.alpha, A.data(), lda, B.data(), ldb, c.beta, C.data(), ldc);
@@ -214,4 +225,24 @@ TEST(Gemm, PackedOperandReusesTheBlockCachesPages) {
       << "the second product did not reuse the first one's pages";
   EXPECT_EQ(s2.maps, s1.maps);
   EXPECT_EQ(s2.in_use, s0.in_use);
+}
+
+// Note [bf16 operand scratch]: an operand whose bf16 copy would pass 32 MiB is rounded a panel at a
+// time (A: rows of C, B: columns of C, both transpositions, a remainder panel, padded leading
+// dimensions, alpha and beta), and the copies go back to the block cache when the product returns.
+TEST(Gemm, Bf16ProductsRoundLargeOperandsInPanels) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  const int64_t big = 4160, K = 4096;  // a 4160 x 4096 operand: 34.1 MB in bf16
+  const std::vector<Case> cases = {
+      {false, false, big, 16, K, 0, 1.f, 0.f}, {true, false, big, 16, K, 3, 0.5f, 1.f},
+      {false, true, 16, big, K, 0, 1.f, 0.f},  {false, false, 16, big, K, 5, -1.f, 0.25f},
+      {true, true, 8, big, K, 0, 2.f, 0.f},
+  };
+  const BlockCache::Stats s0 = BlockCache::global().stats();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(name(c));
+    check(
+        c, [](auto... args) { opsutil::gemm_bf16(args...); }, true);
+  }
+  EXPECT_EQ(BlockCache::global().stats().in_use, s0.in_use) << "a rounded copy was not given back";
 }
