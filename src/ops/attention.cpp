@@ -214,8 +214,13 @@ void each_unit(int64_t units, int slots, int64_t work_per_unit, F&& unit) {
     for (int64_t u = 0; u < units; ++u) unit(0, u);
     return;
   }
+  // The caller's precision on every thread: a bf16 step's products are bf16 whichever thread runs
+  // a head (Bf16MatmulScope is per thread; without this the heads a worker ran were float32, so a
+  // bf16 step's result depended on the schedule).
+  const bool bf16 = bf16_gemm_active();
   parallel_for(units, std::max<int64_t>(work_per_unit, kParallelGrain),
                [&](int slot, int64_t u0, int64_t u1) {
+                 Bf16MatmulScope precision(bf16);
                  for (int64_t u = u0; u < u1; ++u) unit(slot, u);
                });
 }

@@ -264,6 +264,31 @@ TEST(Attention, HeadsInParallelMatchOneAtATimeAndFloat64) {
   }
 }
 
+// In a bf16 step every head's products are bf16, whichever thread runs it: heads in parallel
+// match heads one at a time (each product threaded) up to float32 accumulation order, and differ
+// from float32 by bfloat16's rounding. Before the workers took the caller's precision, the heads a
+// worker ran were float32 and a bf16 step's result depended on the schedule.
+TEST(Attention, HeadsInParallelKeepTheStepsBf16Precision) {
+  if (!pool_is_openmp()) GTEST_SKIP() << "GRAFT_POOL=own runs heads one at a time";
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  const HeadsRun f32 = run_heads(DType::F32, 1, false);
+  Bf16MatmulScope bf16(true);
+  const HeadsRun par = run_heads(DType::F32, 2, false), one = run_heads(DType::F32, 1, false);
+  const std::pair<const char*, std::vector<double> HeadsRun::*> outs[] = {
+      {"O", &HeadsRun::o}, {"dQ", &HeadsRun::dq}, {"dK", &HeadsRun::dk}, {"dV", &HeadsRun::dv}};
+  for (const auto& [name, field] : outs) {
+    SCOPED_TRACE(name);
+    const std::vector<double>&a = par.*field, &b = one.*field, &x = f32.*field;
+    double scale = 0, off = 0;
+    for (double e : x) scale = std::max(scale, std::abs(e));
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_NEAR(a[i], b[i], 2e-5 * scale) << "element " << i;
+      off = std::max(off, std::abs(b[i] - x[i]));
+    }
+    EXPECT_GT(off, 1e-4 * scale) << "the products did not run in bf16";
+  }
+}
+
 // One training step of loss = sum(Attention(Q, K, V) * R) with Q, K, V trained: the bytes it
 // allocates beyond the parameters and R, at its peak.
 struct Measured {
