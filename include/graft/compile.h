@@ -35,6 +35,10 @@ struct CompileOptions {
   // Keep float32 activations between convolutions in oneDNN's channel-blocked layout instead of
   // reordering them around every convolution (Note [channel-blocked values], src/plan/layout.cpp).
   bool blocked_layouts = true;
+  // Store in bfloat16 the forward values the backward reads and only matrix products read (Note
+  // [bf16 operands], src/plan/bf16_operands.cpp). Only in a bf16 session: TrainSession sets it
+  // from RunOptions::bf16 (and this switch); its plans then run bf16 steps only.
+  bool bf16_operands = false;
 };
 
 // One training step, compiled: the backward graph (its nodes appended to the graph) and the plan
@@ -46,8 +50,9 @@ struct CompiledStep {
   std::vector<int> grad_keep;
   // Per requested input gradient (AutodiffOptions::input_grads): its index in plan.keep, or -1.
   std::vector<int> input_grad_keep;
-  int recomputed = 0;  // nodes the activation budget cloned into the backward
-  int blocked = 0;     // values stored channel-blocked (Note [channel-blocked values])
+  int recomputed = 0;     // nodes the activation budget cloned into the backward
+  int blocked = 0;        // values stored channel-blocked (Note [channel-blocked values])
+  int bf16_operands = 0;  // values stored in bfloat16 (Note [bf16 operands])
 };
 
 // Compiles `g` in place (shapes bound from `input_shapes` for symbolic dims; constants folded into

@@ -57,7 +57,10 @@ class Error : public std::runtime_error {
   } while (0)
 
 // ---------------------------------------------------------------------------------------------
-enum class DType : uint8_t { F32, F64, I64, Bool, I32 };
+// BF16: bfloat16 storage graft chooses itself for matrix-product operands a bf16 session keeps for
+// the backward (Note [bf16 operands], src/plan/bf16_operands.cpp); no model value, input, output
+// or parameter has it, and only matrix products (and views) read it.
+enum class DType : uint8_t { F32, F64, I64, Bool, I32, BF16 };
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 inline bool is_float(DType t) { return t == DType::F32 || t == DType::F64; }

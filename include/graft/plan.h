@@ -13,6 +13,8 @@
 
 namespace graft {
 
+struct BackwardGraph;  // graft/autodiff.h
+
 struct PlanOptions {
   std::vector<int> keep;   // values that must survive the run (graph outputs, held gradients)
   bool inplace = true;     // allow in-place reuse where safe
@@ -70,6 +72,12 @@ Plan make_plan(const Graph& g, const PlanOptions& opt);
 // constants never are either. enabled = false: every value plain (clears masks a previous run of
 // the pass left). Returns the number of values blocked.
 int choose_blocked_layouts(Graph& g, const std::vector<int>& external, bool enabled = true);
+// Note [bf16 operands] (src/plan/bf16_operands.cpp): in a bf16 session, on an inferred training
+// graph, stores in bfloat16 the forward values the backward reads and only matrix products read
+// (RoundToBf16 nodes after their writers; their views become DType::BF16); renumbers nodes and
+// bg's node indices. `external` as for choose_blocked_layouts. Returns the number of values.
+int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
+                         bool enabled = true);
 // Checks the plan's invariants; throws Internal with the violation.
 void check_plan(const Graph& g, const Plan& p);
 

@@ -191,6 +191,8 @@ class TrainSession {
   std::vector<SavedValue> live_at_peak() const;
   // Nodes the activation budget cloned into the backward (0 without a budget, or when it fit).
   int recomputed_nodes() const { return c_.recomputed; }
+  // Values the plan stores in bfloat16 (Note [bf16 operands]; 0 outside bf16 sessions).
+  int bf16_operands() const { return c_.bf16_operands; }
 
  private:
   std::unique_ptr<Graph> gp_;  // the graph lives at a fixed address (the executor refers to it)

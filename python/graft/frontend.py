@@ -524,7 +524,7 @@ class GraftModule(torch.nn.Module):
         try:
             e.session = _graft.Session(prep.graph if path is None else path, {}, e.float_outputs, freeze,
                                        e.input_grads, e.param_inputs, self.gradients, self.check_finite,
-                                       self.max_memory, self.activation_budget)
+                                       self.max_memory, self.activation_budget, self.precision == "bf16")
             e.outputs_info = e.session.outputs_info()
         except GraftError as err:
             if path is None and not prep.stops and isinstance(

@@ -80,6 +80,8 @@ size_t dtype_size(DType t) {
       return 1;
     case DType::I32:
       return 4;
+    case DType::BF16:
+      return 2;
   }
   return 0;
 }
@@ -96,6 +98,8 @@ const char* dtype_name(DType t) {
       return "bool";
     case DType::I32:
       return "int32";
+    case DType::BF16:
+      return "bfloat16";
   }
   return "?";
 }
@@ -558,6 +562,12 @@ double Tensor::at(int64_t i) const {
       return data<bool>()[i] ? 1.0 : 0.0;
     case DType::I32:
       return static_cast<double>(data<int32_t>()[i]);
+    case DType::BF16: {
+      const uint32_t b = static_cast<uint32_t>(data<uint16_t>()[i]) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
   }
   return 0;
 }

@@ -210,6 +210,8 @@ int onnx_elem_type(DType t) {
       return 9;
     case DType::F64:
       return 11;
+    case DType::BF16:
+      return 16;
   }
   return 0;
 }

@@ -167,6 +167,8 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
       case DType::I32:
         have = tp.int32_data_size();
         break;
+      case DType::BF16:  // dtype_of_onnx_elem never maps a file's type to it
+        fail(ErrorKind::Internal, what + ": bfloat16 data");
     }
     GRAFT_CHECK(have == n, ErrorKind::InvalidModel,
                 what + " has " + std::to_string(have) + " elements of data but its shape " +
@@ -205,6 +207,8 @@ Tensor convert_tensor(const onnx::TensorProto& tp, Allocator& alloc, Category ca
     case DType::I32:
       std::copy(tp.int32_data().begin(), tp.int32_data().end(), t.data<int32_t>());
       break;
+    case DType::BF16:
+      fail(ErrorKind::Internal, what + ": bfloat16 data");
   }
   return t;
 }

@@ -234,23 +234,45 @@ dnnl::engine& dnnl_engine() {
 
 bool bf16_gemm_active() { return t_bf16; }
 
+void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  constexpr int64_t kRow = 4096;  // rows of to_bf16's parallel loop
+  const int64_t rows = n / kRow;
+  if (rows) to_bf16(src, rows, kRow, kRow, dst);
+  if (n % kRow) to_bf16(src + rows * kRow, 1, n % kRow, n % kRow, dst + rows * kRow);
+}
+
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm_bf16_mixed(ta, tb, M, N, K, alpha, A, false, lda, B, false, ldb, beta, C, ldc);
+}
+
+void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                     bool a16, int64_t lda, const void* B, bool b16, int64_t ldb, float beta,
+                     float* C, int64_t ldc) {
   // Stored shapes: A is M x K (K x M when transposed) with row stride lda; B likewise.
   const int64_t ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
+  const auto* af = static_cast<const float*>(A);
+  const auto* bf = static_cast<const float*>(B);
+  const auto* ah = static_cast<const uint16_t*>(A);
+  const auto* bh = static_cast<const uint16_t*>(B);
   if (M * N * K < (int64_t{1} << 18)) {
     // Small products (a oneDNN call costs microseconds, more than the product): the same
     // arithmetic, bfloat16-rounded operands and float32 accumulation, through OpenBLAS.
     std::vector<float> a(static_cast<size_t>(ra * ca)), b(static_cast<size_t>(rb * cb));
-    auto round = [](const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
-      for (int64_t r = 0; r < rows; ++r)
+    std::vector<uint16_t> bits(static_cast<size_t>(std::max(ca, cb)));
+    auto widen = [&](const float* f, const uint16_t* h, int64_t rows, int64_t cols, int64_t ld,
+                     float* dst) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = h ? h + r * ld : bits.data();
+        if (!h) to_bf16(f + r * ld, 1, cols, ld, bits.data());
         for (int64_t c = 0; c < cols; ++c) {
-          const uint32_t x = static_cast<uint32_t>(bf16_bits(src[r * ld + c])) << 16;
+          const uint32_t x = static_cast<uint32_t>(row[c]) << 16;
           std::memcpy(dst + r * cols + c, &x, 4);
         }
+      }
     };
-    round(A, ra, ca, lda, a.data());
-    round(B, rb, cb, ldb, b.data());
+    widen(af, a16 ? ah : nullptr, ra, ca, lda, a.data());
+    widen(bf, b16 ? bh : nullptr, rb, cb, ldb, b.data());
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha,
                 a.data(), static_cast<blasint>(ca), b.data(), static_cast<blasint>(cb), beta, C,
@@ -259,41 +281,53 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   }
   // Note [bf16 operand scratch]: the rounded operands and oneDNN's scratchpad in one block per
   // call, from the block cache; an operand whose copy would pass kBf16PanelBytes is rounded a panel
-  // at a time (rows of C for A, columns of C for B), the other once.
+  // at a time (rows of C for A, columns of C for B), the other once. A bfloat16 operand (Note [bf16
+  // operands]) is used in place, with its own leading dimension, and needs no copy.
   int64_t pm = M, pn = N;
   const auto panel = [](int64_t whole, int64_t per) {
     const int64_t fit = static_cast<int64_t>(kBf16PanelBytes / 2) / per;
     return std::min(whole, std::max<int64_t>(64, fit / 64 * 64));
   };
-  if (M * K >= K * N && static_cast<size_t>(M * K) * 2 > kBf16PanelBytes)
+  const bool copy_a = !a16 && static_cast<size_t>(M * K) * 2 > kBf16PanelBytes;
+  const bool copy_b = !b16 && static_cast<size_t>(K * N) * 2 > kBf16PanelBytes;
+  if (copy_a && (M * K >= K * N || !copy_b))
     pm = panel(M, K);
-  else if (static_cast<size_t>(K * N) * 2 > kBf16PanelBytes)
+  else if (copy_b)
     pn = panel(N, K);
   const auto prim = [&](int64_t m, int64_t n) {
-    return primitive(ta, tb, m, n, K, ta ? m : K, tb ? K : n, ldc, alpha, beta, true);
+    return primitive(ta, tb, m, n, K,
+                     a16  ? lda
+                     : ta ? m
+                          : K,
+                     b16  ? ldb
+                     : tb ? K
+                          : n,
+                     ldc, alpha, beta, true);
   };
   size_t pad = prim(pm, pn)->scratch.get_size();
   if (M % pm) pad = std::max(pad, prim(M % pm, N)->scratch.get_size());
   if (N % pn) pad = std::max(pad, prim(M, N % pn)->scratch.get_size());
   const auto round_up = [](size_t n) { return (n + 63) & ~size_t{63}; };
-  const size_t a_bytes = round_up(static_cast<size_t>(pm * K) * 2),
-               b_bytes = round_up(static_cast<size_t>(K * pn) * 2);
+  const size_t a_bytes = a16 ? 0 : round_up(static_cast<size_t>(pm * K) * 2),
+               b_bytes = b16 ? 0 : round_up(static_cast<size_t>(K * pn) * 2);
   ScratchBlock scratch(a_bytes + b_bytes + pad);
   char* base = static_cast<char*>(scratch.data());
   auto* a = reinterpret_cast<uint16_t*>(base);
   auto* b = reinterpret_cast<uint16_t*>(base + a_bytes);
   auto& eng = opsutil::dnnl_engine();
   dnnl::stream s(eng);
-  if (pm == M) to_bf16(A, ra, ca, lda, a);
-  if (pn == N) to_bf16(B, rb, cb, ldb, b);
+  if (!a16 && pm == M) to_bf16(af, ra, ca, lda, a);
+  if (!b16 && pn == N) to_bf16(bf, rb, cb, ldb, b);
   for (int64_t m0 = 0; m0 < M; m0 += pm) {
     const int64_t m = std::min(pm, M - m0);
-    if (pm < M) to_bf16(ta ? A + m0 : A + m0 * lda, ta ? K : m, ta ? m : K, lda, a);
+    if (pm < M) to_bf16(ta ? af + m0 : af + m0 * lda, ta ? K : m, ta ? m : K, lda, a);
     for (int64_t n0 = 0; n0 < N; n0 += pn) {
       const int64_t n = std::min(pn, N - n0);
-      if (pn < N) to_bf16(tb ? B + n0 * ldb : B + n0, tb ? n : K, tb ? K : n, ldb, b);
+      if (pn < N) to_bf16(tb ? bf + n0 * ldb : bf + n0, tb ? n : K, tb ? K : n, ldb, b);
       const std::shared_ptr<const Prim> p = prim(m, n);
-      dnnl::memory ma(p->a, eng, a), mb(p->b, eng, b), mc(p->c, eng, C + m0 * ldc + n0),
+      void* pa = a16 ? const_cast<uint16_t*>(ah) : a;
+      void* pb = b16 ? const_cast<uint16_t*>(bh) : b;
+      dnnl::memory ma(p->a, eng, pa), mb(p->b, eng, pb), mc(p->c, eng, C + m0 * ldc + n0),
           ms(p->scratch, eng, base + a_bytes + b_bytes);
       p->mm.execute(s, {{DNNL_ARG_SRC, ma},
                         {DNNL_ARG_WEIGHTS, mb},

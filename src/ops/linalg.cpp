@@ -62,9 +62,22 @@ GemmAttrs gemm_attrs(const Node& n) {
 std::shared_ptr<const void> prepare_gemm(const Node& n) { return prepared(gemm_attrs(n)); }
 
 // ---- Gemm ---------------------------------------------------------------------------------------
-void infer_gemm(InferCtx& c) {
+// Note [bf16 operands]: A or B (or both) may be a bfloat16 operand the plan stores for a float32
+// product; the product is then float32's. Otherwise both are float32 or both float64.
+DType product_dtype(InferCtx& c) {
+  const DType a = c.dtype(0), b = c.dtype(1);
+  if (a == DType::BF16 || b == DType::BF16) {
+    c.check((a == DType::BF16 || a == DType::F32) && (b == DType::BF16 || b == DType::F32),
+            "a bfloat16 operand multiplies only float32 or bfloat16");
+    return DType::F32;
+  }
   require_float(c, 0);
-  c.check(c.dtype(1) == c.dtype(0), "A and B differ in dtype");
+  c.check(b == a, "inputs differ in dtype");
+  return a;
+}
+
+void infer_gemm(InferCtx& c) {
+  const DType dt = product_dtype(c);
   c.check(c.shape(0).size() == 2 && c.shape(1).size() == 2, "A and B must be 2-D");
   const GemmAttrs a = gemm_attrs(c.node());
   const bool ta = a.ta, tb = a.tb;
@@ -77,13 +90,40 @@ void infer_gemm(InferCtx& c) {
     Shape out;
     c.check(broadcast_shape({M, N}, c.shape(2), out) && out == Shape{M, N},
             "C of shape " + shape_str(c.shape(2)) + " does not broadcast to " + shape_str({M, N}));
-    c.check(c.dtype(2) == c.dtype(0), "C differs in dtype");
+    c.check(c.dtype(2) == dt, "C differs in dtype");
   }
-  c.set_out(0, c.dtype(0), {M, N});
+  c.set_out(0, dt, {M, N});
+}
+
+// Note [bf16 operands]: one operand of a product, float32 / float64 or bfloat16 bits.
+struct Operand {
+  const char* p;
+  bool bf16;
+  size_t elem;
+  explicit Operand(const Tensor& t)
+      : p(static_cast<const char*>(t.raw())),
+        bf16(t.dtype() == DType::BF16),
+        elem(dtype_size(t.dtype())) {}
+  const void* at(int64_t i) const { return p + static_cast<size_t>(i) * elem; }
+};
+bool has_bf16_operand(const KernelCtx& c) {
+  return c.in(0).dtype() == DType::BF16 || c.in(1).dtype() == DType::BF16;
+}
+// C = alpha op(A) op(B) + beta C with natural leading dimensions, A and B at element offsets.
+template <class T>
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const Operand& A,
+             int64_t oa, const Operand& B, int64_t ob, T beta, T* C) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (A.bf16 || B.bf16)
+      return gemm_bf16_mixed(ta, tb, M, N, K, alpha, A.at(oa), A.bf16, ta ? M : K, B.at(ob), B.bf16,
+                             tb ? K : N, beta, C, N);
+  }
+  gemm<T>(ta, tb, M, N, K, alpha, static_cast<const T*>(A.at(oa)), static_cast<const T*>(B.at(ob)),
+          beta, C);
 }
 
 void gemm_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+  dispatch_float(has_bf16_operand(c) ? DType::F32 : c.in(0).dtype(), c, [&]<class T>() {
     const GemmAttrs& a = c.attrs<GemmAttrs>();
     const bool ta = a.ta, tb = a.tb;
     const T alpha = static_cast<T>(a.alpha), beta = static_cast<T>(a.beta);
@@ -105,7 +145,7 @@ void gemm_kernel(KernelCtx& c) {
       }
       b = beta;
     }
-    gemm<T>(ta, tb, M, N, K, alpha, A.data<T>(), B.data<T>(), b, y);
+    product<T>(ta, tb, M, N, K, alpha, Operand(A), 0, Operand(B), 0, b, y);
   });
 }
 
@@ -162,29 +202,28 @@ MMShapes mm_shapes(const Shape& sa0, const Shape& sb0, bool ta, bool tb,
 }
 
 void infer_matmul(InferCtx& c) {
-  require_float(c, 0);
-  c.check(c.dtype(1) == c.dtype(0), "inputs differ in dtype");
+  const DType dt = product_dtype(c);
   const GemmAttrs a = gemm_attrs(c.node());
   auto r = mm_shapes(c.shape(0), c.shape(1), a.ta, a.tb,
                      [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
-  c.set_out(0, c.dtype(0), r.out);
+  c.set_out(0, dt, r.out);
 }
 
 void matmul_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+  dispatch_float(has_bf16_operand(c) ? DType::F32 : c.in(0).dtype(), c, [&]<class T>() {
     const bool ta = c.attrs<GemmAttrs>().ta, tb = c.attrs<GemmAttrs>().tb;
     const Tensor &A = c.in(0), &B = c.in(1);
     auto r = mm_shapes(A.shape(), B.shape(), ta, tb,
                        [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
     T* y = c.out(0).data<T>();
     const T beta = c.accumulate ? T(1) : T(0);  // add into an existing .grad
-    const T *pa = A.data<T>(), *pb = B.data<T>();
+    const Operand pa(A), pb(B);
     const int64_t nb = numel(r.batch), MK = r.M * r.K, KN = r.K * r.N, MN = r.M * r.N;
     const bool a_batched = A.rank() > 2, b_batched = B.rank() > 2;
     // A batch of [M,K] against one [K,N]: a single GEMM with M' = batch*M.
     if (!b_batched && !ta &&
         (A.rank() <= 2 || numel(Shape(A.shape().begin(), A.shape().end() - 2)) == nb)) {
-      gemm<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, pb, beta, y);
+      product<T>(false, tb, nb * r.M, r.N, r.K, T(1), pa, 0, pb, 0, beta, y);
       return;
     }
     Shape sa = A.shape(), sb = B.shape();
@@ -194,7 +233,7 @@ void matmul_kernel(KernelCtx& c) {
     auto sta = bcast_strides(bsa, r.batch), stb = bcast_strides(bsb, r.batch);
     (void)a_batched;
     for_each_bcast<2>(r.batch, {sta, stb}, [&](int64_t i, const std::array<int64_t, 2>& o) {
-      gemm<T>(ta, tb, r.M, r.N, r.K, T(1), pa + o[0] * MK, pb + o[1] * KN, beta, y + i * MN);
+      product<T>(ta, tb, r.M, r.N, r.K, T(1), pa, o[0] * MK, pb, o[1] * KN, beta, y + i * MN);
     });
     (void)nb;
   });
@@ -268,6 +307,17 @@ double matmul_flops(const Graph& g, const Node& n) {
   return 2 * output_elements(g, n) * static_cast<double>(k);
 }
 
+// ---- RoundToBf16 (graft)
+// ------------------------------------------------------------------------- Note [bf16 operands]: a
+// float32 value to the bfloat16 bits a bf16 product would round it to.
+void infer_round_bf16(InferCtx& c) {
+  c.check(c.dtype(0) == DType::F32, "RoundToBf16 reads float32");
+  c.set_out(0, DType::BF16, c.shape(0));
+}
+void round_bf16_kernel(KernelCtx& c) {
+  round_to_bf16(c.in(0).data<float>(), c.in(0).numel(), c.out(0).data<uint16_t>());
+}
+
 const OpDef kOps[] = {
     {.name = "Gemm",
      .min_in = 2,
@@ -298,6 +348,13 @@ const OpDef kOps[] = {
      .grad = grad_matmul,
      .accumulate_out = true,
      .flops = matmul_flops},
+    // Emitted by the planner's bf16-operand pass, after autodiff: no gradient.
+    {.name = "RoundToBf16",
+     .domain = "graft",
+     .infer = infer_round_bf16,
+     .kernel = round_bf16_kernel,
+     .foldable = false,
+     .pointwise = true},
 };
 
 }  // namespace

@@ -87,6 +87,8 @@ void dispatch(DType dt, F&& f) {
     case DType::I32:
       f.template operator()<int32_t>();
       break;
+    case DType::BF16:  // Note [bf16 operands]: only matrix products and views read these
+      fail(ErrorKind::Internal, "a bfloat16 operand reached a kernel other than a matrix product");
   }
 }
 // Calls f.template operator()<T>() for an integer dtype (int64, int32); false for others.
@@ -137,6 +139,15 @@ bool bf16_gemm_active();
 dnnl::engine& dnnl_engine();
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Note [bf16 operands]: the same product with either operand (or both) already bfloat16 (A16 /
+// B16: A or B points at uint16_t bits, used in place with its leading dimension; a float32
+// operand is rounded as gemm_bf16 rounds it). Runs in bf16 whatever the scope.
+void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                     bool a16, int64_t lda, const void* B, bool b16, int64_t ldb, float beta,
+                     float* C, int64_t ldc);
+// n float32 values to bfloat16 bits, rounded to nearest even exactly as the bf16 GEMMs round
+// their operands (threaded).
+void round_to_bf16(const float* src, int64_t n, uint16_t* dst);
 // Note [float32 GEMM backend] (gemm_dnnl.cpp): runs a float32 GEMM on oneDNN's matmul primitive
 // and returns true, or returns false (the size or GRAFT_GEMM says OpenBLAS) without touching C.
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,

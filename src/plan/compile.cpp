@@ -48,6 +48,7 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
   std::vector<int> external = bg.param_grads;
   external.insert(external.end(), bg.input_grads.begin(), bg.input_grads.end());
   external.push_back(bg.loss);
+  c.bf16_operands = choose_bf16_operands(g, c.bg, external, co.bf16_operands);
   c.blocked = choose_blocked_layouts(g, external, co.blocked_layouts);
 
   // ---- plan ----

@@ -67,6 +67,8 @@ py::array to_numpy(const Tensor& t, const std::shared_ptr<Allocator>& alloc) {
     case DType::Bool:
       dt = py::dtype::of<bool>();
       break;
+    case DType::BF16:  // Note [bf16 operands]: graft-internal, never a model's value
+      fail(ErrorKind::Internal, "a bfloat16 operand was handed to Python");
   }
   std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end()), strides(t.shape().size());
   py::ssize_t s = static_cast<py::ssize_t>(dtype_size(t.dtype()));
@@ -185,8 +187,9 @@ struct PySession {
             const std::vector<std::string>& output_grads, const std::vector<std::string>& freeze,
             const std::vector<std::string>& input_grads,
             const std::vector<std::string>& param_inputs, const std::string& mode,
-            bool check_finite, int64_t max_memory, int64_t activation_budget) {
+            bool check_finite, int64_t max_memory, int64_t activation_budget, bool bf16) {
     SessionOptions o;
+    o.bf16 = bf16;  // precision="bf16": every step in bf16 (and Note [bf16 operands])
     o.output_grads = output_grads;
     o.freeze = freeze;
     o.input_grads = input_grads;
@@ -330,6 +333,8 @@ PYBIND11_MODULE(_graft, m) {
           edit_onnx_graph(path, int_attrs, value_infos(outputs));
         });
   m.def("num_threads", &num_threads);
+  // Whether bf16 matrix products run natively here (AVX512-BF16 or AMX; precision="bf16" needs it).
+  m.def("bf16_matmul_native", &bf16_matmul_native);
   // Note [mapped block cache] (core.cpp): graft.empty_cache() and graft.memory_cache_stats().
   m.def("empty_cache", [] { BlockCache::global().trim(); });
   m.def("block_cache_stats", [] {
@@ -483,11 +488,11 @@ PYBIND11_MODULE(_graft, m) {
       .def(py::init<const py::object&, const std::map<std::string, std::vector<int64_t>>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
                     const std::vector<std::string>&, const std::vector<std::string>&,
-                    const std::string&, bool, int64_t, int64_t>(),
+                    const std::string&, bool, int64_t, int64_t, bool>(),
            py::arg("model"), py::arg("input_shapes"), py::arg("output_grads"), py::arg("freeze"),
            py::arg("input_grads"), py::arg("param_inputs"), py::arg("mode"),
            py::arg("check_finite") = false, py::arg("max_memory") = 0,
-           py::arg("activation_budget") = 0)
+           py::arg("activation_budget") = 0, py::arg("bf16") = false)
       .def("parameters",
            [](PySession& p) {
              std::vector<std::tuple<std::string, bool>> r;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -38,7 +39,12 @@ TrainSession::TrainSession(Graph g, const SessionOptions& opt,
     val.kind = ValueKind::Param;
     std::erase(g_.inputs, v);
   }
-  c_ = compile_step(g_, opt, opt, input_shapes);  // (allocates from opt.alloc, as alloc_ does)
+  CompileOptions co = opt;
+  // Note [bf16 operands]: a bf16 session stores its products' saved operands in bfloat16
+  // (GRAFT_BF16_OPERANDS=0: in float32, the A/B switch).
+  const char* b16 = std::getenv("GRAFT_BF16_OPERANDS");
+  co.bf16_operands = opt.bf16 && !(b16 && std::strcmp(b16, "0") == 0);
+  c_ = compile_step(g_, opt, co, input_shapes);  // (allocates from opt.alloc, as alloc_ does)
 
   // ---- parameters: the session is their one home from here on ----
   param_of_value_.assign(g_.values.size(), -1);
@@ -255,6 +261,11 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   RunOptions ro = opt_;
   ro.seed = st->seed;
   if (bf16) ro.bf16 = *bf16;
+  GRAFT_CHECK(ro.bf16 || c_.bf16_operands == 0, ErrorKind::InvalidArgument,
+              "this session keeps " + std::to_string(c_.bf16_operands) +
+                  " matrix-product operands in bfloat16 for the backward (Note [bf16 operands]), "
+                  "so its steps run in bf16; a float32 step needs a session built with float32 "
+                  "precision (or GRAFT_BF16_OPERANDS=0)");
   if (StepProgress::enabled()) {  // Note [step progress]
     if (!progress_) progress_ = std::make_unique<StepProgress>();
     int64_t tokens = 0;  // the first integer input's elements: a language model's token ids

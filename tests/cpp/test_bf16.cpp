@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "graft/models.h"
@@ -76,4 +77,109 @@ TEST(Bf16, SmallProductsRunTheSameArithmetic) {
   const double e = max_rel(grads(true, false, 32), grads(false, false, 32));
   EXPECT_GT(e, 1e-5);
   EXPECT_LT(e, 2e-2);
+}
+
+// Note [bf16 operands]: in a bf16 session, a forward value that only matrix products read and the
+// backward reads too is stored in bfloat16. Model: H = X W1 + b1 (Add's gradient reads nothing, so
+// H is read by products only: H W2 in the forward, dW2 = H^T dY through a view in the backward),
+// Y = H W2, loss = sum(Y * R).
+namespace {
+struct Bf16OperandsRun {
+  std::vector<std::vector<float>> grads;
+  int chosen = 0;
+  int64_t planned_peak = 0, saved = 0;
+  float loss = 0;
+};
+Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = GradMode::Accumulate) {
+  const int64_t B = 128, H = 256;  // H: 128 KiB in float32
+  Allocator alloc;
+  Graph g;
+  auto filled = [&](const Shape& s, float k) {
+    Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::sin(k * (i + 1)) / 8;
+    return t;
+  };
+  const int x = g.add_input("x", DType::F32, {2, B / 2, H});
+  const int w1 = g.add_param("w1", filled({H, H}, 0.37f));
+  const int b1 = g.add_param("b1", filled({H}, 0.11f));
+  const int w2 = g.add_param("w2", filled({H, H}, 0.23f));
+  const int r = g.add_constant("r", filled({2, B / 2, H}, 0.71f));
+  const int h = g.add_op1("Add", {g.add_op1("MatMul", {x, w1}), b1});
+  const int y = g.add_op1("MatMul", {h, w2});
+  Attrs keep;
+  keep.set_int("keepdims", 0);
+  const int loss = g.add_op1("ReduceSum", {g.add_op1("Mul", {y, r})}, keep);
+  g.outputs = {loss};
+  setenv("GRAFT_BF16_OPERANDS", on ? "1" : "0", 1);
+  SessionOptions o = session_options(alloc, mode);
+  o.loss = g.values[loss].name;
+  o.bf16 = bf16;
+  TrainSession s(std::move(g), o);
+  unsetenv("GRAFT_BF16_OPERANDS");
+  Tensor xt = Tensor::empty({2, B / 2, H}, DType::F32, alloc, Category::Activation);
+  for (int64_t i = 0; i < xt.numel(); ++i) xt.data<float>()[i] = std::cos(0.13f * i);
+  s.set_input("x", xt);
+  Bf16OperandsRun out;
+  out.loss = static_cast<float>(s.step());
+  for (const Parameter& p : s.parameters())
+    out.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  out.chosen = s.bf16_operands();
+  out.planned_peak = s.plan().planned_peak;
+  for (const SavedValue& v : s.saved_for_backward()) out.saved += v.bytes;
+  return out;
+}
+}  // namespace
+
+TEST(Bf16Operands, SavedProductOperandsAreStoredInBf16WithBitIdenticalResults) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  const Bf16OperandsRun off = run_bf16_operands(false), on = run_bf16_operands(true);
+  EXPECT_EQ(off.chosen, 0);
+  EXPECT_EQ(on.chosen, 1) << "H, read by W2's product and its weight gradient";
+  // The step computes exactly what it did with H in float32: the products rounded H anyway.
+  EXPECT_EQ(on.loss, off.loss);
+  ASSERT_EQ(on.grads.size(), off.grads.size());
+  for (size_t k = 0; k < on.grads.size(); ++k)
+    EXPECT_EQ(on.grads[k], off.grads[k]) << "param " << k;
+  // What the forward keeps for the backward: H in 2 bytes an element instead of 4.
+  EXPECT_EQ(off.saved - on.saved, 128 * 256 * 2);
+  EXPECT_LT(on.planned_peak, off.planned_peak);
+  // The same in a float32 session: nothing changes, and not bf16 arithmetic either.
+  const Bf16OperandsRun f32 = run_bf16_operands(true, false);
+  EXPECT_EQ(f32.chosen, 0);
+  EXPECT_NE(f32.grads, on.grads);
+}
+
+TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  const Bf16OperandsRun off = run_bf16_operands(false, true, GradMode::Hold),
+                        on = run_bf16_operands(true, true, GradMode::Hold);
+  EXPECT_EQ(on.chosen, 1);
+  EXPECT_EQ(on.grads, off.grads);
+  // A session whose plan keeps bfloat16 operands cannot run a float32 step.
+  Allocator alloc;
+  setenv("GRAFT_BF16_OPERANDS", "1", 1);
+  SessionOptions o = session_options(alloc);
+  o.bf16 = true;
+  const int64_t B = 128, H = 256;
+  Graph g;
+  Tensor w = Tensor::zeros({H, H}, DType::F32, alloc, Category::Parameter);
+  const int x = g.add_input("x", DType::F32, {B, H});
+  const int hv = g.add_op1(
+      "Add", {g.add_op1("MatMul", {x, g.add_param("w1", w.clone(alloc, Category::Parameter))}), x});
+  Attrs keep;
+  keep.set_int("keepdims", 0);
+  const int loss = g.add_op1("ReduceSum", {g.add_op1("MatMul", {hv, g.add_param("w2", w)})}, keep);
+  g.outputs = {loss};
+  o.loss = g.values[loss].name;
+  TrainSession s(std::move(g), o);
+  unsetenv("GRAFT_BF16_OPERANDS");
+  ASSERT_EQ(s.bf16_operands(), 1);
+  s.set_input("x", Tensor::zeros({B, H}, DType::F32, alloc, Category::Activation));
+  try {
+    s.forward({}, std::nullopt, true, false);
+    FAIL() << "a float32 step ran on a plan with bfloat16 operands";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("bfloat16"), std::string::npos) << e.what();
+  }
 }

@@ -464,6 +464,37 @@ def test_bf16_gradients_are_eager_autocast_gradients_to_bf16_precision():
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-3, msg=n)
 
 
+def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(monkeypatch):
+    """precision="bf16" stores a forward value that only matrix products read (here the first
+    Linear's output: the second Linear's input, read again by its weight gradient) in bfloat16 for
+    the backward (Note [bf16 operands]): half its bytes in saved_for_backward, and the very same
+    outputs and .grad as keeping it in float32 (GRAFT_BF16_OPERANDS=0), since the products round it
+    to bfloat16 anyway."""
+    from graft import _graft
+    if not _graft.bf16_matmul_native():
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))
+    x = torch.randn(192, 256)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("GRAFT_BF16_OPERANDS", flag)  # read as the session is built (first call)
+        mm = copy.deepcopy(m)
+        g = GraftModule(mm, precision="bf16")
+        out = g(x)
+        out.square().mean().backward()
+        saved = {v: b for v, _, _, b in g.saved_for_backward()}
+        runs[flag] = (out.detach(), [p.grad for p in mm.parameters()], saved)
+    (o0, g0, s0), (o1, g1, s1) = runs["0"], runs["1"]
+    assert torch.equal(o0, o1)
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)
+    h = 192 * 256 * 4  # the first Linear's output in float32
+    assert h in s0.values(), s0
+    assert h not in s1.values() and h // 2 in s1.values(), s1
+    assert sum(s0.values()) - sum(s1.values()) == h // 2
+
+
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------
 MEM_SCRIPT = r'''
 import json, sys, warnings, torch, torch.nn as nn

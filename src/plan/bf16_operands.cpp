@@ -1,0 +1,142 @@
+// Note [bf16 operands]
+// In a bf16 session (RunOptions::bf16: `--precision bf16`, GraftModule(precision="bf16")) every
+// float32 matrix product rounds both operands to bfloat16 before it multiplies (Note [bf16 GEMMs],
+// src/ops/gemm_dnnl.cpp). A forward value whose every reader is a matrix product therefore only
+// ever matters as its bfloat16 rounding; when the backward reads it too (the input of a Linear
+// layer, read again by its weight gradient dW = X^T dY), the step kept it in float32 from the
+// forward to the backward, twice the bytes of what the products use. PyTorch's autocast keeps
+// such inputs in bfloat16.
+//
+// choose_bf16_operands, after autodiff and before planning, stores such values in bfloat16: for a
+// float32 forward value V written by a non-view node, followed through its views (Reshape,
+// Squeeze, ... : OpDef::alias), whose every other reader takes it as operand A or B of a Gemm,
+// MatMul or FusedMatMul, and which a backward node reads, it adds a node V16 = RoundToBf16(V)
+// right after V's writer, points V's readers at V16 (the views become bfloat16 too) and marks it
+// DType::BF16: the planner then gives it half the bytes, and V itself dies at the rounding. The
+// products take a bfloat16 operand as it is (gemm_bf16_mixed) instead of rounding it again, with
+// the same rounding, so the step's results are bit-identical to keeping V in float32 (the test
+// BF16Operands.* checks it), and each such value is rounded once instead of at every product.
+// Values of under 64 KiB are left alone (a node costs more than it saves), as are graph inputs
+// and outputs, parameters, kept values and anything a non-product reads. A value that the
+// pointwise recompute would re-create in backward anyway (GELU's output before the second Linear
+// of an MLP: recomputed from the first Linear's output) keeps that option: RoundToBf16 is
+// pointwise, so the recompute pass may re-run it with its producer (Note [pointwise recompute]).
+// A session whose plan holds such operands runs every step in bf16 (TrainSession::forward refuses
+// a float32 step: build a float32 session for that). CompileOptions::bf16_operands = false
+// (GRAFT_BF16_OPERANDS=0 in GraftModule) turns it off.
+#include <deque>
+
+#include "graft/autodiff.h"
+#include "graft/ops.h"
+#include "graft/plan.h"
+
+namespace graft {
+
+namespace {
+constexpr int64_t kMinBytes = int64_t{64} << 10;
+
+// Operand A or B of a float32 matrix product (not Gemm's C).
+bool product_operand(const Node& n, int slot) {
+  const bool gemm = n.domain.empty() && n.op == "Gemm";
+  const bool mm =
+      (n.domain.empty() && n.op == "MatMul") || (n.domain == "graft" && n.op == "FusedMatMul");
+  return (gemm || mm) && slot < 2;
+}
+}  // namespace
+
+int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
+                         bool enabled) {
+  if (!enabled) return 0;
+  const int nf = bg.n_forward_nodes;
+  std::vector<bool> ext(g.values.size(), false);
+  for (int v : external)
+    if (v >= 0) ext[v] = true;
+  for (int v : g.outputs) ext[v] = true;
+  const std::vector<std::vector<int>> cons = g.consumers();
+  std::vector<std::vector<int>> rounds_after(g.nodes.size());  // writer -> new RoundToBf16 nodes
+  int chosen = 0;
+  for (int w = 0; w < nf; ++w) {
+    const Node& writer = g.nodes[w];
+    if (op_for(writer).alias) continue;
+    for (int v : writer.outputs) {
+      if (v < 0) continue;
+      const Value& val = g.values[v];
+      if (ext[v] || val.kind != ValueKind::Intermediate || val.dtype != DType::F32 ||
+          !val.shape_known || val.bytes() < kMinBytes)
+        continue;
+      // V and its views; every reader a view (of input 0) or a product's operand.
+      std::vector<int> members{v};
+      bool ok = true, read_in_backward = false;
+      for (size_t k = 0; k < members.size() && ok; ++k) {
+        const int m = members[k];
+        for (int r : cons[m]) {
+          const Node& rn = g.nodes[r];
+          const OpDef& d = op_for(rn);
+          if (d.sink) {
+            // Reads input 0; the rest only order it after the readers of its parameter
+            // (order_updates_after_reads): they follow V to V16.
+            if (rn.inputs[0] == m) ok = false;
+            continue;
+          }
+          read_in_backward |= r >= nf;
+          if (d.alias && rn.inputs[0] == m && rn.outputs[0] >= 0 && !ext[rn.outputs[0]] &&
+              g.values[rn.outputs[0]].dtype == DType::F32) {
+            bool other_slot = false;
+            for (size_t s = 1; s < rn.inputs.size(); ++s) other_slot |= rn.inputs[s] == m;
+            if (other_slot) ok = false;
+            if (std::find(members.begin(), members.end(), rn.outputs[0]) == members.end())
+              members.push_back(rn.outputs[0]);
+            continue;
+          }
+          for (size_t s = 0; s < rn.inputs.size(); ++s)
+            if (rn.inputs[s] == m && !product_operand(rn, static_cast<int>(s))) ok = false;
+          if (rn.outputs.empty() || rn.outputs[0] < 0 ||
+              g.values[rn.outputs[0]].dtype != DType::F32)
+            ok = false;
+        }
+      }
+      if (!ok || !read_in_backward) continue;
+      // V16 = RoundToBf16(V), appended here and moved after its writer below.
+      const int v16 = g.add_value(val.name + "_bf16", ValueKind::Intermediate);
+      Node n;
+      n.op = "RoundToBf16";
+      n.domain = "graft";
+      n.name = g.unique_name(val.name + "_round_bf16");
+      n.inputs = {v};
+      n.outputs = {v16};
+      const int idx = g.add_node(std::move(n));
+      for (int r : cons[v])
+        for (int& in : g.nodes[r].inputs)
+          if (in == v) in = v16;
+      infer_node(g, idx);
+      for (size_t k = 1; k < members.size(); ++k) g.values[members[k]].dtype = DType::BF16;
+      rounds_after[w].push_back(idx);
+      ++chosen;
+    }
+  }
+  if (!chosen) return 0;
+  // Each rounding right after its writer, so V lives no longer than it did in float32 before its
+  // first reader; node indices (producers, the sinks, the forward count) renumbered.
+  const int n_old = static_cast<int>(g.nodes.size()) - chosen;
+  std::vector<int> order;
+  order.reserve(g.nodes.size());
+  for (int i = 0; i < n_old; ++i) {
+    order.push_back(i);
+    for (int r : rounds_after[i]) order.push_back(r);
+  }
+  std::vector<int> moved_to(g.nodes.size());
+  std::deque<Node> nodes;
+  for (size_t k = 0; k < order.size(); ++k) {
+    moved_to[order[k]] = static_cast<int>(k);
+    nodes.push_back(std::move(g.nodes[order[k]]));
+  }
+  g.nodes = std::move(nodes);
+  for (Value& val : g.values)
+    if (val.producer >= 0) val.producer = moved_to[val.producer];
+  for (int& s : bg.sinks)
+    if (s >= 0) s = moved_to[s];
+  bg.n_forward_nodes += chosen;
+  return chosen;
+}
+
+}  // namespace graft
