@@ -128,12 +128,36 @@ Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor& k, const Te
   return d;
 }
 
+// Q, K and V (inputs first .. first + 2) share one float dtype; in a bf16 step any of them may be
+// bfloat16 operands the plan stored (Note [bf16 operands]: attention reads Q, K and V only as
+// operands of its products), and the arithmetic is float32's.
+DType qkv_dtype(InferCtx& c, int first) {
+  bool any16 = false, ok = true;
+  for (int i = first; i < first + 3; ++i) {
+    any16 |= c.dtype(i) == DType::BF16;
+    ok &= c.dtype(i) == DType::BF16 || c.dtype(i) == DType::F32;
+  }
+  if (any16) {
+    c.check(ok, "bfloat16 Q, K or V go with float32 ones only");
+    return DType::F32;
+  }
+  c.check(is_float(c.dtype(first)) && c.dtype(first + 1) == c.dtype(first) &&
+              c.dtype(first + 2) == c.dtype(first),
+          "Q, K and V must share one float dtype");
+  return c.dtype(first);
+}
+// The same on tensors (the kernels).
+DType qkv_dtype(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const bool any16 =
+      q.dtype() == DType::BF16 || k.dtype() == DType::BF16 || v.dtype() == DType::BF16;
+  return any16 ? DType::F32 : q.dtype();
+}
+
 void infer_attention(InferCtx& c) {
   const Shape &q = c.shape(0), &k = c.shape(1), &v = c.shape(2);
   c.check(q.size() == 4 && k.size() == 4 && v.size() == 4,
           "Q, K and V must be 4-D [batch, heads, sequence, head size]");
-  c.check(is_float(c.dtype(0)) && c.dtype(1) == c.dtype(0) && c.dtype(2) == c.dtype(0),
-          "Q, K and V must share one float dtype");
+  const DType dt = qkv_dtype(c, 0);
   c.check(k[0] == q[0] && v[0] == q[0], "Q, K and V must have the same batch size");
   c.check(k[3] == q[3], "Q and K must have the same head size");
   c.check(v[1] == k[1] && v[2] == k[2], "K and V must have the same heads and sequence length");
@@ -149,11 +173,11 @@ void infer_attention(InferCtx& c) {
     Shape b;
     c.check(broadcast_shape(m, full, b) && b == full,
             "the mask " + shape_str(m) + " does not broadcast to " + shape_str(full));
-    c.check(c.dtype(3) == DType::Bool || c.dtype(3) == c.dtype(0),
+    c.check(c.dtype(3) == DType::Bool || c.dtype(3) == dt,
             "the mask must be boolean or of Q's dtype");
   }
-  c.set_out(0, c.dtype(0), {q[0], q[1], q[2], v[3]});
-  if (c.has_out(1)) c.set_out(1, c.dtype(0), {q[0], q[1], q[2]});
+  c.set_out(0, dt, {q[0], q[1], q[2], v[3]});
+  if (c.has_out(1)) c.set_out(1, dt, {q[0], q[1], q[2]});
 }
 
 // Query rows per block: about 2^18 scores (1 MiB of float32), but at least 256 rows (the inner
@@ -314,22 +338,23 @@ void attention_kernel(KernelCtx& c) {
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.H);  // Note [heads in parallel]
-  dispatch_float(q.dtype(), c, [&]<class T>() {
-    Tensor ws =
-        Tensor::empty({slots, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
+  const DType dt = qkv_dtype(q, k, v);
+  const GemmOperand qo(q), ko(k), vo(v);
+  dispatch_float(dt, c, [&]<class T>() {
+    Tensor ws = Tensor::empty({slots, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");
     Tensor lse_ws;
     T* lse_all = nullptr;
     if (c.has_out(1)) {
       lse_all = c.out(1).data<T>();
     } else {
-      lse_ws = Tensor::empty({slots, rows}, q.dtype(), c.alloc, Category::Workspace, "lse");
+      lse_ws = Tensor::empty({slots, rows}, dt, c.alloc, Category::Workspace, "lse");
     }
     auto unit = [&](int slot, int64_t bh) {
       const int64_t b = bh / d.H, h = bh % d.H, hk = h / group;
       T* S = ws.data<T>() + slot * rows * d.Tk;
-      const T* Q = q.data<T>() + bh * d.Tq * d.D;
-      const T* K = k.data<T>() + (b * d.Hk + hk) * d.Tk * d.D;
-      const T* V = v.data<T>() + (b * d.Hk + hk) * d.Tk * d.Dv;
+      const int64_t Q = bh * d.Tq * d.D;  // element offsets of the head's Q, K and V
+      const int64_t K = (b * d.Hk + hk) * d.Tk * d.D;
+      const int64_t V = (b * d.Hk + hk) * d.Tk * d.Dv;
       T* O = c.out(0).data<T>() + bh * d.Tq * d.Dv;
       for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
         const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
@@ -340,8 +365,8 @@ void attention_kernel(KernelCtx& c) {
           continue;
         }
         each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-          gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D, K,
-                     d.D, T(0), S + s0 * kn, kn);
+          gemm_operands<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), qo,
+                           Q + (r0 + s0) * d.D, d.D, ko, K, d.D, T(0), S + s0 * kn, kn);
         });
         mask_scores<T>(d, mask, b, h, r0, m, kn, S);
         softmax_rows<T>(d, r0, m, kn, S, lse, nullptr);
@@ -351,8 +376,8 @@ void attention_kernel(KernelCtx& c) {
               drop.apply(static_cast<uint64_t>((bh * d.Tq + r0 + i) * d.Tk), kn, S + i * kn);
           });
         each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-          gemm_ld<T>(false, false, ms, d.Dv, ks, T(1), S + s0 * kn, kn, V, d.Dv, T(0),
-                     O + (r0 + s0) * d.Dv, d.Dv);
+          gemm_operands<T>(false, false, ms, d.Dv, ks, T(1), GemmOperand(S), s0 * kn, kn, vo, V,
+                           d.Dv, T(0), O + (r0 + s0) * d.Dv, d.Dv);
         });
       }
     };
@@ -366,10 +391,11 @@ void infer_attention_grad(InferCtx& c) {
   c.check(!c.has_in(0) || c.shape(0) == Shape{q[0], q[1], q[2], v[3]}, "dO must have O's shape");
   c.check(c.shape(4) == Shape{q[0], q[1], q[2]}, "LSE must be [batch, heads, Tq]");
   c.check(!c.has_in(6) || c.shape(6) == c.shape(4), "dLSE must have LSE's shape");
-  c.set_out(0, c.dtype(1), c.shape(1));
-  if (c.has_out(1)) c.set_out(1, c.dtype(2), c.shape(2));
-  if (c.has_out(2)) c.set_out(2, c.dtype(3), c.shape(3));
-  if (c.has_out(3)) c.set_out(3, c.dtype(1), {q[0], q[1], q[2], k[2]});
+  const DType dt = qkv_dtype(c, 1);
+  c.set_out(0, dt, c.shape(1));
+  if (c.has_out(1)) c.set_out(1, dt, c.shape(2));
+  if (c.has_out(2)) c.set_out(2, dt, c.shape(3));
+  if (c.has_out(3)) c.set_out(3, dt, {q[0], q[1], q[2], k[2]});
 }
 
 void attention_grad_kernel(KernelCtx& c) {
@@ -383,10 +409,11 @@ void attention_grad_kernel(KernelCtx& c) {
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.Hk);  // Note [heads in parallel]
-  dispatch_float(q.dtype(), c, [&]<class T>() {
-    Tensor ws =
-        Tensor::empty({slots, 2, rows, d.Tk}, q.dtype(), c.alloc, Category::Workspace, "scores");
-    Tensor dws = Tensor::empty({slots, rows}, q.dtype(), c.alloc, Category::Workspace, "rowdot");
+  const DType dt = qkv_dtype(q, k, v);
+  const GemmOperand qo(q), ko(k), vo(v);
+  dispatch_float(dt, c, [&]<class T>() {
+    Tensor ws = Tensor::empty({slots, 2, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");
+    Tensor dws = Tensor::empty({slots, rows}, dt, c.alloc, Category::Workspace, "rowdot");
     if (want_k) std::memset(c.out(1).raw(), 0, c.out(1).nbytes());
     if (want_v) std::memset(c.out(2).raw(), 0, c.out(2).nbytes());
     if (want_mask) std::memset(c.out(3).raw(), 0, c.out(3).nbytes());
@@ -398,9 +425,9 @@ void attention_grad_kernel(KernelCtx& c) {
       const int64_t b = kh / d.Hk, hk = kh % d.Hk;
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const int64_t qh = (b * d.H + h);
-        const T* Q = q.data<T>() + qh * d.Tq * d.D;
-        const T* K = k.data<T>() + kh * d.Tk * d.D;
-        const T* V = v.data<T>() + kh * d.Tk * d.Dv;
+        const int64_t Q = qh * d.Tq * d.D;  // element offsets of the heads' Q, K and V
+        const int64_t K = kh * d.Tk * d.D;
+        const int64_t V = kh * d.Tk * d.Dv;
         const T* dO = dout ? dout->data<T>() + qh * d.Tq * d.Dv : nullptr;
         const T* L = lse_t.data<T>() + qh * d.Tq;
         const T* dL = dlse ? dlse->data<T>() + qh * d.Tq : nullptr;
@@ -415,8 +442,8 @@ void attention_grad_kernel(KernelCtx& c) {
           }
           // P, recomputed from the saved log-sum-exp.
           each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-            gemm_ld<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), Q + (r0 + s0) * d.D, d.D,
-                       K, d.D, T(0), P + s0 * kn, kn);
+            gemm_operands<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), qo,
+                             Q + (r0 + s0) * d.D, d.D, ko, K, d.D, T(0), P + s0 * kn, kn);
           });
           mask_scores<T>(d, mask, b, h, r0, m, kn, P);
           softmax_rows<T>(d, r0, m, kn, P, nullptr, L + r0);
@@ -444,8 +471,8 @@ void attention_grad_kernel(KernelCtx& c) {
           // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
           if (dO)
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-              gemm_ld<T>(false, true, ms, ks, d.Dv, T(1), dO + (r0 + s0) * d.Dv, d.Dv, V, d.Dv,
-                         T(0), dP + s0 * kn, kn);
+              gemm_operands<T>(false, true, ms, ks, d.Dv, T(1), GemmOperand(dO), (r0 + s0) * d.Dv,
+                               d.Dv, vo, V, d.Dv, T(0), dP + s0 * kn, kn);
             });
           else
             std::fill(dP, dP + m * kn, T(0));
@@ -486,11 +513,11 @@ void attention_grad_kernel(KernelCtx& c) {
           }
           // dQ = scale dS K;  dK += scale dS^T Q
           each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-            gemm_ld<T>(false, false, ms, d.D, ks, static_cast<T>(d.scale), dP + s0 * kn, kn, K, d.D,
-                       T(0), dQ + (r0 + s0) * d.D, d.D);
+            gemm_operands<T>(false, false, ms, d.D, ks, static_cast<T>(d.scale), GemmOperand(dP),
+                             s0 * kn, kn, ko, K, d.D, T(0), dQ + (r0 + s0) * d.D, d.D);
             if (dK)
-              gemm_ld<T>(true, false, ks, d.D, ms, static_cast<T>(d.scale), dP + s0 * kn, kn,
-                         Q + (r0 + s0) * d.D, d.D, T(1), dK, d.D);
+              gemm_operands<T>(true, false, ks, d.D, ms, static_cast<T>(d.scale), GemmOperand(dP),
+                               s0 * kn, kn, qo, Q + (r0 + s0) * d.D, d.D, T(1), dK, d.D);
           });
         }
       }

@@ -96,30 +96,14 @@ void infer_gemm(InferCtx& c) {
 }
 
 // Note [bf16 operands]: one operand of a product, float32 / float64 or bfloat16 bits.
-struct Operand {
-  const char* p;
-  bool bf16;
-  size_t elem;
-  explicit Operand(const Tensor& t)
-      : p(static_cast<const char*>(t.raw())),
-        bf16(t.dtype() == DType::BF16),
-        elem(dtype_size(t.dtype())) {}
-  const void* at(int64_t i) const { return p + static_cast<size_t>(i) * elem; }
-};
 bool has_bf16_operand(const KernelCtx& c) {
   return c.in(0).dtype() == DType::BF16 || c.in(1).dtype() == DType::BF16;
 }
 // C = alpha op(A) op(B) + beta C with natural leading dimensions, A and B at element offsets.
 template <class T>
-void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const Operand& A,
-             int64_t oa, const Operand& B, int64_t ob, T beta, T* C) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (A.bf16 || B.bf16)
-      return gemm_bf16_mixed(ta, tb, M, N, K, alpha, A.at(oa), A.bf16, ta ? M : K, B.at(ob), B.bf16,
-                             tb ? K : N, beta, C, N);
-  }
-  gemm<T>(ta, tb, M, N, K, alpha, static_cast<const T*>(A.at(oa)), static_cast<const T*>(B.at(ob)),
-          beta, C);
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const GemmOperand& A,
+             int64_t oa, const GemmOperand& B, int64_t ob, T beta, T* C) {
+  gemm_operands<T>(ta, tb, M, N, K, alpha, A, oa, ta ? M : K, B, ob, tb ? K : N, beta, C, N);
 }
 
 void gemm_kernel(KernelCtx& c) {
@@ -145,7 +129,7 @@ void gemm_kernel(KernelCtx& c) {
       }
       b = beta;
     }
-    product<T>(ta, tb, M, N, K, alpha, Operand(A), 0, Operand(B), 0, b, y);
+    product<T>(ta, tb, M, N, K, alpha, GemmOperand(A), 0, GemmOperand(B), 0, b, y);
   });
 }
 
@@ -217,7 +201,7 @@ void matmul_kernel(KernelCtx& c) {
                        [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
     T* y = c.out(0).data<T>();
     const T beta = c.accumulate ? T(1) : T(0);  // add into an existing .grad
-    const Operand pa(A), pb(B);
+    const GemmOperand pa(A), pb(B);
     const int64_t nb = numel(r.batch), MK = r.M * r.K, KN = r.K * r.N, MN = r.M * r.N;
     const bool a_batched = A.rank() > 2, b_batched = B.rank() > 2;
     // A batch of [M,K] against one [K,N]: a single GEMM with M' = batch*M.

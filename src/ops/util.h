@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 
 #include "graft/ops.h"
 #include "graft/parallel.h"
@@ -145,6 +146,34 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
                      bool a16, int64_t lda, const void* B, bool b16, int64_t ldb, float beta,
                      float* C, int64_t ldc);
+// A product's operand as a kernel finds it: float32 / float64, or (Note [bf16 operands])
+// bfloat16 bits the plan stored.
+struct GemmOperand {
+  const char* p;
+  bool bf16;
+  size_t elem;
+  explicit GemmOperand(const Tensor& t)
+      : p(static_cast<const char*>(t.raw())),
+        bf16(t.dtype() == DType::BF16),
+        elem(dtype_size(t.dtype())) {}
+  template <class T>
+  explicit GemmOperand(const T* x)
+      : p(reinterpret_cast<const char*>(x)), bf16(false), elem(sizeof(T)) {}
+  const void* at(int64_t i) const { return p + static_cast<size_t>(i) * elem; }
+};
+// gemm_ld on operands at element offsets oa / ob: gemm_bf16_mixed when either is bfloat16.
+template <class T>
+void gemm_operands(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const GemmOperand& A,
+                   int64_t oa, int64_t lda, const GemmOperand& B, int64_t ob, int64_t ldb, T beta,
+                   T* C, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (A.bf16 || B.bf16)
+      return gemm_bf16_mixed(ta, tb, M, N, K, alpha, A.at(oa), A.bf16, lda, B.at(ob), B.bf16, ldb,
+                             beta, C, ldc);
+  }
+  gemm_ld<T>(ta, tb, M, N, K, alpha, static_cast<const T*>(A.at(oa)), lda,
+             static_cast<const T*>(B.at(ob)), ldb, beta, C, ldc);
+}
 // n float32 values to bfloat16 bits, rounded to nearest even exactly as the bf16 GEMMs round
 // their operands (threaded).
 void round_to_bf16(const float* src, int64_t n, uint16_t* dst);

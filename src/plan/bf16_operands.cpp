@@ -10,14 +10,15 @@
 // choose_bf16_operands, after autodiff and before planning, stores such values in bfloat16: for a
 // float32 forward value V written by a non-view node, followed through its views (Reshape,
 // Squeeze, ... : OpDef::alias), whose every other reader takes it as operand A or B of a Gemm,
-// MatMul or FusedMatMul, and which a backward node reads, it adds a node V16 = RoundToBf16(V)
-// right after V's writer, points V's readers at V16 (the views become bfloat16 too) and marks it
-// DType::BF16: the planner then gives it half the bytes, and V itself dies at the rounding. The
-// products take a bfloat16 operand as it is (gemm_bf16_mixed) instead of rounding it again, with
-// the same rounding, so the step's results are bit-identical to keeping V in float32 (the test
-// BF16Operands.* checks it), and each such value is rounded once instead of at every product.
-// Values of under 64 KiB are left alone (a node costs more than it saves), as are graph inputs
-// and outputs, parameters, kept values and anything a non-product reads. A value that the
+// MatMul or FusedMatMul or as Q, K or V of graft's Attention and AttentionGrad (which use them
+// only in their products, bf16 in a bf16 step), and which a backward node reads, it adds a node V16
+// = RoundToBf16(V) right after V's writer, points V's readers at V16 (the views become bfloat16
+// too) and marks it DType::BF16: the planner then gives it half the bytes, and V itself dies at the
+// rounding. The products take a bfloat16 operand as it is (gemm_bf16_mixed) instead of rounding it
+// again, with the same rounding, so the step's results are bit-identical to keeping V in float32
+// (the test BF16Operands.* checks it), and each such value is rounded once instead of at every
+// product. Values of under 64 KiB are left alone (a node costs more than it saves), as are graph
+// inputs and outputs, parameters, kept values and anything a non-product reads. A value that the
 // pointwise recompute would re-create in backward anyway (GELU's output before the second Linear
 // of an MLP: recomputed from the first Linear's output) keeps that option: RoundToBf16 is
 // pointwise, so the recompute pass may re-run it with its producer (Note [pointwise recompute]).
@@ -35,11 +36,15 @@ namespace graft {
 namespace {
 constexpr int64_t kMinBytes = int64_t{64} << 10;
 
-// Operand A or B of a float32 matrix product (not Gemm's C).
+// Operand A or B of a float32 matrix product (not Gemm's C); Q, K or V of graft's attention,
+// which reads them only as operands of its products (Q K^T, P V; in the backward Q K^T again,
+// dO V^T, dS K and dS^T Q).
 bool product_operand(const Node& n, int slot) {
   const bool gemm = n.domain.empty() && n.op == "Gemm";
   const bool mm =
       (n.domain.empty() && n.op == "MatMul") || (n.domain == "graft" && n.op == "FusedMatMul");
+  if (n.domain == "graft" && n.op == "Attention") return slot < 3;
+  if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
   return (gemm || mm) && slot < 2;
 }
 }  // namespace

@@ -464,18 +464,39 @@ def test_bf16_gradients_are_eager_autocast_gradients_to_bf16_precision():
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-3, msg=n)
 
 
-def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(monkeypatch):
-    """precision="bf16" stores a forward value that only matrix products read (here the first
-    Linear's output: the second Linear's input, read again by its weight gradient) in bfloat16 for
-    the backward (Note [bf16 operands]): half its bytes in saved_for_backward, and the very same
-    outputs and .grad as keeping it in float32 (GRAFT_BF16_OPERANDS=0), since the products round it
-    to bfloat16 anyway."""
+class _SelfAttention(nn.Module):
+    def __init__(self, c=64, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(c, 3 * c), nn.Linear(c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        # written out (torch 1.13 has no scaled_dot_product_attention): graft fuses it into its
+        # Attention op (Note [attention written out])
+        s = (q @ k.transpose(-2, -1)) / (c // self.heads) ** 0.5
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = s.softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("case", ["linears", "attention"])
+def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(case, monkeypatch):
+    """precision="bf16" stores a forward value that only matrix products read (the first Linear's
+    output: the second Linear's input, read again by its weight gradient; attention's Q, K and V and
+    its output before the projection) in bfloat16 for the backward (Note [bf16 operands]): half their
+    bytes in saved_for_backward, and the very same outputs and .grad as keeping them in float32
+    (GRAFT_BF16_OPERANDS=0), since the products round them to bfloat16 anyway."""
     from graft import _graft
     if not _graft.bf16_matmul_native():
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))
-    x = torch.randn(192, 256)
+    if case == "linears":
+        m, x = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128)), torch.randn(192, 256)
+        halved = [192 * 256 * 4]  # the first Linear's output in float32
+    else:
+        m, x = _SelfAttention(), torch.randn(4, 64, 64)
+        halved = [4 * 64 * 64 * 4] * 4  # Q, K, V and the attention's output
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("GRAFT_BF16_OPERANDS", flag)  # read as the session is built (first call)
@@ -483,16 +504,13 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(mon
         g = GraftModule(mm, precision="bf16")
         out = g(x)
         out.square().mean().backward()
-        saved = {v: b for v, _, _, b in g.saved_for_backward()}
+        saved = [b for _, _, _, b in g.saved_for_backward()]
         runs[flag] = (out.detach(), [p.grad for p in mm.parameters()], saved)
     (o0, g0, s0), (o1, g1, s1) = runs["0"], runs["1"]
     assert torch.equal(o0, o1)
     for a, b in zip(g0, g1):
         assert torch.equal(a, b)
-    h = 192 * 256 * 4  # the first Linear's output in float32
-    assert h in s0.values(), s0
-    assert h not in s1.values() and h // 2 in s1.values(), s1
-    assert sum(s0.values()) - sum(s1.values()) == h // 2
+    assert sum(s0) - sum(s1) == sum(halved) // 2, (s0, s1)
 
 
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------
