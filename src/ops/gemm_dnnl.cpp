@@ -100,6 +100,10 @@ bool packs_b_enabled() {
 thread_local bool t_bf16 = false;
 // Note [bf16 operand scratch]: the largest rounded copy of one operand a product makes at once.
 constexpr size_t kBf16PanelBytes = size_t{32} << 20;
+// Below this, a product's scratch is a per-thread buffer of this size, kept: attention's per-head
+// products on the worker threads allocated and freed theirs from malloc's per-thread arenas, which
+// kept ~0.1 GiB of GPT-2's bf16 step (docs/bf16.md).
+constexpr size_t kSmallScratchBytes = size_t{1} << 20;
 
 // f32 -> bf16 bits, round to nearest even (NaN stays NaN): the one rounding rule of both paths.
 inline uint16_t bf16_bits(float x) {
@@ -310,8 +314,20 @@ void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
   const auto round_up = [](size_t n) { return (n + 63) & ~size_t{63}; };
   const size_t a_bytes = a16 ? 0 : round_up(static_cast<size_t>(pm * K) * 2),
                b_bytes = b16 ? 0 : round_up(static_cast<size_t>(K * pn) * 2);
-  ScratchBlock scratch(a_bytes + b_bytes + pad);
-  char* base = static_cast<char*>(scratch.data());
+  const size_t need = a_bytes + b_bytes + pad;
+  std::optional<ScratchBlock> block;
+  char* base;
+  if (need <= kSmallScratchBytes) {  // this thread's own small buffer, reused
+    struct AlignedDelete {
+      void operator()(char* p) const { ::operator delete[](p, std::align_val_t(64)); }
+    };
+    thread_local std::unique_ptr<char[], AlignedDelete> t_small;
+    if (!t_small) t_small.reset(new (std::align_val_t(64)) char[kSmallScratchBytes]);
+    base = t_small.get();
+  } else {
+    block.emplace(need);
+    base = static_cast<char*>(block->data());
+  }
   auto* a = reinterpret_cast<uint16_t*>(base);
   auto* b = reinterpret_cast<uint16_t*>(base + a_bytes);
   auto& eng = opsutil::dnnl_engine();
