@@ -388,6 +388,10 @@ const OpDef kOps[] = {
      .infer = infer_sce_grad,
      .prepare = prepare_sce,
      .kernel = sce_grad_kernel,
+     // dscores over the scores: each position reads its own line before writing it (the exps
+     // go straight into the output), so the language models' largest backward value (GPT-2's
+     // 2048 x 50257 logits, 393 MiB) is not held twice at the loss.
+     .inplace_input = 1,
      .nondiff_inputs = {2}},
 };
 
