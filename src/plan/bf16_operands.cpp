@@ -9,22 +9,26 @@
 //
 // choose_bf16_operands, after autodiff and before planning, stores such values in bfloat16: for a
 // float32 forward value V written by a non-view node, followed through its views (Reshape,
-// Squeeze, ... : OpDef::alias), whose every other reader takes it as operand A or B of a Gemm,
-// MatMul or FusedMatMul or as Q, K or V of graft's Attention and AttentionGrad (which use them
-// only in their products, bf16 in a bf16 step), and which a backward node reads, it adds a node V16
-// = RoundToBf16(V) right after V's writer, points V's readers at V16 (the views become bfloat16
-// too) and marks it DType::BF16: the planner then gives it half the bytes, and V itself dies at the
-// rounding. The products take a bfloat16 operand as it is (gemm_bf16_mixed) instead of rounding it
-// again, with the same rounding, so the step's results are bit-identical to keeping V in float32
-// (the test BF16Operands.* checks it), and each such value is rounded once instead of at every
-// product. Values of under 64 KiB are left alone (a node costs more than it saves), as are graph
-// inputs and outputs, parameters, kept values and anything a non-product reads. A value that the
-// pointwise recompute would re-create in backward anyway (GELU's output before the second Linear
-// of an MLP: recomputed from the first Linear's output) keeps that option: RoundToBf16 is
-// pointwise, so the recompute pass may re-run it with its producer (Note [pointwise recompute]).
-// A session whose plan holds such operands runs every step in bf16 (TrainSession::forward refuses
-// a float32 step: build a float32 session for that). CompileOptions::bf16_operands = false
-// (GRAFT_BF16_OPERANDS=0 in GraftModule) turns it off.
+// Squeeze, ... : OpDef::alias), whose every backward reader (and every reader of a view) takes it
+// as operand A or B of a Gemm, MatMul or FusedMatMul or as Q, K or V of graft's Attention and
+// AttentionGrad (which use them only in their products, bf16 in a bf16 step), and which a
+// backward node reads, it adds a node V16 = RoundToBf16(V) right after V's writer, points the
+// products and views that read V at V16 (the views become bfloat16 too) and marks it DType::BF16:
+// the planner then gives it half the bytes. Forward readers of V that are not products (BERT's
+// residual Add reads the LayerNorm output that the next layer's Q, K and V products and their
+// weight gradients read) keep reading V in float32, which dies at the last of them; otherwise V
+// dies at the rounding. The products take a bfloat16 operand as it is (gemm_bf16_mixed) instead
+// of rounding it again, with the same rounding, so the step's results are bit-identical to
+// keeping V in float32 (the tests Bf16Operands.* check it), and each such value is rounded once
+// instead of at every product. Values of under 64 KiB are left alone (a node costs more than it
+// saves), as are graph inputs and outputs, parameters, kept values and anything a backward
+// non-product reads. A value that the pointwise recompute would re-create in backward anyway
+// (GELU's output before the second Linear of an MLP: recomputed from the first Linear's output)
+// keeps that option: RoundToBf16 is pointwise, so the recompute pass may re-run it with its
+// producer (Note [pointwise recompute]). A session whose plan holds such operands runs every step
+// in bf16 (TrainSession::forward refuses a float32 step: build a float32 session for that).
+// CompileOptions::bf16_operands = false (GRAFT_BF16_OPERANDS=0 in GraftModule) turns it off.
+#include <algorithm>
 #include <deque>
 
 #include "graft/autodiff.h"
@@ -71,6 +75,7 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
         continue;
       // V and its views; every reader a view (of input 0) or a product's operand.
       std::vector<int> members{v};
+      std::vector<int> f32_readers;
       bool ok = true, read_in_backward = false;
       for (size_t k = 0; k < members.size() && ok; ++k) {
         const int m = members[k];
@@ -83,9 +88,9 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
             if (rn.inputs[0] == m) ok = false;
             continue;
           }
-          read_in_backward |= r >= nf;
           if (d.alias && rn.inputs[0] == m && rn.outputs[0] >= 0 && !ext[rn.outputs[0]] &&
               g.values[rn.outputs[0]].dtype == DType::F32) {
+            read_in_backward |= r >= nf;
             bool other_slot = false;
             for (size_t s = 1; s < rn.inputs.size(); ++s) other_slot |= rn.inputs[s] == m;
             if (other_slot) ok = false;
@@ -93,11 +98,17 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
               members.push_back(rn.outputs[0]);
             continue;
           }
+          bool products = !rn.outputs.empty() && rn.outputs[0] >= 0 &&
+                          g.values[rn.outputs[0]].dtype == DType::F32;
           for (size_t s = 0; s < rn.inputs.size(); ++s)
-            if (rn.inputs[s] == m && !product_operand(rn, static_cast<int>(s))) ok = false;
-          if (rn.outputs.empty() || rn.outputs[0] < 0 ||
-              g.values[rn.outputs[0]].dtype != DType::F32)
+            if (rn.inputs[s] == m && !product_operand(rn, static_cast<int>(s))) products = false;
+          if (products) {
+            read_in_backward |= r >= nf;
+          } else if (m == v && r < nf) {
+            f32_readers.push_back(r);  // a forward reader of V itself: reads it in float32
+          } else {
             ok = false;
+          }
         }
       }
       if (!ok || !read_in_backward) continue;
@@ -110,9 +121,11 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
       n.inputs = {v};
       n.outputs = {v16};
       const int idx = g.add_node(std::move(n));
-      for (int r : cons[v])
+      for (int r : cons[v]) {
+        if (std::find(f32_readers.begin(), f32_readers.end(), r) != f32_readers.end()) continue;
         for (int& in : g.nodes[r].inputs)
           if (in == v) in = v16;
+      }
       infer_node(g, idx);
       for (size_t k = 1; k < members.size(); ++k) g.values[members[k]].dtype = DType::BF16;
       rounds_after[w].push_back(idx);

@@ -90,7 +90,9 @@ struct Bf16OperandsRun {
   int64_t planned_peak = 0, saved = 0;
   float loss = 0;
 };
-Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = GradMode::Accumulate) {
+// residual: Y = H W2 + H, so a forward Add reads H in float32 too (its gradient reads nothing).
+Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = GradMode::Accumulate,
+                                  bool residual = false) {
   const int64_t B = 128, H = 256;  // H: 128 KiB in float32
   Allocator alloc;
   Graph g;
@@ -105,7 +107,8 @@ Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = Gra
   const int w2 = g.add_param("w2", filled({H, H}, 0.23f));
   const int r = g.add_constant("r", filled({2, B / 2, H}, 0.71f));
   const int h = g.add_op1("Add", {g.add_op1("MatMul", {x, w1}), b1});
-  const int y = g.add_op1("MatMul", {h, w2});
+  int y = g.add_op1("MatMul", {h, w2});
+  if (residual) y = g.add_op1("Add", {y, h});
   Attrs keep;
   keep.set_int("keepdims", 0);
   const int loss = g.add_op1("ReduceSum", {g.add_op1("Mul", {y, r})}, keep);
@@ -147,6 +150,14 @@ TEST(Bf16Operands, SavedProductOperandsAreStoredInBf16WithBitIdenticalResults) {
   const Bf16OperandsRun f32 = run_bf16_operands(true, false);
   EXPECT_EQ(f32.chosen, 0);
   EXPECT_NE(f32.grads, on.grads);
+  // A forward Add reads H too: it keeps reading the float32 H, the products read the bfloat16 one.
+  const Bf16OperandsRun roff = run_bf16_operands(false, true, GradMode::Accumulate, true),
+                        ron = run_bf16_operands(true, true, GradMode::Accumulate, true);
+  EXPECT_EQ(ron.chosen, 1);
+  EXPECT_EQ(ron.loss, roff.loss);
+  EXPECT_EQ(ron.grads, roff.grads);
+  EXPECT_EQ(roff.saved - ron.saved, 128 * 256 * 2);
+  EXPECT_NE(ron.grads, on.grads);  // the residual changed the model
 }
 
 TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {

@@ -480,7 +480,17 @@ class _SelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-@pytest.mark.parametrize("case", ["linears", "attention"])
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + h  # the Add reads h in float32 in the forward; only products in backward
+
+
+@pytest.mark.parametrize("case", ["linears", "attention", "residual"])
 def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(case, monkeypatch):
     """precision="bf16" stores a forward value that only matrix products read (the first Linear's
     output: the second Linear's input, read again by its weight gradient; attention's Q, K and V and
@@ -494,9 +504,12 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     if case == "linears":
         m, x = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128)), torch.randn(192, 256)
         halved = [192 * 256 * 4]  # the first Linear's output in float32
-    else:
+    elif case == "attention":
         m, x = _SelfAttention(), torch.randn(4, 64, 64)
         halved = [4 * 64 * 64 * 4] * 4  # Q, K, V and the attention's output
+    else:
+        m, x = _Residual(), torch.randn(192, 256)
+        halved = [192 * 256 * 4]
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("GRAFT_BF16_OPERANDS", flag)  # read as the session is built (first call)
