@@ -12,17 +12,10 @@
 #include "test_util.h"
 
 using namespace graft;
+using graft_test::round_bf16;
 using graft_test::session_options;
 
 namespace {
-
-float round_bf16(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
 
 // One Linear(H, H) + ReLU, loss = mean: gradients of every parameter after one step.
 std::vector<std::vector<float>> grads(bool bf16, bool bf16_exact_operands, int64_t H = 256) {

@@ -17,8 +17,10 @@
 #include "../../src/ops/util.h"
 #include "graft/core.h"
 #include "graft/ops.h"
+#include "test_util.h"
 
 using namespace graft;
+using graft_test::round_bf16;
 
 namespace {
 
@@ -33,14 +35,6 @@ std::string name(const Case& c) {
   return std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) +
          (c.ta ? " A^T" : "") + (c.tb ? " B^T" : "") + " pad " + std::to_string(c.pad) + " alpha " +
          std::to_string(c.alpha) + " beta " + std::to_string(c.beta);
-}
-
-float round_bf16(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &b, 4);
-  return x;
 }
 
 // Runs `gemm` on random operands and checks C against float64 arithmetic within float32's

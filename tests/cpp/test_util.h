@@ -5,6 +5,8 @@
 #include <stdlib.h>
 
 #include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -57,6 +59,16 @@ inline graft::Tensor ramp_input(graft::Allocator& alloc, int64_t b, int64_t h,
     else
       x.data<float>()[i] = static_cast<float>((i * 37 % 19) - 9) / 7.0f;
   }
+  return x;
+}
+
+// x rounded to the nearest bfloat16 (ties to even), as a float: operands a bf16 product sees
+// unchanged.
+inline float round_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &b, 4);
   return x;
 }
 
