@@ -37,7 +37,7 @@ struct CompileOptions {
   bool blocked_layouts = true;
   // Store in bfloat16 the forward values the backward reads and only matrix products read (Note
   // [bf16 operands], src/plan/bf16_operands.cpp). Only in a bf16 session: TrainSession sets it
-  // from RunOptions::bf16 (and this switch); its plans then run bf16 steps only.
+  // from RunOptions::bf16 (unless GRAFT_BF16_OPERANDS=0); its plans then run bf16 steps only.
   bool bf16_operands = false;
 };
 

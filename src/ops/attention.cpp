@@ -132,25 +132,11 @@ Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor& k, const Te
 // bfloat16 operands the plan stored (Note [bf16 operands]: attention reads Q, K and V only as
 // operands of its products), and the arithmetic is float32's.
 DType qkv_dtype(InferCtx& c, int first) {
-  bool any16 = false, ok = true;
-  for (int i = first; i < first + 3; ++i) {
-    any16 |= c.dtype(i) == DType::BF16;
-    ok &= c.dtype(i) == DType::BF16 || c.dtype(i) == DType::F32;
-  }
-  if (any16) {
-    c.check(ok, "bfloat16 Q, K or V go with float32 ones only");
-    return DType::F32;
-  }
+  if (bf16_operands(c, first, 3)) return DType::F32;
   c.check(is_float(c.dtype(first)) && c.dtype(first + 1) == c.dtype(first) &&
               c.dtype(first + 2) == c.dtype(first),
           "Q, K and V must share one float dtype");
   return c.dtype(first);
-}
-// The same on tensors (the kernels).
-DType qkv_dtype(const Tensor& q, const Tensor& k, const Tensor& v) {
-  const bool any16 =
-      q.dtype() == DType::BF16 || k.dtype() == DType::BF16 || v.dtype() == DType::BF16;
-  return any16 ? DType::F32 : q.dtype();
 }
 
 void infer_attention(InferCtx& c) {
@@ -338,7 +324,7 @@ void attention_kernel(KernelCtx& c) {
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.H);  // Note [heads in parallel]
-  const DType dt = qkv_dtype(q, k, v);
+  const DType dt = operands_dtype(c, 0, 3);
   const GemmOperand qo(q), ko(k), vo(v);
   dispatch_float(dt, c, [&]<class T>() {
     Tensor ws = Tensor::empty({slots, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");
@@ -409,7 +395,7 @@ void attention_grad_kernel(KernelCtx& c) {
   const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.Hk);  // Note [heads in parallel]
-  const DType dt = qkv_dtype(q, k, v);
+  const DType dt = operands_dtype(c, 1, 3);
   const GemmOperand qo(q), ko(k), vo(v);
   dispatch_float(dt, c, [&]<class T>() {
     Tensor ws = Tensor::empty({slots, 2, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");

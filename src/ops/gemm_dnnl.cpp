@@ -263,20 +263,24 @@ void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
     // Small products (a oneDNN call costs microseconds, more than the product): the same
     // arithmetic, bfloat16-rounded operands and float32 accumulation, through OpenBLAS.
     std::vector<float> a(static_cast<size_t>(ra * ca)), b(static_cast<size_t>(rb * cb));
-    std::vector<uint16_t> bits(static_cast<size_t>(std::max(ca, cb)));
-    auto widen = [&](const float* f, const uint16_t* h, int64_t rows, int64_t cols, int64_t ld,
-                     float* dst) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* row = h ? h + r * ld : bits.data();
-        if (!h) to_bf16(f + r * ld, 1, cols, ld, bits.data());
+    // An operand as dense float32 holding its bfloat16 values (rounded here, or stored so).
+    auto widen = [](const void* src, bool is16, int64_t rows, int64_t cols, int64_t ld,
+                    float* dst) {
+      std::vector<uint16_t> rounded;
+      const uint16_t* h = static_cast<const uint16_t*>(src);
+      if (!is16) {
+        rounded.resize(static_cast<size_t>(rows * cols));
+        to_bf16(static_cast<const float*>(src), rows, cols, ld, rounded.data());
+        h = rounded.data(), ld = cols;
+      }
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) {
-          const uint32_t x = static_cast<uint32_t>(row[c]) << 16;
+          const uint32_t x = static_cast<uint32_t>(h[r * ld + c]) << 16;
           std::memcpy(dst + r * cols + c, &x, 4);
         }
-      }
     };
-    widen(af, a16 ? ah : nullptr, ra, ca, lda, a.data());
-    widen(bf, b16 ? bh : nullptr, rb, cb, ldb, b.data());
+    widen(A, a16, ra, ca, lda, a.data());
+    widen(B, b16, rb, cb, ldb, b.data());
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha,
                 a.data(), static_cast<blasint>(ca), b.data(), static_cast<blasint>(cb), beta, C,
@@ -298,15 +302,11 @@ void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
     pm = panel(M, K);
   else if (copy_b)
     pn = panel(N, K);
+  // The primitive of an m x n block: a bfloat16 operand in place (its own leading dimension), a
+  // rounded one as its dense copy.
   const auto prim = [&](int64_t m, int64_t n) {
-    return primitive(ta, tb, m, n, K,
-                     a16  ? lda
-                     : ta ? m
-                          : K,
-                     b16  ? ldb
-                     : tb ? K
-                          : n,
-                     ldc, alpha, beta, true);
+    const int64_t la = a16 ? lda : (ta ? m : K), lb = b16 ? ldb : (tb ? K : n);
+    return primitive(ta, tb, m, n, K, la, lb, ldc, alpha, beta, true);
   };
   size_t pad = prim(pm, pn)->scratch.get_size();
   if (M % pm) pad = std::max(pad, prim(M % pm, N)->scratch.get_size());

@@ -62,22 +62,16 @@ GemmAttrs gemm_attrs(const Node& n) {
 std::shared_ptr<const void> prepare_gemm(const Node& n) { return prepared(gemm_attrs(n)); }
 
 // ---- Gemm ---------------------------------------------------------------------------------------
-// Note [bf16 operands]: A or B (or both) may be a bfloat16 operand the plan stores for a float32
-// product; the product is then float32's. Otherwise both are float32 or both float64.
-DType product_dtype(InferCtx& c) {
-  const DType a = c.dtype(0), b = c.dtype(1);
-  if (a == DType::BF16 || b == DType::BF16) {
-    c.check((a == DType::BF16 || a == DType::F32) && (b == DType::BF16 || b == DType::F32),
-            "a bfloat16 operand multiplies only float32 or bfloat16");
-    return DType::F32;
-  }
+// A and B: both float32 or both float64, or (Note [bf16 operands]) float32 with a bfloat16 operand.
+DType product_dtype(InferCtx& c, const char* differ) {
+  if (bf16_operands(c, 0, 2)) return DType::F32;
   require_float(c, 0);
-  c.check(b == a, "inputs differ in dtype");
-  return a;
+  c.check(c.dtype(1) == c.dtype(0), differ);
+  return c.dtype(0);
 }
 
 void infer_gemm(InferCtx& c) {
-  const DType dt = product_dtype(c);
+  const DType dt = product_dtype(c, "A and B differ in dtype");
   c.check(c.shape(0).size() == 2 && c.shape(1).size() == 2, "A and B must be 2-D");
   const GemmAttrs a = gemm_attrs(c.node());
   const bool ta = a.ta, tb = a.tb;
@@ -95,10 +89,6 @@ void infer_gemm(InferCtx& c) {
   c.set_out(0, dt, {M, N});
 }
 
-// Note [bf16 operands]: one operand of a product, float32 / float64 or bfloat16 bits.
-bool has_bf16_operand(const KernelCtx& c) {
-  return c.in(0).dtype() == DType::BF16 || c.in(1).dtype() == DType::BF16;
-}
 // C = alpha op(A) op(B) + beta C with natural leading dimensions, A and B at element offsets.
 template <class T>
 void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const GemmOperand& A,
@@ -107,7 +97,7 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const G
 }
 
 void gemm_kernel(KernelCtx& c) {
-  dispatch_float(has_bf16_operand(c) ? DType::F32 : c.in(0).dtype(), c, [&]<class T>() {
+  dispatch_float(operands_dtype(c, 0, 2), c, [&]<class T>() {
     const GemmAttrs& a = c.attrs<GemmAttrs>();
     const bool ta = a.ta, tb = a.tb;
     const T alpha = static_cast<T>(a.alpha), beta = static_cast<T>(a.beta);
@@ -186,7 +176,7 @@ MMShapes mm_shapes(const Shape& sa0, const Shape& sb0, bool ta, bool tb,
 }
 
 void infer_matmul(InferCtx& c) {
-  const DType dt = product_dtype(c);
+  const DType dt = product_dtype(c, "inputs differ in dtype");
   const GemmAttrs a = gemm_attrs(c.node());
   auto r = mm_shapes(c.shape(0), c.shape(1), a.ta, a.tb,
                      [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); });
@@ -194,7 +184,7 @@ void infer_matmul(InferCtx& c) {
 }
 
 void matmul_kernel(KernelCtx& c) {
-  dispatch_float(has_bf16_operand(c) ? DType::F32 : c.in(0).dtype(), c, [&]<class T>() {
+  dispatch_float(operands_dtype(c, 0, 2), c, [&]<class T>() {
     const bool ta = c.attrs<GemmAttrs>().ta, tb = c.attrs<GemmAttrs>().tb;
     const Tensor &A = c.in(0), &B = c.in(1);
     auto r = mm_shapes(A.shape(), B.shape(), ta, tb,
@@ -291,9 +281,8 @@ double matmul_flops(const Graph& g, const Node& n) {
   return 2 * output_elements(g, n) * static_cast<double>(k);
 }
 
-// ---- RoundToBf16 (graft)
-// ------------------------------------------------------------------------- Note [bf16 operands]: a
-// float32 value to the bfloat16 bits a bf16 product would round it to.
+// ---- RoundToBf16 (graft) ------------------------------------------------------------------------
+// Note [bf16 operands]: a float32 value to the bfloat16 bits a bf16 product would round it to.
 void infer_round_bf16(InferCtx& c) {
   c.check(c.dtype(0) == DType::F32, "RoundToBf16 reads float32");
   c.set_out(0, DType::BF16, c.shape(0));

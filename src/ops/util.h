@@ -301,6 +301,25 @@ inline void require_float(InferCtx& c, int i) {
                                         "; this op needs float32 or float64");
 }
 
+// Note [bf16 operands]: whether any of the product operands at inputs [first, first + n) is a
+// bfloat16 operand the plan stored; then the product computes in float32 and the others must be
+// float32 or bfloat16 (an error otherwise). False: the op's own dtype rule applies.
+inline bool bf16_operands(InferCtx& c, int first, int n) {
+  bool any = false, ok = true;
+  for (int i = first; i < first + n; ++i) {
+    any |= c.dtype(i) == DType::BF16;
+    ok &= c.dtype(i) == DType::BF16 || c.dtype(i) == DType::F32;
+  }
+  if (any) c.check(ok, "a bfloat16 operand multiplies only float32 or bfloat16 ones");
+  return any;
+}
+// The same on a kernel's inputs (the shape function checked the rest): the dtype it computes in.
+inline DType operands_dtype(const KernelCtx& c, int first, int n) {
+  for (int i = first; i < first + n; ++i)
+    if (c.in(i).dtype() == DType::BF16) return DType::F32;
+  return c.in(first).dtype();
+}
+
 // Input i must be numeric: an integer or float32 / float64.
 inline void require_numeric(InferCtx& c, int i) {
   if (!is_int(c.dtype(i))) require_float(c, i);
