@@ -524,6 +524,14 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     for a, b in zip(g0, g1):
         assert torch.equal(a, b)
     assert sum(s0) - sum(s1) == sum(halved) // 2, (s0, s1)
+    # And against an eager copy under autocast: the same to bfloat16 precision.
+    e = copy.deepcopy(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = e(x)
+    ref.float().square().mean().backward()
+    torch.testing.assert_close(o1, ref.float(), rtol=3e-2, atol=3e-2)
+    for (n, p), a in zip(e.named_parameters(), g1):
+        torch.testing.assert_close(a, p.grad, rtol=5e-2, atol=5e-3, msg=n)
 
 
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------
