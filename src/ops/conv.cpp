@@ -29,8 +29,10 @@ Window conv_window(const ConvAttrs& a, const Shape& x, const Shape& wt,
   return window(a, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
 }
 void infer_conv(InferCtx& c) {
-  require_float(c, 0);
-  if (c.dtype(1) != c.dtype(0)) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
+  // Note [bf16 activations]: X may be a bfloat16 value the plan stored; the convolution is float32.
+  const DType dt = c.dtype(0) == DType::BF16 ? DType::F32 : c.dtype(0);
+  if (c.dtype(0) != DType::BF16) require_float(c, 0);
+  if (c.dtype(1) != dt) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
   const Shape &x = c.shape(0), &wt = c.shape(1);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
   const ConvAttrs a = conv_attrs(c.node());
@@ -42,7 +44,7 @@ void infer_conv(InferCtx& c) {
   if (c.has_in(2)) c.check(c.shape(2) == Shape{wt[0]}, "B must have shape [M]");
   Shape out{x[0], wt[0]};
   out.insert(out.end(), w.out.begin(), w.out.end());
-  c.set_out(0, c.dtype(0), out);
+  c.set_out(0, dt, out);
 }
 
 // ---- im2col / col2im ------------------------------------------------------------------------
@@ -393,9 +395,9 @@ void untranspose(const float* src, int64_t n, int64_t nc, float* dst, int64_t pl
     for (int64_t o = 0; o < n; ++o) dst[l * plane + o] = src[o * kLanes + l];
 }
 
-void conv_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
-    const Tensor &x = c.in(0), &wt = c.in(1);
+void conv_forward(KernelCtx& c, const Tensor& x) {
+  dispatch_float(x.dtype(), c, [&]<class T>() {
+    const Tensor& wt = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
     const ConvAttrs& a = c.attrs<ConvAttrs>();
     Window w = conv_window(a, x.shape(), wt.shape(), err);
@@ -488,17 +490,96 @@ void conv_kernel(KernelCtx& c) {
   });
 }
 
+// Note [bf16 activations]: X stored in bfloat16 by the plan (only in a bf16 step). oneDNN's bf16
+// convolution reads it as it is; one that does not run there gets the widened copy (the same
+// values, which its bf16 products round to themselves).
+void conv_kernel(KernelCtx& c) {
+  const Tensor& x = c.in(0);
+  if (x.dtype() != DType::BF16) return conv_forward(c, x);
+  const Tensor& wt = c.in(1);
+  auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
+  const ConvAttrs& a = c.attrs<ConvAttrs>();
+  Window w = conv_window(a, x.shape(), wt.shape(), err);
+  Plane2 p;
+  if (a.blocked || !depthwise_plane(w, x.dim(1) / a.group, p)) {
+    ConvShape cs = conv_shape(w, x.dim(0), x.dim(1), wt.dim(0), a.group);
+    cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16), cs.x_bf16 = true;
+    const float* b = c.has_in(2) ? c.in(2).data<float>() : nullptr;
+    if (const auto d = dnnl_conv(cs, ConvPass::Forward, true, b != nullptr)) {
+      Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
+      dnnl_conv_forward(*d, x.raw(), wt.data<float>(), b, c.out(0).data<float>(),
+                        scratch.data<float>());
+      return;
+    }
+  }
+  Tensor wide = Tensor::empty(x.shape(), DType::F32, c.alloc, Category::Workspace, "widened X");
+  widen_bf16(x.data<uint16_t>(), x.numel(), wide.data<float>());
+  conv_forward(c, wide);
+}
+
 // ConvGrad(dY, X, W) -> dX, dW, dB (same attributes as the Conv).
 void infer_conv_grad(InferCtx& c) {
-  c.set_out(0, c.dtype(1), c.shape(1));
+  c.set_out(0, c.dtype(1) == DType::BF16 ? DType::F32 : c.dtype(1), c.shape(1));
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), {c.shape(2)[0]});
+}
+
+// ConvGrad through oneDNN (Note [oneDNN convolutions]): false when it has no primitive for a pass
+// wanted. dW and dB are overwritten. X may be float32 or (Note [bf16 activations], read by dW
+// only) bfloat16, which the bf16 weight-gradient pass reads as it is.
+bool dnnl_conv_grad(KernelCtx& c, const Window& w, const Tensor& dy, const Tensor& x,
+                    const Tensor& wt, float* dx, float* dw, float* db) {
+  const ConvAttrs& a = c.attrs<ConvAttrs>();
+  const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), O = w.out_size();
+  const bool dy_blk = a.blocked & 1u, x_blk = a.blocked & 2u, dx_blk = a.blocked & (1u << 16);
+  const bool x16 = x.dtype() == DType::BF16;
+  const float *pdy = dy.data<float>(), *pw = wt.data<float>();
+  ConvShape cs = conv_shape(w, N, C, M, a.group);
+  cs.y_blocked = dy_blk;
+  const bool bf16 = bf16_gemm_active() || x16;
+  cs.x_blocked = dx_blk;
+  const auto dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
+  cs.x_blocked = x_blk;
+  cs.x_bf16 = x16;
+  const auto wgrad = dw ? dnnl_conv(cs, ConvPass::BackwardWeights, bf16, db != nullptr) : nullptr;
+  if ((dx && !dgrad) || (dw && !wgrad)) return false;
+  Tensor scratch = dnnl_scratch(
+      std::max(dgrad ? dnnl_conv_scratch(*dgrad) : 0, wgrad ? dnnl_conv_scratch(*wgrad) : 0),
+      c.alloc);
+  if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
+  if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, x.raw(), dw, db, scratch.data<float>());
+  if (db && !dw && dy_blk) {  // the same over dY as [N, M/16, O, 16]: to [1, M/16, 1, 16]
+    sum_to_shape(pdy, Shape{N, M / 16, O, 16}, db, Shape{1, M / 16, 1, 16}, false);
+  } else if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images, positions
+    Shape per_channel(dy.shape().size(), 1);
+    per_channel[1] = M;
+    sum_to_shape(pdy, dy.shape(), db, per_channel, false);
+  }
+  return true;
 }
 }  // namespace
 
 // The backward of the Conv of the node's window (conv.h).
 void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt,
                             Tensor* dxt, Tensor* dwt, Tensor* dbt) {
+  if (x.dtype() == DType::BF16) {
+    // Note [bf16 activations]: X stored in bfloat16 (ConvGrad only; read by dW only). oneDNN's
+    // bf16 weight gradient reads it as it is; a convolution that does not run there gets the
+    // widened copy (the same values, which its bf16 products round to themselves).
+    auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    Plane2 p;
+    float* dx = dxt ? dxt->data<float>() : nullptr;
+    float* dw = dwt ? dwt->data<float>() : nullptr;
+    float* db = dbt ? dbt->data<float>() : nullptr;
+    if ((a.blocked || !depthwise_plane(w, x.dim(1) / a.group, p)) && dy.dtype() == DType::F32 &&
+        dnnl_conv_enabled() && dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db))
+      return;
+    Tensor wide = Tensor::empty(x.shape(), DType::F32, c.alloc, Category::Workspace, "widened X");
+    widen_bf16(x.data<uint16_t>(), x.numel(), wide.data<float>());
+    return conv_backward(c, dy, wide, wt, dxt, dwt, dbt);
+  }
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
     const ConvAttrs& a = c.attrs<ConvAttrs>();
@@ -512,8 +593,7 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
     if (db) std::fill(db, db + M, T(0));
     const T *pdy = dy.data<T>(), *px = x.data<T>(), *pw = wt.data<T>();
     // ConvGrad's channel-blocked operands (Note [channel-blocked values]): dY, X, dX. Only ever
-    // given to a float32 convolution oneDNN runs.
-    const bool dy_blk = a.blocked & 1u, x_blk = a.blocked & 2u, dx_blk = a.blocked & (1u << 16);
+    // given to a float32 convolution oneDNN runs (dnnl_conv_grad).
     if (a.blocked && !(std::is_same_v<T, float> && dnnl_conv_enabled()))
       c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
     Plane2 p;
@@ -614,31 +694,9 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      ConvShape cs = conv_shape(w, N, C, M, g);
-      cs.y_blocked = dy_blk;
-      const bool bf16 = bf16_gemm_active();
-      cs.x_blocked = dx_blk;
-      const auto dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
-      cs.x_blocked = x_blk;
-      const auto wgrad =
-          dw ? dnnl_conv(cs, ConvPass::BackwardWeights, bf16, db != nullptr) : nullptr;
-      if (a.blocked && !((!dx || dgrad) && (!dw || wgrad)))
+      if (dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db)) return;
+      if (a.blocked)
         c.error(ErrorKind::Internal, "a channel-blocked operand has no oneDNN convolution");
-      if ((!dx || dgrad) && (!dw || wgrad)) {
-        Tensor scratch = dnnl_scratch(
-            std::max(dgrad ? dnnl_conv_scratch(*dgrad) : 0, wgrad ? dnnl_conv_scratch(*wgrad) : 0),
-            c.alloc);
-        if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
-        if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, px, dw, db, scratch.data<float>());
-        if (db && !dw && dy_blk) {  // the same over dY as [N, M/16, O, 16]: to [1, M/16, 1, 16]
-          sum_to_shape(pdy, Shape{N, M / 16, O, 16}, db, Shape{1, M / 16, 1, 16}, false);
-        } else if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images, positions
-          Shape per_channel(dy.shape().size(), 1);
-          per_channel[1] = M;
-          sum_to_shape(pdy, dy.shape(), db, per_channel, false);
-        }
-        return;
-      }
     }
     const bool direct = is_pointwise(w);
     const int64_t rows = Cg * K, nb = direct ? 1 : images_per_gemm(N, O, rows, sizeof(T));
@@ -723,8 +781,9 @@ bool runs_on_dnnl(const Graph& g, const Node& n, int x_input) {
   if (n.inputs.size() <= static_cast<size_t>(x_input) || n.inputs[x_input] < 0) return false;
   const Value& x = g.values[n.inputs[x_input]];
   const int64_t group = n.attrs.get_int("group", 1, n.label());
-  return dnnl_conv_blocked_ok() && x.dtype == DType::F32 && x.shape.size() >= 3 &&
-         x.shape.size() <= 5 && group >= 1 && x.shape[1] % group == 0 && x.shape[1] / group > 1;
+  return dnnl_conv_blocked_ok() && (x.dtype == DType::F32 || x.dtype == DType::BF16) &&
+         x.shape.size() >= 3 && x.shape.size() <= 5 && group >= 1 && x.shape[1] % group == 0 &&
+         x.shape[1] / group > 1;
 }
 BlockedUse blocked_conv(const Graph& g, const Node& n) {
   return runs_on_dnnl(g, n, 0) ? BlockedUse{1u, 1u, false} : BlockedUse{};

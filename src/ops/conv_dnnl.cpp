@@ -76,7 +76,7 @@ Plain plain(const ConvShape& s) {
   auto tag = [](bool blocked, size_t rank) {
     return blocked ? blocked_tag(rank) : plain_tag(rank);
   };
-  return {memory::desc(x, dt::f32, tag(s.x_blocked, x.size())),
+  return {memory::desc(x, s.x_bf16 ? dt::bf16 : dt::f32, tag(s.x_blocked, x.size())),
           memory::desc(w, dt::f32, plain_tag(w.size())),
           memory::desc(y, dt::f32, tag(s.y_blocked, y.size())),
           memory::desc({s.M}, dt::f32, memory::format_tag::a)};
@@ -121,8 +121,8 @@ void prepare(Operand& o, const memory::desc& user, bool input, size_t& bytes) {
 using Key = std::tuple<std::vector<int64_t>, int, bool, bool>;  // (geometry and layouts, ...)
 
 Key key_of(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
-  std::vector<int64_t> k{s.N,         s.C,        s.M, s.g, static_cast<int64_t>(s.in.size()),
-                         s.x_blocked, s.y_blocked};
+  std::vector<int64_t> k{s.N,         s.C,         s.M,     s.g, static_cast<int64_t>(s.in.size()),
+                         s.x_blocked, s.y_blocked, s.x_bf16};
   for (const auto* v : {&s.in, &s.out, &s.k, &s.stride, &s.dil, &s.pad_begin, &s.pad_end})
     k.insert(k.end(), v->begin(), v->end());
   return {k, static_cast<int>(pass), bf16, bias};
@@ -214,12 +214,12 @@ std::shared_ptr<const DnnlConv> cached(const ConvShape& s, ConvPass pass, bool b
 
 // Runs e: a and b are inputs, c the output, `bias` the bias (forward) or its gradient (weights),
 // all plain float32.
-void run(const DnnlConv& e, const float* a, const float* b, float* c, const float* bias,
+void run(const DnnlConv& e, const void* a, const float* b, float* c, const float* bias,
          void* scratch) {
   dnnl::stream st(dnnl_engine());
   char* base = static_cast<char*>(scratch);
-  auto input = [&](const Operand& o, const float* ptr) {
-    memory mu(o.user, dnnl_engine(), const_cast<float*>(ptr));
+  auto input = [&](const Operand& o, const void* ptr) {
+    memory mu(o.user, dnnl_engine(), const_cast<void*>(ptr));
     if (!o.reorder) return mu;
     memory mw(o.want, dnnl_engine(), base + o.offset);
     o.to.execute(st, mu, mw);
@@ -261,7 +261,7 @@ std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, boo
 
 int64_t dnnl_conv_scratch(const DnnlConv& c) { return static_cast<int64_t>(c.bytes); }
 
-void dnnl_conv_forward(const DnnlConv& c, const float* x, const float* w, const float* b, float* y,
+void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, float* y,
                        void* scratch) {
   run(c, x, w, y, b, scratch);
 }
@@ -271,7 +271,7 @@ void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w,
   run(c, dy, w, dx, nullptr, scratch);
 }
 
-void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const float* x, float* dw,
+void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const void* x, float* dw,
                                 float* db, void* scratch) {
   run(c, x, dy, dw, db, scratch);
 }

@@ -15,6 +15,9 @@ struct ConvShape {
   // The x side (x or dx) and the y side (y or dy) of the pass are channel-blocked,
   // [N, C/16, spatial..., 16] (Note [channel-blocked values], src/plan/layout.cpp); else plain.
   bool x_blocked = false, y_blocked = false;
+  // x (Forward, BackwardWeights) is stored in bfloat16 (Note [bf16 activations]): read as it is,
+  // with no rounding reorder; only for a bf16 pass.
+  bool x_bf16 = false;
 };
 enum class ConvPass : uint8_t { Forward, BackwardData, BackwardWeights };
 
@@ -36,13 +39,14 @@ bool dnnl_conv_blocked_ok();
 // them, so they are counted like every other workspace).
 int64_t dnnl_conv_scratch(const DnnlConv& c);
 // Forward: y = conv(x, w) + b (b may be null; the pass was created with bias = (b != null)).
-void dnnl_conv_forward(const DnnlConv& c, const float* x, const float* w, const float* b, float* y,
+// x is float32, or bfloat16 bits when the pass was created with ConvShape::x_bf16.
+void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, float* y,
                        void* scratch);
 // BackwardData: dx = conv's input gradient from dy (overwritten).
 void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w, float* dx,
                              void* scratch);
 // BackwardWeights: dw, and db when the pass was created with bias, from dy and x (overwritten).
-void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const float* x, float* dw,
+void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const void* x, float* dw,
                                 float* db, void* scratch);
 
 }  // namespace graft::opsutil

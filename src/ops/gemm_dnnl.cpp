@@ -245,6 +245,12 @@ void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
   if (n % kRow) to_bf16(src + rows * kRow, 1, n % kRow, n % kRow, dst + rows * kRow);
 }
 
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  parallel_for(n, 1, [&](int, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dst[i] = bf16_to_float(src[i]);
+  });
+}
+
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   gemm_bf16_mixed(ta, tb, M, N, K, alpha, A, false, lda, B, false, ldb, beta, C, ldc);

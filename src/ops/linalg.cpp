@@ -327,7 +327,8 @@ const OpDef kOps[] = {
      .infer = infer_round_bf16,
      .kernel = round_bf16_kernel,
      .foldable = false,
-     .pointwise = true},
+     .pointwise = true,
+     .blocked = blocked_elementwise},
 };
 
 }  // namespace

@@ -197,18 +197,20 @@ BnAttrs bn_attrs(const Node& n) {
 }
 std::shared_ptr<const void> prepare_bn(const Node& n) { return prepared(bn_attrs(n)); }
 void infer_batchnorm(InferCtx& c) {
-  require_float(c, 0);
+  // Note [bf16 activations]: X may be a bfloat16 value the plan stored; the rest is float32.
+  const DType dt = c.dtype(0) == DType::BF16 ? DType::F32 : c.dtype(0);
+  if (c.dtype(0) != DType::BF16) require_float(c, 0);
   const Shape& s = c.shape(0);
   c.check(s.size() >= 2, "X must be [N, C, ...]");
   for (int i = 1; i < 5; ++i) {
     c.check(c.shape(i) == Shape{s[1]}, "scale, B, mean and var must have shape [C]");
-    if (c.dtype(i) != c.dtype(0)) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
+    if (c.dtype(i) != dt) c.error(ErrorKind::Unsupported, "mixed dtypes are not supported");
   }
   const bool train = bn_attrs(c.node()).training;
   if (!train && (c.has_out(1) || c.has_out(2) || c.has_out(3) || c.has_out(4)))
     c.error(ErrorKind::InvalidModel, "running statistics are outputs in training mode only");
-  c.set_out(0, c.dtype(0), s);
-  for (int i = 1; i < 5; ++i) c.set_out(i, c.dtype(0), {s[1]});
+  c.set_out(0, dt, s);
+  for (int i = 1; i < 5; ++i) c.set_out(i, dt, {s[1]});
 }
 struct BnView {
   int64_t N, C, S;  // batch, channels, spatial elements per channel and image
@@ -219,8 +221,9 @@ BnView bn_view(const Shape& s) {
   return v;
 }
 // Per channel: the batch mean and biased variance (two passes, in double). Parallel over channels.
-template <class T>
-void bn_batch_stats(const T* x, BnView v, std::vector<double>& mean, std::vector<double>& var) {
+// X: `const T*`, or Bf16Ptr (Note [bf16 activations]) here and below.
+template <class X>
+void bn_batch_stats(X x, BnView v, std::vector<double>& mean, std::vector<double>& var) {
   mean.assign(v.C, 0.0);
   var.assign(v.C, 0.0);
   const double n = static_cast<double>(v.N * v.S);
@@ -228,12 +231,12 @@ void bn_batch_stats(const T* x, BnView v, std::vector<double>& mean, std::vector
     for (int64_t ch = c0; ch < c1; ++ch) {
       double m = 0, q = 0;
       for (int64_t b = 0; b < v.N; ++b) {
-        const T* xp = x + (b * v.C + ch) * v.S;
+        const auto xp = x + (b * v.C + ch) * v.S;
         m += sum8(v.S, [&](int64_t i) { return static_cast<double>(xp[i]); });
       }
       m /= n ? n : 1;
       for (int64_t b = 0; b < v.N; ++b) {
-        const T* xp = x + (b * v.C + ch) * v.S;
+        const auto xp = x + (b * v.C + ch) * v.S;
         q += sum8(v.S, [&](int64_t i) {
           const double d = xp[i] - m;
           return d * d;
@@ -277,18 +280,19 @@ void with_layouts(bool a, bool b, bool c, F&& f) {
     two.template operator()<false>();
 }
 // One block's batch mean and biased variance, x blocked.
-GRAFT_INLINE void bn_stats16_impl(const float* x, BnView v, int64_t cb, double* m, double* q) {
+template <class X>
+GRAFT_INLINE void bn_stats16_impl(X x, BnView v, int64_t cb, double* m, double* q) {
   const int64_t CB = v.C / 16;
   const double n = static_cast<double>(v.N * v.S);
   for (int l = 0; l < 16; ++l) m[l] = q[l] = 0;
   for (int64_t b = 0; b < v.N; ++b) {
-    const float* xb = x + (b * CB + cb) * v.S * 16;
+    const auto xb = x + (b * CB + cb) * v.S * 16;
     for (int64_t s = 0; s < v.S; ++s)
       for (int l = 0; l < 16; ++l) m[l] += xb[s * 16 + l];
   }
   for (int l = 0; l < 16; ++l) m[l] /= n ? n : 1;
   for (int64_t b = 0; b < v.N; ++b) {
-    const float* xb = x + (b * CB + cb) * v.S * 16;
+    const auto xb = x + (b * CB + cb) * v.S * 16;
     for (int64_t s = 0; s < v.S; ++s)
       for (int l = 0; l < 16; ++l) {
         const double d = xb[s * 16 + l] - m[l];
@@ -300,8 +304,11 @@ GRAFT_INLINE void bn_stats16_impl(const float* x, BnView v, int64_t cb, double* 
 GRAFT_ISA_CLONES void bn_stats16(const float* x, BnView v, int64_t cb, double* m, double* q) {
   bn_stats16_impl(x, v, cb, m, q);
 }
-void bn_batch_stats16(const float* x, BnView v, std::vector<double>& mean,
-                      std::vector<double>& var) {
+GRAFT_ISA_CLONES void bn_stats16(Bf16Ptr x, BnView v, int64_t cb, double* m, double* q) {
+  bn_stats16_impl(x, v, cb, m, q);
+}
+template <class X>
+void bn_batch_stats16(X x, BnView v, std::vector<double>& mean, std::vector<double>& var) {
   mean.assign(v.C, 0.0);
   var.assign(v.C, 0.0);
   parallel_for(v.C / 16, 2 * 16 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
@@ -309,8 +316,8 @@ void bn_batch_stats16(const float* x, BnView v, std::vector<double>& mean,
   });
 }
 // y = (x - mu) * a + bi per channel, for images and blocks [p0, p1) of N * C/16.
-template <bool XB, bool YB>
-GRAFT_INLINE void bn_apply16_impl(const float* x, BnView v, int64_t p0, int64_t p1, const float* a,
+template <bool XB, bool YB, class X>
+GRAFT_INLINE void bn_apply16_impl(X x, BnView v, int64_t p0, int64_t p1, const float* a,
                                   const float* mu, const float* bi, float* y) {
   const int64_t CB = v.C / 16;
   for (int64_t p = p0; p < p1; ++p) {
@@ -326,6 +333,10 @@ GRAFT_ISA_CLONES void bn_apply16_bb(const float* x, BnView v, int64_t p0, int64_
                                     const float* a, const float* mu, const float* bi, float* y) {
   bn_apply16_impl<true, true>(x, v, p0, p1, a, mu, bi, y);
 }
+GRAFT_ISA_CLONES void bn_apply16_bb(Bf16Ptr x, BnView v, int64_t p0, int64_t p1, const float* a,
+                                    const float* mu, const float* bi, float* y) {
+  bn_apply16_impl<true, true>(x, v, p0, p1, a, mu, bi, y);
+}
 // A channel's dX = k1 * dY + k2 * (X - mean) + k0 (BatchNormGrad, below), from its sums over n
 // elements: sdy = sum dY, sdyx = inv * sum dY * (X - mean).
 struct BnDx {
@@ -339,13 +350,14 @@ BnDx bn_dx_coefficients(double scale, double inv, double sdy, double sdyx, doubl
 struct BnGrad16 {
   BnView v;
   const float *dy, *x, *sc;
+  const uint16_t* x16;  // X in bfloat16 instead of x (Note [bf16 activations]), or null
   const double *mean, *var;
   double eps;
   bool train;
   float *dx, *dscale, *dbias;  // each may be null
 };
-template <bool DB, bool XB, bool OB>
-GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, int64_t c0, int64_t c1) {
+template <bool DB, bool XB, bool OB, class X>
+GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, X x, int64_t c0, int64_t c1) {
   const BnView v = k.v;
   const int64_t CB = v.C / 16;
   const double n = static_cast<double>(v.N * v.S);
@@ -357,7 +369,7 @@ GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, int64_t c0, int64_t c1) {
         for (int l = 0; l < 16; ++l) {
           const double d = k.dy[at16<DB>(b, cb, s, l, CB, v.S)];
           sdy[l] += d;
-          sdyx[l] += d * (k.x[at16<XB>(b, cb, s, l, CB, v.S)] - m[l]);
+          sdyx[l] += d * (x[at16<XB>(b, cb, s, l, CB, v.S)] - m[l]);
         }
     float t1[16], t2[16], t0[16], tm[16];
     for (int l = 0; l < 16; ++l) {
@@ -378,70 +390,90 @@ GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, int64_t c0, int64_t c1) {
         for (int l = 0; l < 16; ++l)
           k.dx[at16<OB>(b, cb, s, l, CB, v.S)] =
               t1[l] * k.dy[at16<DB>(b, cb, s, l, CB, v.S)] +
-              t2[l] * (k.x[at16<XB>(b, cb, s, l, CB, v.S)] - tm[l]) + t0[l];
+              t2[l] * (x[at16<XB>(b, cb, s, l, CB, v.S)] - tm[l]) + t0[l];
   }
 }
-GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, int64_t c0, int64_t c1) {
-  bn_grad16_impl<true, true, true>(k, c0, c1);
+GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, const float* x, int64_t c0, int64_t c1) {
+  bn_grad16_impl<true, true, true>(k, x, c0, c1);
+}
+GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, Bf16Ptr x, int64_t c0, int64_t c1) {
+  bn_grad16_impl<true, true, true>(k, x, c0, c1);
 }
 void bn_grad16(const BnGrad16& k, bool dy_blk, bool x_blk, bool dx_blk) {
-  parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
-    if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, c0, c1);
-    with_layouts(dy_blk, x_blk, dx_blk,
-                 [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, c0, c1); });
-  });
+  auto with_x = [&](auto x) {
+    parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
+      if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, x, c0, c1);
+      with_layouts(dy_blk, x_blk, dx_blk,
+                   [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, x, c0, c1); });
+    });
+  };
+  if (k.x16)
+    with_x(Bf16Ptr{k.x16});
+  else
+    with_x(k.x);
 }
 
 // y = (x - mean) * a + B per channel, a = scale / sqrt(var + eps) (in T: vectorizable; x - mean
 // first, so a large mean does not cost precision).
 void batchnorm_kernel(KernelCtx& c) {
-  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
+  dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(0);
     BnView v = bn_view(x.shape());
     const BnAttrs& ba = c.attrs<BnAttrs>();
     const double eps = ba.epsilon, mom = ba.momentum;
     const bool train = ba.training;
-    const T *px = x.data<T>(), *sc = c.in(1).data<T>(), *bi = c.in(2).data<T>();
+    const T *sc = c.in(1).data<T>(), *bi = c.in(2).data<T>();
     const T *rm = c.in(3).data<T>(), *rv = c.in(4).data<T>();
     const bool x_blk = ba.blocked & 1u, y_blk = ba.blocked & (1u << 16);
     if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
       c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
-    std::vector<double> mean(v.C), var(v.C);
-    if (train && x_blk) {
-      if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
-    } else if (train) {
-      bn_batch_stats(px, v, mean, var);
-    } else {
-      for (int64_t ch = 0; ch < v.C; ++ch) {
-        mean[ch] = rm[ch];
-        var[ch] = rv[ch];
-      }
-    }
-    std::vector<T> a(v.C), mu(v.C);
-    for (int64_t ch = 0; ch < v.C; ++ch) {
-      a[ch] = static_cast<T>(sc[ch] / std::sqrt(var[ch] + eps));
-      mu[ch] = static_cast<T>(mean[ch]);
-    }
     T* y = c.out(0).data<T>();
-    if constexpr (std::is_same_v<T, float>) {
-      if (ba.blocked) {
-        parallel_for(v.N * v.C / 16, 16 * v.S, [&](int, int64_t p0, int64_t p1) {
-          if (x_blk && y_blk) return bn_apply16_bb(px, v, p0, p1, a.data(), mu.data(), bi, y);
-          with_layouts(x_blk, y_blk, false, [&]<bool XB, bool YB, bool>() {
-            bn_apply16_impl<XB, YB>(px, v, p0, p1, a.data(), mu.data(), bi, y);
-          });
-        });
-      }
-    }
-    if (!ba.blocked)
-      parallel_for(v.N * v.C, v.S, [&](int, int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t ch = p % v.C;
-          const T ac = a[ch], mc = mu[ch], bc = bi[ch], *xp = px + p * v.S;
-          T* yp = y + p * v.S;
-          for (int64_t i = 0; i < v.S; ++i) yp[i] = (xp[i] - mc) * ac + bc;
+    std::vector<double> mean(v.C), var(v.C);
+    // px: const T*, or Bf16Ptr over a bfloat16 X (Note [bf16 activations]).
+    auto normalize = [&](auto px) {
+      if (train && x_blk) {
+        if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
+      } else if (train) {
+        bn_batch_stats(px, v, mean, var);
+      } else {
+        for (int64_t ch = 0; ch < v.C; ++ch) {
+          mean[ch] = rm[ch];
+          var[ch] = rv[ch];
         }
-      });
+      }
+      std::vector<T> a(v.C), mu(v.C);
+      for (int64_t ch = 0; ch < v.C; ++ch) {
+        a[ch] = static_cast<T>(sc[ch] / std::sqrt(var[ch] + eps));
+        mu[ch] = static_cast<T>(mean[ch]);
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        if (ba.blocked) {
+          parallel_for(v.N * v.C / 16, 16 * v.S, [&](int, int64_t p0, int64_t p1) {
+            if (x_blk && y_blk) return bn_apply16_bb(px, v, p0, p1, a.data(), mu.data(), bi, y);
+            with_layouts(x_blk, y_blk, false, [&]<bool XB, bool YB, bool>() {
+              bn_apply16_impl<XB, YB>(px, v, p0, p1, a.data(), mu.data(), bi, y);
+            });
+          });
+        }
+      }
+      if (!ba.blocked)
+        parallel_for(v.N * v.C, v.S, [&](int, int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p) {
+            const int64_t ch = p % v.C;
+            const T ac = a[ch], mc = mu[ch], bc = bi[ch];
+            const auto xp = px + p * v.S;
+            T* yp = y + p * v.S;
+            for (int64_t i = 0; i < v.S; ++i) yp[i] = (xp[i] - mc) * ac + bc;
+          }
+        });
+    };
+    if (x.dtype() != DType::BF16) {
+      normalize(x.data<T>());
+    } else if constexpr (std::is_same_v<T, float>) {
+      normalize(Bf16Ptr{x.data<uint16_t>()});
+    } else {
+      c.error(ErrorKind::Internal, "a bfloat16 X with float64 statistics");
+    }
     if (!train) return;
     const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
     for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -458,7 +490,7 @@ void batchnorm_kernel(KernelCtx& c) {
 // mean and var are the running statistics (inference mode), or with batch_stats = 1 the batch's,
 // saved by the forward (its outputs 3 and 4); training mode without them recomputes them from X.
 void infer_batchnorm_grad(InferCtx& c) {
-  c.set_out(0, c.dtype(1), c.shape(1));
+  c.set_out(0, c.dtype(1) == DType::BF16 ? DType::F32 : c.dtype(1), c.shape(1));
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), c.shape(2));
 }
@@ -467,20 +499,22 @@ void infer_batchnorm_grad(InferCtx& c) {
 // dx = k1 * dy + k2 * (x - mean) + k0 with per-channel constants (in T: vectorizable). Parallel
 // over channels; the sums are in double.
 // One channel's sums sum dy and sum dy * (x - m) over the batch, and its dX (Note [ISA clones]).
-template <class T>
-GRAFT_INLINE void bn_grad_sums_impl(const T* dy, const T* px, BnView v, int64_t ch, double m,
-                                    double& sdy, double& sdyx) {
+template <class T, class X>
+GRAFT_INLINE void bn_grad_sums_impl(const T* dy, X px, BnView v, int64_t ch, double m, double& sdy,
+                                    double& sdyx) {
   for (int64_t b = 0; b < v.N; ++b) {
-    const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+    const T* d = dy + (b * v.C + ch) * v.S;
+    const auto xp = px + (b * v.C + ch) * v.S;
     sdy += sum8(v.S, [&](int64_t i) { return static_cast<double>(d[i]); });
     sdyx += sum8(v.S, [&](int64_t i) { return d[i] * (xp[i] - m); });
   }
 }
-template <class T>
-GRAFT_INLINE void bn_grad_dx_impl(const T* dy, const T* px, BnView v, int64_t ch, T t1, T t2, T t0,
-                                  T tm, T* dx) {
+template <class T, class X>
+GRAFT_INLINE void bn_grad_dx_impl(const T* dy, X px, BnView v, int64_t ch, T t1, T t2, T t0, T tm,
+                                  T* dx) {
   for (int64_t b = 0; b < v.N; ++b) {
-    const T *d = dy + (b * v.C + ch) * v.S, *xp = px + (b * v.C + ch) * v.S;
+    const T* d = dy + (b * v.C + ch) * v.S;
+    const auto xp = px + (b * v.C + ch) * v.S;
     T* o = dx + (b * v.C + ch) * v.S;
     for (int64_t i = 0; i < v.S; ++i) o[i] = t1 * d[i] + t2 * (xp[i] - tm) + t0;
   }
@@ -494,6 +528,10 @@ GRAFT_ISA_CLONES void bn_grad_sums(const float* dy, const float* px, BnView v, i
                                    double& sdy, double& sdyx) {
   bn_grad_sums_impl(dy, px, v, ch, m, sdy, sdyx);
 }
+GRAFT_ISA_CLONES void bn_grad_sums(const float* dy, Bf16Ptr px, BnView v, int64_t ch, double m,
+                                   double& sdy, double& sdyx) {
+  bn_grad_sums_impl(dy, px, v, ch, m, sdy, sdyx);
+}
 template <class T>
 void bn_grad_dx(const T* dy, const T* px, BnView v, int64_t ch, T t1, T t2, T t0, T tm, T* dx) {
   bn_grad_dx_impl(dy, px, v, ch, t1, t2, t0, tm, dx);
@@ -502,22 +540,38 @@ GRAFT_ISA_CLONES void bn_grad_dx(const float* dy, const float* px, BnView v, int
                                  float t2, float t0, float tm, float* dx) {
   bn_grad_dx_impl(dy, px, v, ch, t1, t2, t0, tm, dx);
 }
+GRAFT_ISA_CLONES void bn_grad_dx(const float* dy, Bf16Ptr px, BnView v, int64_t ch, float t1,
+                                 float t2, float t0, float tm, float* dx) {
+  bn_grad_dx_impl(dy, px, v, ch, t1, t2, t0, tm, dx);
+}
 void batchnorm_grad_kernel(KernelCtx& c) {
-  dispatch_float(c.in(1).dtype(), c, [&]<class T>() {
+  dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const Tensor& x = c.in(1);
     BnView v = bn_view(x.shape());
     const BnAttrs& ba = c.attrs<BnAttrs>();
     const double eps = ba.epsilon;
     const bool train = ba.training;
-    const T *dy = c.in(0).data<T>(), *px = x.data<T>(), *sc = c.in(2).data<T>();
+    const T *dy = c.in(0).data<T>(), *sc = c.in(2).data<T>();
     const bool dy_blk = ba.blocked & 1u, x_blk = ba.blocked & 2u, dx_blk = ba.blocked & (1u << 16);
     if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
       c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
+    const bool x16 = x.dtype() == DType::BF16;  // Note [bf16 activations]
+    if (x16 && !std::is_same_v<T, float>)
+      c.error(ErrorKind::Internal, "a bfloat16 X with a float64 gradient");
     std::vector<double> mean(v.C), var(v.C);
-    if (train && !ba.batch_stats && x_blk) {
-      if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
-    } else if (train && !ba.batch_stats) {
-      bn_batch_stats(px, v, mean, var);
+    const T* px = x16 ? nullptr : x.data<T>();
+    if (train && !ba.batch_stats) {
+      auto stats = [&](auto xs) {
+        if (x_blk) {
+          if constexpr (std::is_same_v<T, float>) bn_batch_stats16(xs, v, mean, var);
+        } else {
+          bn_batch_stats(xs, v, mean, var);
+        }
+      };
+      if (x16)
+        stats(Bf16Ptr{x.data<uint16_t>()});
+      else
+        stats(px);
     } else {
       for (int64_t ch = 0; ch < v.C; ++ch) {
         mean[ch] = c.in(3).data<T>()[ch];
@@ -532,6 +586,7 @@ void batchnorm_grad_kernel(KernelCtx& c) {
                          dy,
                          px,
                          sc,
+                         x16 ? x.data<uint16_t>() : nullptr,
                          mean.data(),
                          var.data(),
                          eps,
@@ -542,20 +597,26 @@ void batchnorm_grad_kernel(KernelCtx& c) {
         return bn_grad16(k, dy_blk, x_blk, dx_blk);
       }
     }
-    parallel_for(v.C, 3 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
-      for (int64_t ch = c0; ch < c1; ++ch) {
-        const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
-        double sdy = 0, sdyx = 0;
-        bn_grad_sums(dy, px, v, ch, m, sdy, sdyx);
-        sdyx *= inv;
-        if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
-        if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
-        if (!dx) continue;
-        const BnDx d = bn_dx_coefficients(sc[ch], inv, sdy, sdyx, n, train);
-        const T t1 = static_cast<T>(d.k1), t2 = static_cast<T>(d.k2), t0 = static_cast<T>(d.k0);
-        bn_grad_dx(dy, px, v, ch, t1, t2, t0, static_cast<T>(m), dx);
-      }
-    });
+    auto per_channel = [&](auto xs) {
+      parallel_for(v.C, 3 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
+        for (int64_t ch = c0; ch < c1; ++ch) {
+          const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
+          double sdy = 0, sdyx = 0;
+          bn_grad_sums(dy, xs, v, ch, m, sdy, sdyx);
+          sdyx *= inv;
+          if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
+          if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
+          if (!dx) continue;
+          const BnDx d = bn_dx_coefficients(sc[ch], inv, sdy, sdyx, n, train);
+          const T t1 = static_cast<T>(d.k1), t2 = static_cast<T>(d.k2), t0 = static_cast<T>(d.k0);
+          bn_grad_dx(dy, xs, v, ch, t1, t2, t0, static_cast<T>(m), dx);
+        }
+      });
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      if (x16) return per_channel(Bf16Ptr{x.data<uint16_t>()});
+    }
+    per_channel(px);
   });
 }
 // Note [channel-blocked values]: X and Y (BatchNormGrad: dY, X and dX) may be channel-blocked;

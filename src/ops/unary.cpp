@@ -464,6 +464,29 @@ void grad_tanh(GradBuilder& g) { g.set_dx(0, g.emit1("TanhGrad", {g.dy(0), g.y(0
 void grad_sigmoid(GradBuilder& g) {
   g.set_dx(0, g.emit1("SigmoidGrad", {g.dy(0), g.y(0)}, {}, "graft"));
 }
+// Note [bf16 activations]: Y may be a bfloat16 value the plan stored (a ReLU output that only
+// products and this gradient read); its sign is the float32 Y's, except a positive Y below
+// 2^-133, which rounds to zero and passes no gradient.
+// dx = y > 0 ? d : 0 over [b, e), branch-free (a mask on d's bits; Note [ISA clones]).
+GRAFT_ISA_CLONES void relu_grad_bf16(const float* d, const uint16_t* y, float* dx, int64_t b,
+                                     int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, d + i, 4);
+    bits &= bf16_to_float(y[i]) > 0.f ? ~uint32_t{0} : uint32_t{0};
+    std::memcpy(dx + i, &bits, 4);
+  }
+}
+void relu_grad_kernel(KernelCtx& c) {
+  if (c.in(1).dtype() != DType::BF16) return grad2_kernel<ReluGradF>(c);
+  if (c.in(0).dtype() != DType::F32)
+    c.error(ErrorKind::Internal, "a bfloat16 Y with a gradient that is not float32");
+  const float* d = c.in(0).data<float>();
+  const uint16_t* y = c.in(1).data<uint16_t>();
+  float* dx = c.out(0).data<float>();
+  parallel_elems(c.in(0).numel(), kCheap,
+                 [&](int64_t b, int64_t e) { relu_grad_bf16(d, y, dx, b, e); });
+}
 void grad_relu(GradBuilder& g) { g.set_dx(0, g.emit1("ReluGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
 void grad_identity(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
 // StopGradient's input never needs a gradient (nondiff_inputs): nothing flows back through it.
@@ -620,7 +643,7 @@ const OpDef kOps[] = {
      .min_in = 2,
      .max_in = 2,
      .infer = infer_grad2,
-     .kernel = grad2_kernel<ReluGradF>,
+     .kernel = relu_grad_kernel,
      .inplace_input = 0,
      .blocked = blocked_elementwise},
     {.name = "SigmoidGrad",

@@ -177,6 +177,22 @@ void gemm_operands(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, c
 // n float32 values to bfloat16 bits, rounded to nearest even exactly as the bf16 GEMMs round
 // their operands (threaded).
 void round_to_bf16(const float* src, int64_t n, uint16_t* dst);
+// A bfloat16 value (the top 16 bits of a float32) as float32: exact.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Note [bf16 activations]: a bfloat16 operand read element by element as float32, with the
+// indexing and offsets of a `const float*`, so that one template loop serves both.
+struct Bf16Ptr {
+  const uint16_t* p;
+  float operator[](int64_t i) const { return bf16_to_float(p[i]); }
+  Bf16Ptr operator+(int64_t o) const { return {p + o}; }
+};
+// n bfloat16 values widened to float32 (threaded; exact).
+void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 // Note [float32 GEMM backend] (gemm_dnnl.cpp): runs a float32 GEMM on oneDNN's matmul primitive
 // and returns true, or returns false (the size or GRAFT_GEMM says OpenBLAS) without touching C.
 bool gemm_f32_dnnl(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,

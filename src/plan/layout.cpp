@@ -49,8 +49,11 @@ int choose_blocked_layouts(Graph& g, const std::vector<int>& external, bool enab
   std::vector<char> ok(nv, 0);
   for (int v = 0; v < nv; ++v) {
     const Value& x = g.values[v];
-    ok[v] = x.kind == ValueKind::Intermediate && x.shape_known && x.dtype == DType::F32 &&
-            x.shape.size() >= 3 && x.shape.size() <= 5 && x.shape[1] > 0 && x.shape[1] % 16 == 0;
+    // float32, or a bfloat16 value the bf16 pass stored (Note [bf16 activations]): its blocked
+    // form has the plain one's bytes too.
+    ok[v] = x.kind == ValueKind::Intermediate && x.shape_known &&
+            (x.dtype == DType::F32 || x.dtype == DType::BF16) && x.shape.size() >= 3 &&
+            x.shape.size() <= 5 && x.shape[1] > 0 && x.shape[1] % 16 == 0;
   }
   if (!enabled) ok.assign(nv, 0);  // every value plain; stale masks are cleared below
   for (int v : external)

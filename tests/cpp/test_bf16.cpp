@@ -187,3 +187,118 @@ TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
     EXPECT_NE(std::string(e.what()).find("bfloat16"), std::string::npos) << e.what();
   }
 }
+
+// Note [bf16 activations]: the kernels that read a bfloat16 activation the plan stored (Conv's X,
+// ConvGrad's X, ReluGrad's Y, BatchNormalization's and BatchNormGrad's X) compute exactly what
+// they compute on a float32 tensor holding the same (bfloat16-exact) values, in either layout.
+namespace {
+struct KernelCase {
+  Node node;
+  std::vector<Tensor> ins;  // float32, the bf16 slot's values bfloat16-exact
+  std::vector<Shape> outs;
+};
+std::vector<std::vector<float>> run_case(const KernelCase& k, int bf16_slot, bool as_bf16,
+                                         Allocator& a) {
+  std::vector<Tensor> ins = k.ins;
+  if (as_bf16) {
+    Tensor h = Tensor::empty(ins[bf16_slot].shape(), DType::BF16, a, Category::Workspace);
+    for (int64_t i = 0; i < h.numel(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &ins[bf16_slot].data<float>()[i], 4);
+      EXPECT_EQ(u & 0xffffu, 0u) << "not bfloat16-exact";
+      h.data<uint16_t>()[i] = static_cast<uint16_t>(u >> 16);
+    }
+    ins[bf16_slot] = h;
+  }
+  std::vector<Tensor> outs;
+  for (const Shape& s : k.outs)
+    outs.push_back(Tensor::empty(s, DType::F32, a, Category::Workspace));
+  std::vector<const Tensor*> in_ptrs;
+  for (const Tensor& t : ins) in_ptrs.push_back(&t);
+  std::vector<Tensor*> out_ptrs;
+  for (Tensor& t : outs) out_ptrs.push_back(&t);
+  Node n = k.node;
+  n.inputs.assign(ins.size(), 0);
+  n.outputs.assign(outs.size(), 0);
+  run_node(n, in_ptrs, out_ptrs, a);
+  std::vector<std::vector<float>> r;
+  for (const Tensor& t : outs) r.emplace_back(t.data<float>(), t.data<float>() + t.numel());
+  return r;
+}
+Tensor filled(const Shape& s, float k, Allocator& a, bool exact) {
+  Tensor t = Tensor::empty(s, DType::F32, a, Category::Workspace);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float v = std::sin(k * (i + 1)) + 0.25f;
+    t.data<float>()[i] = exact ? round_bf16(v) : v;
+  }
+  return t;
+}
+}  // namespace
+
+TEST(Bf16Activations, KernelsReadBf16OperandsAsTheirFloat32Values) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  Allocator a;
+  Bf16MatmulScope scope(true);
+  const int64_t N = 2, C = 32, M = 16, H = 10;
+  const Shape x{N, C, H, H}, y{N, M, H, H}, w{M, C, 3, 3};
+  for (int64_t blocked : {0, 1}) {
+    SCOPED_TRACE(blocked ? "channel-blocked" : "plain");
+    if (blocked && !convolutions_take_blocked_layouts()) continue;
+    std::vector<std::pair<KernelCase, int>> cases;
+    KernelCase conv;
+    conv.node.op = "Conv";
+    conv.node.name = "conv";
+    conv.node.attrs.set_ints("pads", {1, 1, 1, 1});
+    if (blocked) conv.node.attrs.set_int(kBlockedAttr, 1 | (1 << 16));
+    conv.ins = {filled(x, 0.3f, a, true), filled(w, 0.7f, a, false), filled({M}, 0.9f, a, false)};
+    conv.outs = {y};
+    cases.emplace_back(conv, 0);
+    KernelCase cg = conv;
+    cg.node.op = "ConvGrad";
+    cg.node.domain = "graft";
+    if (blocked) cg.node.attrs.set_int(kBlockedAttr, 1 | 2 | (1 << 16));
+    cg.ins = {filled(y, 0.5f, a, false), filled(x, 0.3f, a, true), filled(w, 0.7f, a, false)};
+    cg.outs = {x, w, {M}};
+    cases.emplace_back(cg, 1);
+    KernelCase bn;
+    bn.node.op = "BatchNormalization";
+    bn.node.name = "bn";
+    bn.node.attrs.set_int("training_mode", 1);
+    if (blocked) bn.node.attrs.set_int(kBlockedAttr, 1 | (1 << 16));
+    Tensor var = filled({C}, 0.2f, a, false);
+    for (int64_t i = 0; i < C; ++i) var.data<float>()[i] += 1.5f;
+    bn.ins = {filled(x, 0.3f, a, true), filled({C}, 0.4f, a, false), filled({C}, 0.6f, a, false),
+              filled({C}, 0.8f, a, false), var};
+    bn.outs = {x, {C}, {C}, {C}, {C}};
+    cases.emplace_back(bn, 0);
+    KernelCase bg = bn;
+    bg.node.op = "BatchNormGrad";
+    bg.node.domain = "graft";
+    bg.node.attrs.set_int("batch_stats", 1);
+    if (blocked) bg.node.attrs.set_int(kBlockedAttr, 1 | 2 | (1 << 16));
+    bg.ins = {filled(x, 0.5f, a, false), filled(x, 0.3f, a, true), filled({C}, 0.4f, a, false),
+              filled({C}, 0.8f, a, false), var};
+    bg.outs = {x, {C}, {C}};
+    cases.emplace_back(bg, 1);
+    KernelCase bg_stats = bg;  // the statistics recomputed from X
+    bg_stats.node.attrs.set_int("batch_stats", 0);
+    cases.emplace_back(bg_stats, 1);
+    KernelCase relu;
+    relu.node.op = "ReluGrad";
+    relu.node.domain = "graft";
+    relu.node.name = "relu_grad";
+    relu.ins = {filled(x, 0.5f, a, false), filled(x, 0.3f, a, true)};
+    for (int64_t i = 0; i < 40; ++i) relu.ins[1].data<float>()[i * 7] = i % 2 ? -0.f : 0.f;
+    relu.outs = {x};
+    cases.emplace_back(relu, 1);
+    for (const auto& [k, slot] : cases) {
+      SCOPED_TRACE(k.node.op + (k.node.attrs.has("batch_stats")
+                                    ? " batch_stats=" + std::to_string(k.node.attrs.get_int(
+                                                            "batch_stats", 0, "test"))
+                                    : ""));
+      const auto f = run_case(k, slot, false, a), h = run_case(k, slot, true, a);
+      ASSERT_EQ(f.size(), h.size());
+      for (size_t o = 0; o < f.size(); ++o) EXPECT_EQ(f[o], h[o]) << "output " << o;
+    }
+  }
+}

@@ -490,13 +490,24 @@ class _Residual(nn.Module):
         return self.b(h) + h  # the Add reads h in float32 in the forward; only products in backward
 
 
-@pytest.mark.parametrize("case", ["linears", "attention", "residual"])
+def _conv_net(bn):
+    layers = [nn.Conv2d(16, 32, 3, padding=1)]
+    layers += [nn.BatchNorm2d(32)] if bn else []
+    return nn.Sequential(*layers, nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.Flatten(),
+                         nn.Linear(32 * 16 * 16, 10))
+
+
+@pytest.mark.parametrize("case", ["linears", "attention", "residual", "conv", "conv_bn"])
 def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(case, monkeypatch):
     """precision="bf16" stores a forward value that only matrix products read (the first Linear's
     output: the second Linear's input, read again by its weight gradient; attention's Q, K and V and
-    its output before the projection) in bfloat16 for the backward (Note [bf16 operands]): half their
-    bytes in saved_for_backward, and the very same outputs and .grad as keeping them in float32
-    (GRAFT_BF16_OPERANDS=0), since the products round them to bfloat16 anyway."""
+    its output before the projection; a ReLU's output that a convolution and its weight gradient
+    read, and ReluGrad by its sign) in bfloat16 for the backward (Note [bf16 operands], [bf16
+    activations]): half their bytes in saved_for_backward, and the very same outputs and .grad as
+    keeping them in float32 (GRAFT_BF16_OPERANDS=0), since the products round them to bfloat16
+    anyway. A convolution's output that a BatchNorm reads ("conv_bn") is rounded to bfloat16 as
+    autocast's convolution rounds it: half its bytes too, and results that differ from the float32
+    output's by bfloat16 rounding; both match an eager copy under autocast, buffers included."""
     from graft import _graft
     if not _graft.bf16_matmul_native():
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
@@ -507,9 +518,13 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     elif case == "attention":
         m, x = _SelfAttention(), torch.randn(4, 64, 64)
         halved = [4 * 64 * 64 * 4] * 4  # Q, K, V and the attention's output
-    else:
+    elif case == "residual":
         m, x = _Residual(), torch.randn(192, 256)
         halved = [192 * 256 * 4]
+    else:  # the ReLU's output, the second convolution's (the Linear's input through Flatten);
+        # with a BatchNorm, the first convolution's output too
+        m, x = _conv_net(case == "conv_bn").train(), torch.randn(4, 16, 16, 16)
+        halved = [4 * 32 * 16 * 16 * 4] * (3 if case == "conv_bn" else 2)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("GRAFT_BF16_OPERANDS", flag)  # read as the session is built (first call)
@@ -518,11 +533,15 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
         out = g(x)
         out.square().mean().backward()
         saved = [b for _, _, _, b in g.saved_for_backward()]
-        runs[flag] = (out.detach(), [p.grad for p in mm.parameters()], saved)
-    (o0, g0, s0), (o1, g1, s1) = runs["0"], runs["1"]
-    assert torch.equal(o0, o1)
-    for a, b in zip(g0, g1):
-        assert torch.equal(a, b)
+        runs[flag] = (out.detach(), [p.grad for p in mm.parameters()], saved, list(mm.buffers()))
+    (o0, g0, s0, _), (o1, g1, s1, b1) = runs["0"], runs["1"]
+    if case == "conv_bn":  # the rounded convolution output changed the step, by bf16 rounding
+        assert not torch.equal(o0, o1)
+        torch.testing.assert_close(o0, o1, rtol=3e-2, atol=3e-2)
+    else:
+        assert torch.equal(o0, o1)
+        for a, b in zip(g0, g1):
+            assert torch.equal(a, b)
     assert sum(s0) - sum(s1) == sum(halved) // 2, (s0, s1)
     # And against an eager copy under autocast: the same to bfloat16 precision.
     e = copy.deepcopy(m)
@@ -532,6 +551,8 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     torch.testing.assert_close(o1, ref.float(), rtol=3e-2, atol=3e-2)
     for (n, p), a in zip(e.named_parameters(), g1):
         torch.testing.assert_close(a, p.grad, rtol=5e-2, atol=5e-3, msg=n)
+    for (n, b), a in zip(e.named_buffers(), b1):  # BatchNorm's running statistics
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=n)
 
 
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------
