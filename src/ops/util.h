@@ -88,8 +88,9 @@ void dispatch(DType dt, F&& f) {
     case DType::I32:
       f.template operator()<int32_t>();
       break;
-    case DType::BF16:  // Note [bf16 operands]: only matrix products and views read these
-      fail(ErrorKind::Internal, "a bfloat16 operand reached a kernel other than a matrix product");
+    case DType::BF16:  // Note [bf16 operands], [bf16 activations]: only the kernels that read
+                       // them on purpose (products, convolutions, BatchNorm, ReluGrad) and views
+      fail(ErrorKind::Internal, "a bfloat16 operand reached a kernel that does not read bfloat16");
   }
 }
 // Calls f.template operator()<T>() for an integer dtype (int64, int32); false for others.

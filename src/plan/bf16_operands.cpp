@@ -38,14 +38,16 @@
 //     one, which graft's own float32 kernels run) reads X only as an operand of its bf16 products,
 //     and ConvGrad reads X only for dW, a product again (oneDNN's bf16 primitives take the stored
 //     bits as they are: ConvShape::x_bf16); ReluGrad reads only Y's sign, which rounding keeps
-//     (but for a positive Y below 2^-133, which becomes zero and passes no gradient). The step's
-//     results are bit-identical but for that.
-//   * a convolution's output read only by BatchNormalization (training or not) and its gradient
-//     is rounded as autocast's bf16 convolution rounds its output, and both read the rounded
-//     value (the normalization's arithmetic stays float32, on the bfloat16 values): this changes
-//     the step's results by bfloat16 rounding, which is what bf16 precision means there, and keeps
-//     forward and backward consistent (the gradient is the rounded forward's). PyTorch's
-//     autocast keeps the same value in bfloat16.
+//     but for a float32 denormal (round_to_bf16's vector instruction flushes those to zero, so
+//     such a tiny positive Y passes no gradient). The step's results are bit-identical but for
+//     denormals.
+//   * a convolution's output whose backward reader is BatchNormGrad is rounded as autocast's
+//     bf16 convolution rounds its output, and the BatchNormalization and its gradient both read
+//     the rounded value (another forward reader, a rare residual Add of a raw convolution output,
+//     keeps reading the float32 one) (the normalization's arithmetic stays float32, on the bfloat16
+//     values): this changes the step's results by bfloat16 rounding, which is what bf16 precision
+//     means there, and keeps forward and backward consistent (the gradient is the rounded
+//     forward's). PyTorch's autocast keeps the same value in bfloat16.
 // Both are blocked (Note [channel-blocked values]) like their float32 forms; the kernels that read
 // them (Conv, ConvGrad, ReluGrad, BatchNormalization, BatchNormGrad) take either dtype, and a
 // convolution without a oneDNN bf16 primitive widens the bits into float32 scratch.

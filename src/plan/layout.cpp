@@ -8,7 +8,8 @@
 // compiler does instead is keep the layout between the convolutions.
 //
 // choose_blocked_layouts does that on the whole training graph, after autodiff and before
-// planning. A value may be stored channel-blocked when it is a float32 activation of rank 3-5 with
+// planning. A value may be stored channel-blocked when it is a float32 activation (or a bfloat16
+// one the bf16 pass stored, Note [bf16 activations]) of rank 3-5 with
 // C % 16 == 0 (then the blocked tensor has exactly the plain one's bytes, so the planner, the
 // allocator and every byte count are unchanged) and every node that writes or reads it can take it
 // so (OpDef::blocked):
