@@ -29,9 +29,7 @@ Window conv_window(const ConvAttrs& a, const Shape& x, const Shape& wt,
   return window(a, x, std::vector<int64_t>(wt.begin() + 2, wt.end()), false, err);
 }
 void infer_conv(InferCtx& c) {
-  // Note [bf16 activations]: X may be a bfloat16 value the plan stored; the convolution is float32.
-  const DType dt = c.dtype(0) == DType::BF16 ? DType::F32 : c.dtype(0);
-  if (c.dtype(0) != DType::BF16) require_float(c, 0);
+  const DType dt = float_or_bf16(c, 0);  // Note [bf16 activations]
   if (c.dtype(1) != dt) c.error(ErrorKind::InvalidModel, "W differs in dtype from X");
   const Shape &x = c.shape(0), &wt = c.shape(1);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
@@ -490,6 +488,19 @@ void conv_forward(KernelCtx& c, const Tensor& x) {
   });
 }
 
+// Note [bf16 activations]: whether a convolution of C input channels runs on oneDNN when it can
+// (channel-blocked, or not one of graft's direct depthwise kernels), and a bfloat16 X as float32
+// scratch for one that cannot.
+bool on_dnnl(const ConvAttrs& a, const Window& w, int64_t C) {
+  Plane2 p;
+  return a.blocked || !depthwise_plane(w, C / a.group, p);
+}
+Tensor widened(const Tensor& x, Allocator& alloc) {
+  Tensor wide = Tensor::empty(x.shape(), DType::F32, alloc, Category::Workspace, "widened X");
+  widen_bf16(x.data<uint16_t>(), x.numel(), wide.data<float>());
+  return wide;
+}
+
 // Note [bf16 activations]: X stored in bfloat16 by the plan (only in a bf16 step). oneDNN's bf16
 // convolution reads it as it is; one that does not run there gets the widened copy (the same
 // values, which its bf16 products round to themselves).
@@ -500,8 +511,7 @@ void conv_kernel(KernelCtx& c) {
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
   const ConvAttrs& a = c.attrs<ConvAttrs>();
   Window w = conv_window(a, x.shape(), wt.shape(), err);
-  Plane2 p;
-  if (a.blocked || !depthwise_plane(w, x.dim(1) / a.group, p)) {
+  if (on_dnnl(a, w, x.dim(1))) {
     ConvShape cs = conv_shape(w, x.dim(0), x.dim(1), wt.dim(0), a.group);
     cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16), cs.x_bf16 = true;
     const float* b = c.has_in(2) ? c.in(2).data<float>() : nullptr;
@@ -512,14 +522,12 @@ void conv_kernel(KernelCtx& c) {
       return;
     }
   }
-  Tensor wide = Tensor::empty(x.shape(), DType::F32, c.alloc, Category::Workspace, "widened X");
-  widen_bf16(x.data<uint16_t>(), x.numel(), wide.data<float>());
-  conv_forward(c, wide);
+  conv_forward(c, widened(x, c.alloc));
 }
 
 // ConvGrad(dY, X, W) -> dX, dW, dB (same attributes as the Conv).
 void infer_conv_grad(InferCtx& c) {
-  c.set_out(0, c.dtype(1) == DType::BF16 ? DType::F32 : c.dtype(1), c.shape(1));
+  c.set_out(0, float_or_bf16(c, 1), c.shape(1));
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), {c.shape(2)[0]});
 }
@@ -569,16 +577,13 @@ void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, con
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
     const ConvAttrs& a = c.attrs<ConvAttrs>();
     Window w = conv_window(a, x.shape(), wt.shape(), err);
-    Plane2 p;
     float* dx = dxt ? dxt->data<float>() : nullptr;
     float* dw = dwt ? dwt->data<float>() : nullptr;
     float* db = dbt ? dbt->data<float>() : nullptr;
-    if ((a.blocked || !depthwise_plane(w, x.dim(1) / a.group, p)) && dy.dtype() == DType::F32 &&
-        dnnl_conv_enabled() && dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db))
+    if (on_dnnl(a, w, x.dim(1)) && dy.dtype() == DType::F32 &&
+        dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db))
       return;
-    Tensor wide = Tensor::empty(x.shape(), DType::F32, c.alloc, Category::Workspace, "widened X");
-    widen_bf16(x.data<uint16_t>(), x.numel(), wide.data<float>());
-    return conv_backward(c, dy, wide, wt, dxt, dwt, dbt);
+    return conv_backward(c, dy, widened(x, c.alloc), wt, dxt, dwt, dbt);
   }
   dispatch_float(dy.dtype(), c, [&]<class T>() {
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };

@@ -280,10 +280,7 @@ void gemm_bf16_mixed(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
         h = rounded.data(), ld = cols;
       }
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const uint32_t x = static_cast<uint32_t>(h[r * ld + c]) << 16;
-          std::memcpy(dst + r * cols + c, &x, 4);
-        }
+        for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = bf16_to_float(h[r * ld + c]);
     };
     widen(A, a16, ra, ca, lda, a.data());
     widen(B, b16, rb, cb, ldb, b.data());

@@ -197,9 +197,7 @@ BnAttrs bn_attrs(const Node& n) {
 }
 std::shared_ptr<const void> prepare_bn(const Node& n) { return prepared(bn_attrs(n)); }
 void infer_batchnorm(InferCtx& c) {
-  // Note [bf16 activations]: X may be a bfloat16 value the plan stored; the rest is float32.
-  const DType dt = c.dtype(0) == DType::BF16 ? DType::F32 : c.dtype(0);
-  if (c.dtype(0) != DType::BF16) require_float(c, 0);
+  const DType dt = float_or_bf16(c, 0);  // Note [bf16 activations]: then the rest is float32
   const Shape& s = c.shape(0);
   c.check(s.size() >= 2, "X must be [N, C, ...]");
   for (int i = 1; i < 5; ++i) {
@@ -349,8 +347,7 @@ BnDx bn_dx_coefficients(double scale, double inv, double sdy, double sdyx, doubl
 // BatchNormGrad for the channels of blocks [c0, c1): sums, then dX (when wanted).
 struct BnGrad16 {
   BnView v;
-  const float *dy, *x, *sc;
-  const uint16_t* x16;  // X in bfloat16 instead of x (Note [bf16 activations]), or null
+  const float *dy, *sc;  // X is passed beside it: const float* or Bf16Ptr
   const double *mean, *var;
   double eps;
   bool train;
@@ -399,18 +396,13 @@ GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, const float* x, int64_t c
 GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, Bf16Ptr x, int64_t c0, int64_t c1) {
   bn_grad16_impl<true, true, true>(k, x, c0, c1);
 }
-void bn_grad16(const BnGrad16& k, bool dy_blk, bool x_blk, bool dx_blk) {
-  auto with_x = [&](auto x) {
-    parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
-      if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, x, c0, c1);
-      with_layouts(dy_blk, x_blk, dx_blk,
-                   [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, x, c0, c1); });
-    });
-  };
-  if (k.x16)
-    with_x(Bf16Ptr{k.x16});
-  else
-    with_x(k.x);
+template <class X>
+void bn_grad16(const BnGrad16& k, X x, bool dy_blk, bool x_blk, bool dx_blk) {
+  parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
+    if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, x, c0, c1);
+    with_layouts(dy_blk, x_blk, dx_blk,
+                 [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, x, c0, c1); });
+  });
 }
 
 // y = (x - mean) * a + B per channel, a = scale / sqrt(var + eps) (in T: vectorizable; x - mean
@@ -490,7 +482,7 @@ void batchnorm_kernel(KernelCtx& c) {
 // mean and var are the running statistics (inference mode), or with batch_stats = 1 the batch's,
 // saved by the forward (its outputs 3 and 4); training mode without them recomputes them from X.
 void infer_batchnorm_grad(InferCtx& c) {
-  c.set_out(0, c.dtype(1) == DType::BF16 ? DType::F32 : c.dtype(1), c.shape(1));
+  c.set_out(0, float_or_bf16(c, 1), c.shape(1));
   c.set_out(1, c.dtype(2), c.shape(2));
   c.set_out(2, c.dtype(2), c.shape(2));
 }
@@ -555,68 +547,58 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     const bool dy_blk = ba.blocked & 1u, x_blk = ba.blocked & 2u, dx_blk = ba.blocked & (1u << 16);
     if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
       c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
-    const bool x16 = x.dtype() == DType::BF16;  // Note [bf16 activations]
-    if (x16 && !std::is_same_v<T, float>)
-      c.error(ErrorKind::Internal, "a bfloat16 X with a float64 gradient");
-    std::vector<double> mean(v.C), var(v.C);
-    const T* px = x16 ? nullptr : x.data<T>();
-    if (train && !ba.batch_stats) {
-      auto stats = [&](auto xs) {
-        if (x_blk) {
-          if constexpr (std::is_same_v<T, float>) bn_batch_stats16(xs, v, mean, var);
-        } else {
-          bn_batch_stats(xs, v, mean, var);
-        }
-      };
-      if (x16)
-        stats(Bf16Ptr{x.data<uint16_t>()});
-      else
-        stats(px);
-    } else {
-      for (int64_t ch = 0; ch < v.C; ++ch) {
-        mean[ch] = c.in(3).data<T>()[ch];
-        var[ch] = c.in(4).data<T>()[ch];
-      }
-    }
     const double n = static_cast<double>(v.N * v.S);
     T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      if (ba.blocked) {
-        const BnGrad16 k{v,
-                         dy,
-                         px,
-                         sc,
-                         x16 ? x.data<uint16_t>() : nullptr,
-                         mean.data(),
-                         var.data(),
-                         eps,
-                         train,
-                         dx,
-                         c.has_out(1) ? c.out(1).data<float>() : nullptr,
-                         c.has_out(2) ? c.out(2).data<float>() : nullptr};
-        return bn_grad16(k, dy_blk, x_blk, dx_blk);
+    // px: const T*, or Bf16Ptr over a bfloat16 X (Note [bf16 activations]).
+    auto grad = [&](auto px) {
+      std::vector<double> mean(v.C), var(v.C);
+      if (train && !ba.batch_stats && x_blk) {
+        if constexpr (std::is_same_v<T, float>) bn_batch_stats16(px, v, mean, var);
+      } else if (train && !ba.batch_stats) {
+        bn_batch_stats(px, v, mean, var);
+      } else {
+        for (int64_t ch = 0; ch < v.C; ++ch) {
+          mean[ch] = c.in(3).data<T>()[ch];
+          var[ch] = c.in(4).data<T>()[ch];
+        }
       }
-    }
-    auto per_channel = [&](auto xs) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (ba.blocked) {
+          const BnGrad16 k{v,
+                           dy,
+                           sc,
+                           mean.data(),
+                           var.data(),
+                           eps,
+                           train,
+                           dx,
+                           c.has_out(1) ? c.out(1).data<float>() : nullptr,
+                           c.has_out(2) ? c.out(2).data<float>() : nullptr};
+          return bn_grad16(k, px, dy_blk, x_blk, dx_blk);
+        }
+      }
       parallel_for(v.C, 3 * v.N * v.S, [&](int, int64_t c0, int64_t c1) {
         for (int64_t ch = c0; ch < c1; ++ch) {
           const double inv = 1.0 / std::sqrt(var[ch] + eps), m = mean[ch];
           double sdy = 0, sdyx = 0;
-          bn_grad_sums(dy, xs, v, ch, m, sdy, sdyx);
+          bn_grad_sums(dy, px, v, ch, m, sdy, sdyx);
           sdyx *= inv;
           if (c.has_out(1)) c.out(1).data<T>()[ch] = static_cast<T>(sdyx);
           if (c.has_out(2)) c.out(2).data<T>()[ch] = static_cast<T>(sdy);
           if (!dx) continue;
           const BnDx d = bn_dx_coefficients(sc[ch], inv, sdy, sdyx, n, train);
           const T t1 = static_cast<T>(d.k1), t2 = static_cast<T>(d.k2), t0 = static_cast<T>(d.k0);
-          bn_grad_dx(dy, xs, v, ch, t1, t2, t0, static_cast<T>(m), dx);
+          bn_grad_dx(dy, px, v, ch, t1, t2, t0, static_cast<T>(m), dx);
         }
       });
     };
-    if constexpr (std::is_same_v<T, float>) {
-      if (x16) return per_channel(Bf16Ptr{x.data<uint16_t>()});
+    if (x.dtype() != DType::BF16) {
+      grad(x.data<T>());
+    } else if constexpr (std::is_same_v<T, float>) {
+      grad(Bf16Ptr{x.data<uint16_t>()});
+    } else {
+      c.error(ErrorKind::Internal, "a bfloat16 X with a float64 gradient");
     }
-    per_channel(px);
   });
 }
 // Note [channel-blocked values]: X and Y (BatchNormGrad: dY, X and dX) may be channel-blocked;

@@ -330,6 +330,13 @@ inline bool bf16_operands(InferCtx& c, int first, int n) {
   if (any) c.check(ok, "a bfloat16 operand multiplies only float32 or bfloat16 ones");
   return any;
 }
+// Note [bf16 activations]: input i is float32 / float64, or a bfloat16 value the plan stored,
+// which the kernel reads as float32: the dtype the op computes in.
+inline DType float_or_bf16(InferCtx& c, int i) {
+  if (c.dtype(i) == DType::BF16) return DType::F32;
+  require_float(c, i);
+  return c.dtype(i);
+}
 // The same on a kernel's inputs (the shape function checked the rest): the dtype it computes in.
 inline DType operands_dtype(const KernelCtx& c, int first, int n) {
   for (int i = first; i < first + n; ++i)
