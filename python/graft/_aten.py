@@ -487,6 +487,174 @@ def _decompositions():
     return get_decompositions(ops)
 
 
+# Note [functionalization in the graph]
+# The second pass of Note [capture] (the first graph again, under functionalization) is a whole
+# second make_fx trace: 1.3 of ResNet-50's 4.6 s first call, although all it changes there is
+# what BatchNorm's running statistics, num_batches_tracked's add_ and the in-place ReLUs write. Where
+# every write in the first graph is of a kind whose functional form is known and nothing else shares
+# the storage written, the same rewrite is done on the graph itself, as functionalization would:
+#
+# * an in-place aten op `foo_.ov` (it writes its first argument and returns it) becomes `foo.ov`,
+#   the op functionalization calls for it (same overload, same arguments);
+# * `_native_batch_norm_legit` (it writes the running statistics) becomes
+#   `_native_batch_norm_legit_functional`, whose two more outputs are the new statistics;
+# * every later reader of the written value (through its name or the in-place op's result) reads
+#   the new one, and the graph returns the final value of each input, parameter and buffer.
+#
+# "Nothing else shares the storage": no view (an op whose schema says its result aliases an
+# argument) is written, and every view of a written storage is taken after its last write, so each
+# view reads the final value, as it would in eager. A graph with another write (through a slice or
+# a view taken before it, copy_, index_put_ on a view, an op without a same-overload functional
+# twin, a twin that _decompositions() would take apart, a write whose functional result has
+# another dtype and would be cast back) is functionalized by PyTorch as before.
+# `_FUNCTIONALIZE_IN_GRAPH = False` makes every graph take PyTorch's pass (the tests compare both).
+_FUNCTIONALIZE_IN_GRAPH = True
+
+
+def _bn_legit():
+    """(_native_batch_norm_legit, its functional form): torch 2.x's training-mode BatchNorm."""
+    aten = torch.ops.aten
+    return aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default
+
+
+def _functional_twin(target, schema):
+    """(functional op, the argument indices target writes) where target is an in-place aten op whose
+    functional form is known (Note [functionalization in the graph]); None otherwise."""
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    bn, bn_functional = _bn_legit()
+    if target is bn:  # it writes running_mean and running_var
+        return (bn_functional, written) if written == [3, 4] else None
+    name, ov = schema.name, schema.overload_name or "default"
+    if not name.startswith("aten::") or not name.endswith("_") or written != [0] or len(schema.returns) != 1:
+        return None
+    packet = getattr(torch.ops.aten, name[len("aten::"):-1], None)
+    twin = getattr(packet, ov, None) if packet is not None else None
+    if twin is None:
+        return None
+    ta = twin._schema.arguments
+    if [(a.name, str(a.type)) for a in ta] != [(a.name, str(a.type)) for a in schema.arguments] or \
+            any(a.alias_info is not None for a in ta) or any(r.alias_info is not None for r in twin._schema.returns):
+        return None
+    return twin, written
+
+
+def _promoted_dtype(op, n):
+    """The dtype op gives on n's arguments (their dtypes and ranks, size-1 dims: type promotion only
+    looks at those), or None where op does not run on such stand-ins."""
+    def stand_in(a):
+        tm = a.meta.get("tensor_meta")
+        if tm is None:
+            return a.meta.get("val")
+        return torch.empty((1,) * len(tm.shape), dtype=tm.dtype, device="meta")
+    try:
+        a, kw = torch.fx.node.map_arg((n.args, n.kwargs), stand_in)
+        out = op(*a, **kw)
+    except Exception:  # noqa: BLE001  (then PyTorch's functionalization decides)
+        return None
+    return out.dtype if isinstance(out, torch.Tensor) else None
+
+
+def _functionalized_in_graph(gm, decompositions):
+    """gm (the first trace: its outputs are the leaves, then each placeholder's tensor) with every
+    write made a new value as functionalization does, or None where the graph has a write this
+    does not take (Note [functionalization in the graph]). gm is changed only where it returns one."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    Node = torch.fx.Node
+    nodes = list(gm.graph.nodes)
+    base, plan = {}, {}
+    views = set()  # nodes whose result is a view (shares an argument's storage)
+    first_view, last_write = {}, {}  # a storage's base -> the position of its first view / last write
+
+    def tensor_args(n):
+        out = []
+        torch.fx.node.map_arg((n.args, n.kwargs), lambda a: out.append(a))
+        return out
+
+    for pos, n in enumerate(nodes):
+        if n.op != "call_function":
+            base[n] = n
+            continue
+        if n.target is operator.getitem:
+            src = n.args[0]
+            base[n] = base.get(src, n) if src in views else n
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is None:
+            base[n] = n
+            continue
+        if schema.is_mutable:
+            twin = _functional_twin(n.target, schema)
+            if twin is None or twin[0] in decompositions:
+                return None
+            op, idx = twin
+            args = list(n.args)
+            if any(i >= len(args) or not isinstance(args[i], Node) for i in idx):
+                return None  # a written argument given by keyword or not a tensor
+            for i in idx:
+                last_write[base[args[i]]] = pos
+            old = n.meta.get("val")
+            if op is _bn_legit()[1]:  # (out, mean, rstd) as before, then the new running statistics
+                if not isinstance(old, (tuple, list)) or len(old) != 3:
+                    return None
+                val = tuple(old) + tuple(args[i].meta.get("val") for i in idx)
+                base[n] = n
+            else:
+                if not isinstance(old, torch.Tensor) or _promoted_dtype(op, n) != old.dtype:
+                    return None  # functionalization would add a cast back to the written dtype
+                val = old
+                base[n] = base[args[0]]  # the in-place result is its first argument
+            plan[n] = (op, val, [base[args[i]] for i in idx])
+            continue
+        base[n] = n
+        if any(r.alias_info is not None for r in schema.returns):  # a view: its result shares storage
+            views.add(n)
+            for a in tensor_args(n):
+                first_view.setdefault(base[a], pos)
+    # A view of a written storage is taken only after its last write (it then reads the final value,
+    # as each view of it would); a view is never written.
+    if any(b in views or first_view.get(b, pos + 1) < w for b, w in last_write.items()):
+        return None
+    written = set(last_write)
+
+    g = gm.graph
+    current = {}  # a written storage's base -> the node holding its value now
+
+    def now(a):
+        b = base.get(a)
+        return current.get(b, a) if b in written else a
+
+    def set_meta(node, val, like):
+        node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+        node.meta["val"] = val
+        if isinstance(val, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+
+    for n in nodes:
+        n.args = torch.fx.node.map_arg(n.args, now)
+        n.kwargs = torch.fx.node.map_arg(n.kwargs, now)
+        if n not in plan:
+            continue
+        op, val, bases = plan[n]
+        with g.inserting_before(n):
+            new = g.call_function(op, n.args, n.kwargs)
+            set_meta(new, val, n)
+            if op is _bn_legit()[1]:  # (out, mean, rstd, new running mean, new running var)
+                for k, b in enumerate(bases):
+                    item = g.call_function(operator.getitem, (new, 3 + k))
+                    set_meta(item, val[3 + k], n)
+                    current[b] = item
+                n.replace_all_uses_with(new)
+            else:
+                current[bases[0]] = new
+    for n in reversed(nodes):
+        if n in plan:
+            assert not n.users, n.format_node()
+            g.erase_node(n)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
 def _dropout_args(input, p=0.5, training=True, inplace=False):
     return input, p, training, inplace
 
@@ -946,6 +1114,10 @@ def trace(module, args, kwargs, tensors, name) -> "Trace":
         if not any(getattr(getattr(node.target, "_schema", None), "is_mutable", False)
                    for node in first.graph.nodes if node.op == "call_function"):
             return first, flat, shape_env  # nothing written: functionalization would give the same graph
+        if _FUNCTIONALIZE_IN_GRAPH:
+            gm = _functionalized_in_graph(first, _decompositions())
+            if gm is not None:
+                return gm, flat, shape_env
         n = box["n_out"]
 
         def again(wrapped):

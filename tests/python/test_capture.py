@@ -785,3 +785,79 @@ def test_an_unknown_graft_export_mode_is_refused(monkeypatch):
     g = GraftModule(nn.Linear(3, 2))
     with pytest.raises(GraftArgumentError, match="GRAFT_EXPORT='capture-in-process' is not one of capture, onnx"):
         g(torch.randn(2, 3))
+
+
+class WritesEverywhere(nn.Module):
+    """In-place writes of every kind the in-graph functionalization takes (Note [functionalization in
+    the graph]): BatchNorm's running statistics and num_batches_tracked, in-place ReLUs, a write into
+    the caller's input, into a buffer, and into an intermediate that is read both before and after."""
+
+    def __init__(self, write_input=True):
+        super().__init__()
+        # (no bias before the BatchNorm: its gradient is 0 in exact arithmetic, rounding either side)
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.register_buffer("seen", torch.zeros(4))
+        self.write_input = write_input
+
+    def forward(self, x):
+        if self.write_input:
+            x.mul_(0.5)
+        h = self.act(self.bn(self.conv(x)))
+        y = h * 2
+        before = y + 1
+        y.add_(before).relu_()
+        with torch.no_grad():
+            self.seen.add_(h.mean((0, 2, 3)))
+        return y * before + self.seen.view(1, -1, 1, 1)
+
+
+class WritesACastValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(4, dtype=torch.float16))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            self.acc.add_(h.mean(0))  # float16 += float32: the functional add is float32, cast back
+        return h * self.acc.float()
+
+
+@pytest.mark.skipif(torch.__version__.startswith("1."), reason="torch 1.13 traces in one pass (Note [capture])")
+@pytest.mark.parametrize("make,shape,in_graph", [(WritesEverywhere, (2, 3, 5, 5), True),
+                                                 (WritesThroughAView, (4, 5), False), (WritesACastValue, (3, 4), False)])
+def test_writes_functionalized_in_the_graph_match_pytorch_s_functionalization(monkeypatch, make, shape, in_graph):
+    """Note [functionalization in the graph]: where it takes the first trace's writes, the graph is
+    PyTorch's functionalized one (the same ops, the same results on real tensors, the caller's
+    tensor, buffers and outputs); where it does not, PyTorch's pass runs. Then the module trains as
+    eager through GraftModule."""
+    from graft import _aten
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(shape)
+    took = []
+    real = _aten._functionalized_in_graph
+    monkeypatch.setattr(_aten, "_functionalized_in_graph", lambda *a: took.append(real(*a)) or took[-1])
+    graphs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(_aten, "_FUNCTIONALIZE_IN_GRAPH", flag)
+        graphs[flag] = _aten.trace(m, (x.clone(),), {}, [x], "test").gm
+    assert [t is not None for t in took] == [in_graph], "which path took the writes"
+
+    def ops(gm):  # those read (PyTorch's pass leaves a dead copy of a view behind)
+        return sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.users)
+    assert ops(graphs[True]) == ops(graphs[False])
+    flat = [t.detach() for _, t in _aten._state(m)]
+    assert len(flat) + 1 == sum(n.op == "placeholder" for n in graphs[True].graph.nodes)
+    outs = {flag: gm(*[t.clone() for t in flat], x.clone()) for flag, gm in graphs.items()}
+    assert len(outs[True]) == len(outs[False])
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        if isinstance(a, torch.Tensor):
+            assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()) and torch.equal(a, b), f"output {i}"
+    monkeypatch.setattr(_aten, "_FUNCTIONALIZE_IN_GRAPH", True)
+    # (train_both hands eager a copy of the input graft's call wrote: the write into the caller's
+    # input is test_a_forward_that_writes_into_its_input_writes_it_as_eager's)
+    train_both(make(write_input=False) if make is WritesEverywhere else make(),
+               lambda step: (seeded(shape, step),), steps=3)
