@@ -335,42 +335,86 @@ std::shared_ptr<const void> prepare_gelu(const Node& n) {
   return prepared(GeluAttrs{gelu_tanh(n)});
 }
 constexpr double kSqrt2Pi = 0.7978845608028654;  // sqrt(2 / pi)
+template <class T>
+T gelu_f(bool th, T v) {
+  if (th) return T(0.5) * v * (T(1) + std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v)));
+  return T(0.5) * v * (T(1) + std::erf(v * T(M_SQRT1_2)));
+}
+template <class T>
+T gelu_grad_f(bool th, T g, T v) {
+  if (th) {
+    const T t = std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v));
+    return g * (T(0.5) * (T(1) + t) +
+                T(0.5) * v * (T(1) - t * t) * T(kSqrt2Pi) * (T(1) + T(3 * 0.044715) * v * v));
+  }
+  return g * (T(0.5) * (T(1) + std::erf(v * T(M_SQRT1_2))) +
+              v * std::exp(T(-0.5) * v * v) * T(0.3989422804014327));  // 1 / sqrt(2 pi)
+}
+// Note [bf16 activations]: a matrix product's output that a bf16 step stores in bfloat16 for the
+// GELU after it. Gelu and GeluGrad widen X a block at a time into the stack and run the float32
+// code on it (the vector functions pad the tail of any block, so each element's result does not
+// depend on where a block starts): exactly the results for a float32 X of the same values.
+constexpr int64_t kWidenBlock = 1024;
+template <class Fn>
+void widened_blocks(const uint16_t* x, int64_t n, int64_t work, Fn&& fn) {
+  parallel_elems(n, work, [&](int64_t b, int64_t e) {
+    float buf[kWidenBlock];
+    for (int64_t i = b; i < e; i += kWidenBlock) {
+      const int64_t m = std::min(kWidenBlock, e - i);
+      for (int64_t k = 0; k < m; ++k) buf[k] = bf16_to_float(x[i + k]);
+      fn(i, m, buf);
+    }
+  });
+}
 void gelu_kernel(KernelCtx& c) {
   const bool th = c.attrs<GeluAttrs>().tanh;
+  const int64_t n = c.in(0).numel();
+  if (c.in(0).dtype() == DType::BF16) {
+    float* y = c.out(0).data<float>();
+    const vmath::Fn f = th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf;
+    widened_blocks(c.in(0).data<uint16_t>(), n, kMath, [&](int64_t i, int64_t m, const float* x) {
+      if (vmath::active())
+        vmath::map(f, x, y + i, m);
+      else
+        for (int64_t k = 0; k < m; ++k) y[i + k] = gelu_f(th, x[k]);
+    });
+    return;
+  }
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
-    const int64_t n = c.in(0).numel();
     if (vec_map(th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf, x, y, n)) return;
-    if (th)
-      map1(x, y, n, kMath, [](T v) {
-        return T(0.5) * v * (T(1) + std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v)));
-      });
-    else
-      map1(x, y, n, kMath, [](T v) { return T(0.5) * v * (T(1) + std::erf(v * T(M_SQRT1_2))); });
+    map1(x, y, n, kMath, [th](T v) { return gelu_f(th, v); });
   });
 }
 // GeluGrad(dy, x) -> dx (the Gelu's approximate attribute).
 void gelu_grad_kernel(KernelCtx& c) {
   const bool th = c.attrs<GeluAttrs>().tanh;
+  const int64_t n = c.in(0).numel();
+  if (c.in(1).dtype() == DType::BF16) {
+    if (c.in(0).dtype() != DType::F32)
+      c.error(ErrorKind::Internal, "a bfloat16 X with a gradient that is not float32");
+    const float* dy = c.in(0).data<float>();
+    float* dx = c.out(0).data<float>();
+    const vmath::Fn2 f = th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad;
+    widened_blocks(c.in(1).data<uint16_t>(), n, 2 * kMath,
+                   [&](int64_t i, int64_t m, const float* x) {
+                     if (vmath::active())
+                       vmath::map2(f, dy + i, x, dx + i, m);
+                     else
+                       for (int64_t k = 0; k < m; ++k) dx[i + k] = gelu_grad_f(th, dy[i + k], x[k]);
+                   });
+    return;
+  }
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
-    const int64_t n = c.in(0).numel();
     if (vec_map2(th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad, dy, x, dx, n)) return;
-    if (th)
-      map2(dy, x, dx, n, kMath, [](T g, T v) {
-        const T t = std::tanh(T(kSqrt2Pi) * (v + T(0.044715) * v * v * v));
-        return g * (T(0.5) * (T(1) + t) +
-                    T(0.5) * v * (T(1) - t * t) * T(kSqrt2Pi) * (T(1) + T(3 * 0.044715) * v * v));
-      });
-    else
-      map2(dy, x, dx, n, 2 * kMath, [](T g, T v) {
-        return g * (T(0.5) * (T(1) + std::erf(v * T(M_SQRT1_2))) +
-                    v * std::exp(T(-0.5) * v * v) * T(0.3989422804014327));  // 1 / sqrt(2 pi)
-      });
+    map2(dy, x, dx, n, 2 * kMath, [th](T g, T v) { return gelu_grad_f(th, g, v); });
   });
 }
+// X may be a bfloat16 activation (Note [bf16 activations]); Y is then float32.
+void infer_gelu(InferCtx& c) { c.set_out(0, float_or_bf16(c, 0), c.shape(0)); }
 void grad_gelu(GradBuilder& g) {
   Attrs a;
   a.set_string("approximate", gelu_tanh(g.node()) ? "tanh" : "none");
@@ -654,7 +698,7 @@ const OpDef kOps[] = {
      .kernel = grad2_kernel<SigmoidGradF>,
      .inplace_input = 0},
     {.name = "Gelu",
-     .infer = infer_unary_float,
+     .infer = infer_gelu,
      .prepare = prepare_gelu,
      .kernel = gelu_kernel,
      .grad = grad_gelu,

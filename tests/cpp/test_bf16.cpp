@@ -189,8 +189,9 @@ TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
 }
 
 // Note [bf16 activations]: the kernels that read a bfloat16 activation the plan stored (Conv's X,
-// ConvGrad's X, ReluGrad's Y, BatchNormalization's and BatchNormGrad's X) compute exactly what
-// they compute on a float32 tensor holding the same (bfloat16-exact) values, in either layout.
+// ConvGrad's X, ReluGrad's Y, BatchNormalization's, BatchNormGrad's, Gelu's and GeluGrad's X)
+// compute exactly what they compute on a float32 tensor holding the same (bfloat16-exact) values,
+// in either layout.
 namespace {
 struct KernelCase {
   Node node;
@@ -291,11 +292,30 @@ TEST(Bf16Activations, KernelsReadBf16OperandsAsTheirFloat32Values) {
     for (int64_t i = 0; i < 40; ++i) relu.ins[1].data<float>()[i * 7] = i % 2 ? -0.f : 0.f;
     relu.outs = {x};
     cases.emplace_back(relu, 1);
+    if (!blocked) {  // GELU after a matrix product: a length no block or vector divides
+      const Shape z{3, 7, 101};
+      for (const char* approx : {"none", "tanh"}) {
+        KernelCase gelu;
+        gelu.node.op = "Gelu";
+        gelu.node.name = std::string("gelu_") + approx;
+        gelu.node.attrs.set_string("approximate", approx);
+        gelu.ins = {filled(z, 0.3f, a, true)};
+        for (int64_t i = 0; i < z[2]; ++i) gelu.ins[0].data<float>()[i] *= 8.f;  // the tails too
+        gelu.outs = {z};
+        cases.emplace_back(gelu, 0);
+        KernelCase gg = gelu;
+        gg.node.op = "GeluGrad";
+        gg.node.domain = "graft";
+        gg.ins = {filled(z, 0.5f, a, false), gelu.ins[0]};
+        cases.emplace_back(gg, 1);
+      }
+    }
     for (const auto& [k, slot] : cases) {
-      SCOPED_TRACE(k.node.op + (k.node.attrs.has("batch_stats")
-                                    ? " batch_stats=" + std::to_string(k.node.attrs.get_int(
-                                                            "batch_stats", 0, "test"))
-                                    : ""));
+      SCOPED_TRACE(
+          k.node.name + " " + k.node.op +
+          (k.node.attrs.has("batch_stats")
+               ? " batch_stats=" + std::to_string(k.node.attrs.get_int("batch_stats", 0, "test"))
+               : ""));
       const auto f = run_case(k, slot, false, a), h = run_case(k, slot, true, a);
       ASSERT_EQ(f.size(), h.size());
       for (size_t o = 0; o < f.size(); ++o) EXPECT_EQ(f[o], h[o]) << "output " << o;

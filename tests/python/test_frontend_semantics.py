@@ -497,7 +497,7 @@ def _conv_net(bn):
                          nn.Linear(32 * 16 * 16, 10))
 
 
-@pytest.mark.parametrize("case", ["linears", "attention", "residual", "conv", "conv_bn"])
+@pytest.mark.parametrize("case", ["linears", "attention", "residual", "conv", "conv_bn", "gelu", "gelu_tanh"])
 def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(case, monkeypatch):
     """precision="bf16" stores a forward value that only matrix products read (the first Linear's
     output: the second Linear's input, read again by its weight gradient; attention's Q, K and V and
@@ -507,7 +507,8 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     keeping them in float32 (GRAFT_BF16_OPERANDS=0), since the products round them to bfloat16
     anyway. A convolution's output that a BatchNorm reads ("conv_bn") is rounded to bfloat16 as
     autocast's convolution rounds it: half its bytes too, and results that differ from the float32
-    output's by bfloat16 rounding; both match an eager copy under autocast, buffers included."""
+    output's by bfloat16 rounding; both match an eager copy under autocast, buffers included. So is
+    a Linear's output that a GELU reads ("gelu", "gelu_tanh"), as autocast's Linear rounds it."""
     from graft import _graft
     if not _graft.bf16_matmul_native():
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
@@ -521,6 +522,10 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
     elif case == "residual":
         m, x = _Residual(), torch.randn(192, 256)
         halved = [192 * 256 * 4]
+    elif case.startswith("gelu"):  # the first Linear's output (the GELU's X) and the GELU's output
+        approximate = "tanh" if case == "gelu_tanh" else "none"
+        m, x = nn.Sequential(nn.Linear(256, 512), nn.GELU(approximate), nn.Linear(512, 128)), torch.randn(192, 256)
+        halved = [192 * 512 * 4] * 2
     else:  # the ReLU's output, the second convolution's (the Linear's input through Flatten);
         # with a BatchNorm, the first convolution's output too
         m, x = _conv_net(case == "conv_bn").train(), torch.randn(4, 16, 16, 16)
@@ -535,7 +540,7 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
         saved = [b for _, _, _, b in g.saved_for_backward()]
         runs[flag] = (out.detach(), [p.grad for p in mm.parameters()], saved, list(mm.buffers()))
     (o0, g0, s0, _), (o1, g1, s1, b1) = runs["0"], runs["1"]
-    if case == "conv_bn":  # the rounded convolution output changed the step, by bf16 rounding
+    if case in ("conv_bn", "gelu", "gelu_tanh"):  # the rounded output changed the step, by bf16 rounding
         assert not torch.equal(o0, o1)
         torch.testing.assert_close(o0, o1, rtol=3e-2, atol=3e-2)
     else:
