@@ -2,7 +2,7 @@
 `python3 -m graft.bench --real` (docs/performance.md, "Real size").
 
     PYTHONPATH=build/python ~/.cache/graft/venv-torch-current/bin/python bench/op_profile.py \
-        [gpt2|bert|resnet50|vit|llama1b] [--steps 3] [--threads 2] [--scale real|tiny]
+        [gpt2|bert|resnet50|vit|llama1b] [--steps 3] [--threads 2] [--scale real|tiny] [--precision bf16]
 
 GraftModule(gradients="step", AdamW) with GRAFT_PROFILE=1: per step, forward and backward wall
 times; then, for the last step, each op's total time (GraftModule.op_times()) and rate
@@ -22,6 +22,7 @@ def main(argv):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", choices=("real", "tiny"), default="real")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = p.parse_args(argv)
     os.environ["GRAFT_PROFILE"] = "1"  # read when the session is built (the first call)
     import torch
@@ -29,7 +30,8 @@ def main(argv):
     from graft import _real
     torch.set_num_threads(a.threads)
     module, inputs, _, _ = _real.build(a.model, a.scale)
-    g = graft.GraftModule(module, gradients="step", optimizer=torch.optim.AdamW(module.parameters(), lr=1e-5))
+    g = graft.GraftModule(module, gradients="step", optimizer=torch.optim.AdamW(module.parameters(), lr=1e-5),
+                          precision=a.precision)
     for k in range(a.steps):
         t0 = time.monotonic()
         loss = g(*inputs)
