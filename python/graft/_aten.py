@@ -504,11 +504,17 @@ def _decompositions():
 # "Nothing else shares the storage": no view (an op whose schema says its result aliases an
 # argument) is written, and every view of a written storage is taken after its last write, so each
 # view reads the final value, as it would in eager. A graph with another write (through a slice or
-# a view taken before it, copy_, index_put_ on a view, an op without a same-overload functional
-# twin, a twin that _decompositions() would take apart, a write whose functional result has
-# another dtype and would be cast back) is functionalized by PyTorch as before.
+# a view taken before it, copy_ or index_put_ into a view, set_ and resize_, an op without a
+# same-overload functional twin, a twin that _decompositions() would take apart, a write whose
+# functional result has another dtype and would be cast back) is functionalized by PyTorch as
+# before.
 # `_FUNCTIONALIZE_IN_GRAPH = False` makes every graph take PyTorch's pass (the tests compare both).
 _FUNCTIONALIZE_IN_GRAPH = True
+
+
+# In-place ops that PyTorch's functionalization treats otherwise than "the functional twin, then
+# replace": set_ keeps self an alias of its source, resize_ and resize_as_ change its metadata.
+_FUNCTIONALIZED_APART = {"aten::set_", "aten::resize_", "aten::resize_as_"}
 
 
 def _bn_legit():
@@ -527,6 +533,8 @@ def _functional_twin(target, schema):
     name, ov = schema.name, schema.overload_name or "default"
     if not name.startswith("aten::") or not name.endswith("_") or written != [0] or len(schema.returns) != 1:
         return None
+    if name in _FUNCTIONALIZED_APART:
+        return None
     packet = getattr(torch.ops.aten, name[len("aten::"):-1], None)
     twin = getattr(packet, ov, None) if packet is not None else None
     if twin is None:
@@ -543,8 +551,9 @@ def _promoted_dtype(op, n):
     looks at those), or None where op does not run on such stand-ins."""
     def stand_in(a):
         tm = a.meta.get("tensor_meta")
-        if tm is None:
-            return a.meta.get("val")
+        if tm is None:  # a symbolic size: a plain value of its kind (a real op on it would guard it)
+            v = a.meta.get("val")
+            return _plain(v)(1) if isinstance(v, _SYMBOLIC) else v
         return torch.empty((1,) * len(tm.shape), dtype=tm.dtype, device="meta")
     try:
         a, kw = torch.fx.node.map_arg((n.args, n.kwargs), stand_in)

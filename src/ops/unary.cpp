@@ -372,7 +372,8 @@ void gelu_kernel(KernelCtx& c) {
   if (c.in(0).dtype() == DType::BF16) {
     float* y = c.out(0).data<float>();
     const vmath::Fn f = th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf;
-    widened_blocks(c.in(0).data<uint16_t>(), n, kMath, [&](int64_t i, int64_t m, const float* x) {
+    const int64_t work = vmath::active() ? kVecMath : kMath;
+    widened_blocks(c.in(0).data<uint16_t>(), n, work, [&](int64_t i, int64_t m, const float* x) {
       if (vmath::active())
         vmath::map(f, x, y + i, m);
       else
@@ -397,7 +398,7 @@ void gelu_grad_kernel(KernelCtx& c) {
     const float* dy = c.in(0).data<float>();
     float* dx = c.out(0).data<float>();
     const vmath::Fn2 f = th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad;
-    widened_blocks(c.in(1).data<uint16_t>(), n, 2 * kMath,
+    widened_blocks(c.in(1).data<uint16_t>(), n, 2 * (vmath::active() ? kVecMath : kMath),
                    [&](int64_t i, int64_t m, const float* x) {
                      if (vmath::active())
                        vmath::map2(f, dy + i, x, dx + i, m);
