@@ -569,6 +569,7 @@ def _functionalized_in_graph(gm, decompositions):
     does not take (Note [functionalization in the graph]). gm is changed only where it returns one."""
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
     Node = torch.fx.Node
+    bn_functional = _bn_legit()[1]
     nodes = list(gm.graph.nodes)
     base, plan = {}, {}
     views = set()  # nodes whose result is a view (shares an argument's storage)
@@ -580,16 +581,15 @@ def _functionalized_in_graph(gm, decompositions):
         return out
 
     for pos, n in enumerate(nodes):
+        base[n] = n  # its own storage, unless it is a view or an in-place result (below)
         if n.op != "call_function":
-            base[n] = n
             continue
         if n.target is operator.getitem:
-            src = n.args[0]
-            base[n] = base.get(src, n) if src in views else n
+            if n.args[0] in views:
+                base[n] = base[n.args[0]]
             continue
         schema = getattr(n.target, "_schema", None)
         if schema is None:
-            base[n] = n
             continue
         if schema.is_mutable:
             twin = _functional_twin(n.target, schema)
@@ -602,11 +602,10 @@ def _functionalized_in_graph(gm, decompositions):
             for i in idx:
                 last_write[base[args[i]]] = pos
             old = n.meta.get("val")
-            if op is _bn_legit()[1]:  # (out, mean, rstd) as before, then the new running statistics
+            if op is bn_functional:  # (out, mean, rstd) as before, then the new running statistics
                 if not isinstance(old, (tuple, list)) or len(old) != 3:
                     return None
                 val = tuple(old) + tuple(args[i].meta.get("val") for i in idx)
-                base[n] = n
             else:
                 if not isinstance(old, torch.Tensor) or _promoted_dtype(op, n) != old.dtype:
                     return None  # functionalization would add a cast back to the written dtype
@@ -614,7 +613,6 @@ def _functionalized_in_graph(gm, decompositions):
                 base[n] = base[args[0]]  # the in-place result is its first argument
             plan[n] = (op, val, [base[args[i]] for i in idx])
             continue
-        base[n] = n
         if any(r.alias_info is not None for r in schema.returns):  # a view: its result shares storage
             views.add(n)
             for a in tensor_args(n):
@@ -623,14 +621,13 @@ def _functionalized_in_graph(gm, decompositions):
     # as each view of it would); a view is never written.
     if any(b in views or first_view.get(b, pos + 1) < w for b, w in last_write.items()):
         return None
-    written = set(last_write)
 
     g = gm.graph
     current = {}  # a written storage's base -> the node holding its value now
 
     def now(a):
         b = base.get(a)
-        return current.get(b, a) if b in written else a
+        return current.get(b, a) if b in last_write else a
 
     def set_meta(node, val, like):
         node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
@@ -647,7 +644,7 @@ def _functionalized_in_graph(gm, decompositions):
         with g.inserting_before(n):
             new = g.call_function(op, n.args, n.kwargs)
             set_meta(new, val, n)
-            if op is _bn_legit()[1]:  # (out, mean, rstd, new running mean, new running var)
+            if op is bn_functional:  # (out, mean, rstd, new running mean, new running var)
                 for k, b in enumerate(bases):
                     item = g.call_function(operator.getitem, (new, 3 + k))
                     set_meta(item, val[3 + k], n)

@@ -495,10 +495,12 @@ class GraftModule(torch.nn.Module):
             self.export_method = "torch.onnx.export"
         _aten.refuse_forward_hooks(self.module, name, "graft's capture did not take the module"
                                    + (f" ({why})" if why else ""))
-        # The collector is paused over the build (_cyclic_collector_paused): a capture that did not
-        # take the module (on torch 1.13, a forward on real tensors) leaves cycles holding its
-        # activations; collect them before the exporter runs the forward again.
-        gc.collect()
+        # The collector is paused over the build (_cyclic_collector_paused): torch 1.13's capture
+        # (a forward on real tensors) that did not take the module leaves cycles holding its
+        # activations; collect them before the exporter runs the forward again. (torch 2.x's
+        # fake-tensor capture holds none; _entry collects after the export either way.)
+        if _aten._TRACING_MODE == "real":
+            gc.collect()
         # The exporter's file is only read while the session is built: nothing of it stays on disk.
         try:
             with tempfile.TemporaryDirectory(prefix="graft_") as tmp:

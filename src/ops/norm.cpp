@@ -459,13 +459,7 @@ void batchnorm_kernel(KernelCtx& c) {
           }
         });
     };
-    if (x.dtype() != DType::BF16) {
-      normalize(x.data<T>());
-    } else if constexpr (std::is_same_v<T, float>) {
-      normalize(Bf16Ptr{x.data<uint16_t>()});
-    } else {
-      c.error(ErrorKind::Internal, "a bfloat16 X with float64 statistics");
-    }
+    with_x_reader<T>(c, x, normalize);
     if (!train) return;
     const double n = static_cast<double>(v.N * v.S), unbias = n > 1 ? n / (n - 1) : 1.0;
     for (int64_t ch = 0; ch < v.C; ++ch) {
@@ -592,13 +586,7 @@ void batchnorm_grad_kernel(KernelCtx& c) {
         }
       });
     };
-    if (x.dtype() != DType::BF16) {
-      grad(x.data<T>());
-    } else if constexpr (std::is_same_v<T, float>) {
-      grad(Bf16Ptr{x.data<uint16_t>()});
-    } else {
-      c.error(ErrorKind::Internal, "a bfloat16 X with a float64 gradient");
-    }
+    with_x_reader<T>(c, x, grad);
   });
 }
 // Note [channel-blocked values]: X and Y (BatchNormGrad: dY, X and dX) may be channel-blocked;

@@ -368,10 +368,10 @@ void widened_blocks(const uint16_t* x, int64_t n, int64_t work, Fn&& fn) {
 }
 void gelu_kernel(KernelCtx& c) {
   const bool th = c.attrs<GeluAttrs>().tanh;
+  const vmath::Fn f = th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf;
   const int64_t n = c.in(0).numel();
   if (c.in(0).dtype() == DType::BF16) {
     float* y = c.out(0).data<float>();
-    const vmath::Fn f = th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf;
     const int64_t work = vmath::active() ? kVecMath : kMath;
     widened_blocks(c.in(0).data<uint16_t>(), n, work, [&](int64_t i, int64_t m, const float* x) {
       if (vmath::active())
@@ -384,20 +384,20 @@ void gelu_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T* x = c.in(0).data<T>();
     T* y = c.out(0).data<T>();
-    if (vec_map(th ? vmath::Fn::GeluTanh : vmath::Fn::GeluErf, x, y, n)) return;
+    if (vec_map(f, x, y, n)) return;
     map1(x, y, n, kMath, [th](T v) { return gelu_f(th, v); });
   });
 }
 // GeluGrad(dy, x) -> dx (the Gelu's approximate attribute).
 void gelu_grad_kernel(KernelCtx& c) {
   const bool th = c.attrs<GeluAttrs>().tanh;
+  const vmath::Fn2 f = th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad;
   const int64_t n = c.in(0).numel();
   if (c.in(1).dtype() == DType::BF16) {
     if (c.in(0).dtype() != DType::F32)
       c.error(ErrorKind::Internal, "a bfloat16 X with a gradient that is not float32");
     const float* dy = c.in(0).data<float>();
     float* dx = c.out(0).data<float>();
-    const vmath::Fn2 f = th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad;
     widened_blocks(c.in(1).data<uint16_t>(), n, 2 * (vmath::active() ? kVecMath : kMath),
                    [&](int64_t i, int64_t m, const float* x) {
                      if (vmath::active())
@@ -410,7 +410,7 @@ void gelu_grad_kernel(KernelCtx& c) {
   dispatch_float(c.in(0).dtype(), c, [&]<class T>() {
     const T *dy = c.in(0).data<T>(), *x = c.in(1).data<T>();
     T* dx = c.out(0).data<T>();
-    if (vec_map2(th ? vmath::Fn2::GeluTanhGrad : vmath::Fn2::GeluErfGrad, dy, x, dx, n)) return;
+    if (vec_map2(f, dy, x, dx, n)) return;
     map2(dy, x, dx, n, 2 * kMath, [th](T g, T v) { return gelu_grad_f(th, g, v); });
   });
 }

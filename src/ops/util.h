@@ -192,6 +192,16 @@ struct Bf16Ptr {
   float operator[](int64_t i) const { return bf16_to_float(p[i]); }
   Bf16Ptr operator+(int64_t o) const { return {p + o}; }
 };
+// Calls fn with X's elements as the kernel's T: a `const T*`, or a Bf16Ptr where X is a bfloat16
+// activation (Note [bf16 activations]; only float32 kernels take one).
+template <class T, class Fn>
+void with_x_reader(KernelCtx& c, const Tensor& x, Fn&& fn) {
+  if (x.dtype() != DType::BF16) return fn(x.data<T>());
+  if constexpr (std::is_same_v<T, float>)
+    fn(Bf16Ptr{x.data<uint16_t>()});
+  else
+    c.error(ErrorKind::Internal, "a bfloat16 X in float64 arithmetic");
+}
 // n bfloat16 values widened to float32 (threaded; exact).
 void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 // Note [float32 GEMM backend] (gemm_dnnl.cpp): runs a float32 GEMM on oneDNN's matmul primitive

@@ -74,10 +74,11 @@ constexpr int64_t kMinBytes = int64_t{64} << 10;
 // dO V^T, dS K and dS^T Q); X of a convolution that runs on oneDNN's bf16 primitives (not a
 // depthwise one: graft's own kernels run those) and of its gradient, which reads it for dW only;
 // Y of ReluGrad, which reads only its sign (Note [bf16 activations]).
+bool matrix_product(const Node& n) {
+  return (n.domain.empty() && (n.op == "Gemm" || n.op == "MatMul")) ||
+         (n.domain == "graft" && n.op == "FusedMatMul");
+}
 bool product_operand(const Graph& g, const Node& n, int slot) {
-  const bool gemm = n.domain.empty() && n.op == "Gemm";
-  const bool mm =
-      (n.domain.empty() && n.op == "MatMul") || (n.domain == "graft" && n.op == "FusedMatMul");
   if (n.domain == "graft" && n.op == "Attention") return slot < 3;
   if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
   if (n.domain == "graft" && n.op == "ReluGrad") return slot == 1;
@@ -90,7 +91,7 @@ bool product_operand(const Graph& g, const Node& n, int slot) {
     return xv.shape.size() >= 3 && group >= 1 && xv.shape[1] % group == 0 &&
            xv.shape[1] / group > 1;
   }
-  return (gemm || mm) && slot < 2;
+  return matrix_product(n) && slot < 2;
 }
 
 // Note [bf16 activations]: a BatchNormalization's X (and its gradient's) that a float32
@@ -101,10 +102,8 @@ bool rounded_output_reader(const Node& writer, const Node& n, int slot, bool dir
   if (writer.domain.empty() && writer.op == "Conv")
     return direct && ((n.domain.empty() && n.op == "BatchNormalization" && slot == 0) ||
                       (n.domain == "graft" && n.op == "BatchNormGrad" && slot == 1));
-  const bool product = (writer.domain.empty() && (writer.op == "Gemm" || writer.op == "MatMul")) ||
-                       (writer.domain == "graft" && writer.op == "FusedMatMul");
-  return product && ((n.domain.empty() && n.op == "Gelu" && slot == 0) ||
-                     (n.domain == "graft" && n.op == "GeluGrad" && slot == 1));
+  return matrix_product(writer) && ((n.domain.empty() && n.op == "Gelu" && slot == 0) ||
+                                    (n.domain == "graft" && n.op == "GeluGrad" && slot == 1));
 }
 }  // namespace
 
