@@ -56,6 +56,11 @@ BackwardGraph build_backward(Graph& g, const AutodiffOptions& opt);
 // written out], fuse_attention.cpp), so no T x T probabilities are kept. On an inferred graph,
 // before rewrite_for_training. Returns the number of attentions fused.
 int fuse_attention(Graph& g);
+// graft.Attention reads its operands and writes its output in the layouts the projections around
+// it use, so the reshapes, transposes and splits between them (and their gradients) never run
+// (Note [attention reads its heads in place], fuse_attention.cpp). On an inferred graph, after
+// rewrite_for_training. Returns the number of attentions rewritten.
+int attention_views(Graph& g);
 // Rewrites that make the backward keep what PyTorch's autograd keeps and no more (rewrite.cpp).
 // Before build_backward, on an inferred graph: MatMul(A, Transpose(W)) with W 2-D becomes graft's
 // FusedMatMul(A, W, transB = 1), so the backward keeps W instead of a transposed copy; a Dropout

@@ -1,7 +1,10 @@
 // Attention written out, fused (Note [attention written out]).
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <set>
+#include <string>
 
 #include "graft/autodiff.h"
 #include "graft/ops.h"
@@ -411,6 +414,337 @@ int fuse_attention(Graph& g) {
   for (int i : at) infer_node(g, i);
   g.remove_dead_nodes();
   return fused;
+}
+
+}  // namespace graft
+
+// ---- attention_views ---------------------------------------------------------------------------
+
+namespace graft {
+namespace {
+
+// Note [attention reads its heads in place]
+// The projections around attention write [.., T, heads x D] rows; attention takes [B, H, T, D].
+// Between them models write reshapes, transposes and splits (nn.MultiheadAttention: a transpose
+// of its packed [T, B, 3, E] projection, a split, then per operand a reshape and a transpose;
+// Hugging Face: view and transpose(1, 2) per operand, and for the output transpose(1, 2) and
+// reshape), each a copy in graft, and autodiff adds their gradients' copies (a Concat, the
+// transposes back) to the backward: ViT-B/16 ran 14 of them per layer. attention_views follows
+// each operand of a graft.Attention back through such ops (Reshape, Squeeze, Unsqueeze, Flatten,
+// Identity, a one-input Concat: reshapes; Transpose; a Split's part, a constant-index Gather) to
+// the furthest tensor it is a strided view of with each head's rows contiguous, and the output
+// forward through reshapes and transposes to the tensor that holds it in such a layout; the node
+// then reads and writes those tensors in place (its `views`, Note [attention views] in
+// src/ops/attention.cpp) and the ops in between, left without readers, are removed. Q, K and V
+// views of one tensor (a packed projection) become one input, whose gradient is one output. The
+// op's shape function decides what is valid (each tensor covered exactly once); where it refuses,
+// the node is left as it was. GRAFT_ATTENTION_VIEWS=0 turns the rewrite off (an A/B switch).
+
+// A view of a tensor's elements, each dim a run of factors ("atoms", outer first) of a size and
+// a stride: element (i0, i1, ..) is at off plus, per dim, its index split over the dim's atoms
+// times their strides. A dim of atoms that are not contiguous with each other is no strided view
+// by itself (x.view(T, B H, D) of a [T, B, E] slice), but the ops after it may split it again (a
+// transpose and a view back to [B, H, T, D]): only the end result must be strided.
+struct Atom {
+  int64_t size, stride;
+};
+struct StridedView {
+  int64_t off = 0;
+  std::vector<std::vector<Atom>> dims;
+};
+
+StridedView contiguous_view(const Shape& s) {
+  StridedView v;
+  v.dims.resize(s.size());
+  int64_t acc = 1;
+  for (size_t i = s.size(); i-- > 0;) {
+    v.dims[i] = {{s[i], acc}};
+    acc *= s[i];
+  }
+  return v;
+}
+
+// Dim i's one stride (its innermost atom's; 1 for a dim of size 1), or false where its atoms are
+// not contiguous with each other.
+bool dim_stride(const StridedView& v, size_t i, int64_t& stride) {
+  stride = 1;
+  int64_t next = -1;  // the stride the next atom out must have
+  for (size_t k = v.dims[i].size(); k-- > 0;) {
+    const Atom& a = v.dims[i][k];
+    if (a.size == 1) continue;
+    if (next < 0)
+      stride = a.stride;
+    else if (a.stride != next)
+      return false;
+    next = a.stride * a.size;
+  }
+  return true;
+}
+
+// The view `v` reshaped to `to` without moving elements: its atoms, in order, regrouped into the
+// new dims (an atom split where a new dim ends inside it), or false where sizes do not divide.
+bool reshape_view(StridedView& v, const Shape& to) {
+  std::vector<Atom> atoms;
+  int64_t n = 1;
+  for (const auto& d : v.dims)
+    for (const Atom& a : d) {
+      n *= a.size;
+      if (a.size != 1) atoms.push_back(a);
+    }
+  if (n != numel(to) || n == 0) return false;
+  std::vector<std::vector<Atom>> dims(to.size());
+  size_t k = 0;
+  for (size_t i = 0; i < to.size(); ++i) {
+    int64_t need = to[i];
+    while (need > 1) {
+      if (k >= atoms.size()) return false;
+      Atom& a = atoms[k];
+      if (a.size <= need) {
+        if (need % a.size != 0) return false;
+        dims[i].push_back(a);
+        need /= a.size;
+        ++k;
+      } else {  // the dim ends inside this atom: its outer factor `need` goes to this dim
+        if (a.size % need != 0) return false;
+        const int64_t inner = a.size / need;
+        dims[i].push_back({need, a.stride * inner});
+        a.size = inner;
+        need = 1;
+      }
+    }
+  }
+  v.dims = std::move(dims);
+  return true;
+}
+
+bool is_reshape_like(const Node& n) {
+  return (n.domain.empty() && (n.op == "Reshape" || n.op == "Squeeze" || n.op == "Unsqueeze" ||
+                               n.op == "Flatten" || n.op == "Identity")) ||
+         (is_onnx(n, "Concat") && n.inputs.size() == 1);
+}
+
+// Transpose's permutation (reversed dims when absent).
+std::vector<int64_t> perm_of(const Node& n, size_t rank) {
+  std::vector<int64_t> p = n.attrs.get_ints("perm", {}, n.label());
+  if (p.empty())
+    for (size_t i = rank; i-- > 0;) p.push_back(static_cast<int64_t>(i));
+  return p;
+}
+
+// The view `out` (output `slot` of node n) is of n's input 0, applied to `v` (a view of some tensor
+// as n's input 0): v becomes out's view of that tensor. False where n is no layout op it follows.
+bool forward_through(const Graph& g, const Node& n, int slot, StridedView& v) {
+  const Shape& out = g.values[n.outputs[slot]].shape;
+  if (is_reshape_like(n)) return reshape_view(v, out);
+  const int64_t rank = static_cast<int64_t>(v.dims.size());
+  if (is_onnx(n, "Transpose")) {
+    const std::vector<int64_t> p = perm_of(n, v.dims.size());
+    if (static_cast<int64_t>(p.size()) != rank) return false;
+    std::vector<std::vector<Atom>> dims(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (p[i] < 0 || p[i] >= rank) return false;
+      dims[i] = v.dims[p[i]];
+    }
+    v.dims = std::move(dims);
+    return true;
+  }
+  // a part of one axis (a Split's, or a constant index's): that axis must have one stride
+  int64_t ax = n.attrs.get_int("axis", 0, n.label()), start = 0, stride = 0;
+  if (ax < 0) ax += rank;
+  if (ax < 0 || ax >= rank || !dim_stride(v, static_cast<size_t>(ax), stride)) return false;
+  if (is_onnx(n, "Split")) {
+    for (int k = 0; k < slot; ++k) {
+      if (n.outputs[k] < 0) return false;
+      start += g.values[n.outputs[k]].shape[ax];
+    }
+    v.off += start * stride;
+    v.dims[ax] = {{out[ax], stride}};
+    return true;
+  }
+  double idx;
+  if (is_onnx(n, "Gather") && n.inputs.size() == 2 && match::const_scalar(g, n.inputs[1], idx) &&
+      g.values[n.inputs[1]].shape.empty()) {
+    const int64_t size = g.values[n.inputs[0]].shape[ax];
+    int64_t i = static_cast<int64_t>(idx);
+    if (i < 0) i += size;
+    if (i < 0 || i >= size) return false;
+    v.off += i * stride;
+    v.dims.erase(v.dims.begin() + ax);
+    return true;
+  }
+  return false;
+}
+
+// The inverse: `v` is a view (of some tensor) of n's output; it becomes the view of n's input 0.
+bool backward_through(const Graph& g, const Node& n, StridedView& v) {
+  if (is_reshape_like(n)) return reshape_view(v, g.values[n.inputs[0]].shape);
+  if (!is_onnx(n, "Transpose")) return false;
+  const int64_t rank = static_cast<int64_t>(v.dims.size());
+  const std::vector<int64_t> p = perm_of(n, v.dims.size());
+  if (static_cast<int64_t>(p.size()) != rank) return false;
+  std::vector<std::vector<Atom>> dims(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] < 0 || p[i] >= rank) return false;
+    dims[p[i]] = v.dims[i];
+  }
+  v.dims = std::move(dims);
+  return true;
+}
+
+// A [B, H, T, D] view whose dims each have one stride, D's 1: appends its (offset, batch, head,
+// row) strides.
+bool head_rows(const StridedView& v, std::vector<int64_t>& out) {
+  int64_t st[4];
+  if (v.dims.size() != 4) return false;
+  for (size_t i = 0; i < 4; ++i)
+    if (!dim_stride(v, i, st[i])) return false;
+  if (st[3] != 1) return false;
+  out.insert(out.end(), {v.off, st[0], st[1], st[2]});
+  return true;
+}
+
+// An operand's furthest source: the tensor it is a head-rows view of, and that view.
+struct Source {
+  int value;
+  StridedView view;
+};
+Source operand_source(const Graph& g, int v) {
+  // the chain of layout ops above v, nearest first: (node, output slot)
+  std::vector<std::pair<int, int>> chain;
+  for (int x = v; x >= 0 && g.values[x].producer >= 0;) {
+    const Node& n = g.nodes[g.values[x].producer];
+    const bool layout = is_reshape_like(n) || is_onnx(n, "Transpose") || is_onnx(n, "Split") ||
+                        is_onnx(n, "Gather");
+    if (!layout || n.inputs.empty() || n.inputs[0] < 0) break;
+    int slot = 0;
+    while (n.outputs[slot] != x) ++slot;
+    chain.push_back({g.values[x].producer, slot});
+    x = n.inputs[0];
+  }
+  std::vector<int64_t> rows;
+  for (size_t len = chain.size(); len > 0; --len) {  // the furthest source that gives head rows
+    const int src = g.nodes[chain[len - 1].first].inputs[0];
+    StridedView w = contiguous_view(g.values[src].shape);
+    bool ok = true;
+    for (size_t k = len; k-- > 0 && ok;)
+      ok = forward_through(g, g.nodes[chain[k].first], chain[k].second, w);
+    rows.clear();
+    if (ok && head_rows(w, rows)) return {src, w};
+  }
+  return {v, contiguous_view(g.values[v].shape)};
+}
+
+bool rewrite_views(Graph& g, int ni, const std::vector<std::vector<int>>& cons,
+                   std::vector<int>& readers, const std::set<int>& outs) {
+  Node& n = g.nodes[ni];
+  if (!n.attrs.get_ints("views", {}, n.label()).empty() || n.inputs.size() < 3 || n.inputs[1] < 0 ||
+      n.inputs[2] < 0 || n.outputs.empty() || n.outputs[0] < 0)
+    return false;
+  for (int k = 0; k < 3; ++k)
+    if (g.values[n.inputs[k]].shape.size() != 4) return false;
+  Source src[3] = {operand_source(g, n.inputs[0]), operand_source(g, n.inputs[1]),
+                   operand_source(g, n.inputs[2])};
+  const bool packed =
+      src[0].value == src[1].value && src[1].value == src[2].value && src[0].value != n.inputs[0];
+  if (!packed)  // an operand that shares its source with another keeps its own tensor
+    for (int k = 0; k < 3; ++k)
+      for (int j = 0; j < 3; ++j)
+        if (j != k && src[j].value == src[k].value)
+          src[k] = {n.inputs[k], contiguous_view(g.values[n.inputs[k]].shape)};
+  // The output: forward through single-reader layout ops to the last of them.
+  const int o = n.outputs[0];
+  int y = o;
+  std::vector<int> out_chain;
+  while (readers[y] == 1 && cons[y].size() == 1 && !outs.count(y)) {
+    const int r = cons[y][0];
+    const Node& m = g.nodes[r];
+    if (!(is_reshape_like(m) || is_onnx(m, "Transpose")) || m.inputs[0] != y ||
+        m.outputs.size() != 1)
+      break;
+    out_chain.push_back(r);
+    y = m.outputs[0];
+  }
+  // O's view of y, walking back; the longest prefix of the chain whose view has head rows
+  StridedView ov;
+  std::vector<int64_t> orows;
+  while (true) {
+    ov = contiguous_view(g.values[y].shape);
+    bool ok = true;
+    for (size_t k = out_chain.size(); k-- > 0 && ok;)
+      ok = backward_through(g, g.nodes[out_chain[k]], ov);
+    orows.clear();
+    if (ok && head_rows(ov, orows)) break;
+    out_chain.pop_back();
+    y = out_chain.empty() ? o : g.nodes[out_chain.back()].outputs[0];
+  }
+  const bool moved = packed || y != o || src[0].value != n.inputs[0] ||
+                     src[1].value != n.inputs[1] || src[2].value != n.inputs[2];
+  if (!moved) return false;
+  const Shape& q = g.values[n.inputs[0]].shape;
+  const Shape& k = g.values[n.inputs[1]].shape;
+  const Shape& v = g.values[n.inputs[2]].shape;
+  std::vector<int64_t> views = {q[0], q[1], k[1], q[2], k[2], q[3], v[3]};
+  for (const Source& s : src) head_rows(s.view, views);
+  views.insert(views.end(), orows.begin(), orows.end());
+  // try it: the op's shape function checks the views; where it refuses, nothing changes
+  const Node before = n;
+  const std::vector<int> old_in = {n.inputs[0], n.inputs[1], n.inputs[2]};
+  n.attrs.set_ints("views", views);
+  n.attrs.set_ints("out_shape",
+                   std::vector<int64_t>(g.values[y].shape.begin(), g.values[y].shape.end()));
+  n.inputs[0] = src[0].value;
+  n.inputs[1] = packed ? -1 : src[1].value;
+  n.inputs[2] = packed ? -1 : src[2].value;
+  n.outputs[0] = y;
+  const int y_producer = g.values[y].producer;
+  g.values[y].producer = ni;
+  try {
+    infer_node(g, ni);
+  } catch (const Error&) {
+    g.nodes[ni] = before;
+    g.values[y].producer = y_producer;
+    return false;
+  }
+  // the ops left without readers: the output chain, and each operand's chain up to its source
+  for (int r : out_chain) g.nodes[r].dead = true;
+  for (int k = 0; k < 3; ++k)
+    if (n.inputs[k] >= 0 && n.inputs[k] != old_in[k]) ++readers[n.inputs[k]];
+  for (int k = 0; k < 3; ++k) {
+    if (n.inputs[k] == old_in[k]) continue;
+    --readers[old_in[k]];
+    for (int x = old_in[k]; x >= 0 && readers[x] == 0 && !outs.count(x);) {
+      const int p = g.values[x].producer;
+      if (p < 0) break;
+      Node& m = g.nodes[p];
+      bool unread = true;
+      for (int out : m.outputs)
+        unread = unread && (out < 0 || (readers[out] == 0 && !outs.count(out)));
+      if (!unread || m.dead) break;
+      m.dead = true;
+      std::set<int> ins(m.inputs.begin(), m.inputs.end());
+      for (int i : ins)
+        if (i >= 0) readers[i] -= static_cast<int>(std::count(m.inputs.begin(), m.inputs.end(), i));
+      x = m.inputs[0];
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int attention_views(Graph& g) {
+  const char* sw = std::getenv("GRAFT_ATTENTION_VIEWS");  // (read per graph: tests switch it)
+  if (sw && std::string(sw) == "0") return 0;
+  const auto cons = g.consumers();
+  std::vector<int> readers(g.values.size());
+  for (size_t v = 0; v < cons.size(); ++v) readers[v] = static_cast<int>(cons[v].size());
+  const std::set<int> outs(g.outputs.begin(), g.outputs.end());
+  int done = 0;
+  for (size_t i = 0; i < g.nodes.size(); ++i)
+    if (!g.nodes[i].dead && g.nodes[i].domain == "graft" && g.nodes[i].op == "Attention")
+      done += rewrite_views(g, static_cast<int>(i), cons, readers, outs) ? 1 : 0;
+  if (done) g.remove_dead_nodes();
+  return done;
 }
 
 }  // namespace graft

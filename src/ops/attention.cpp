@@ -15,6 +15,8 @@
 // dV, dMask? (a float
 // mask's gradient at full size [B, H, Tq, Tk], made only when the mask needs one; dO or dLSE
 // absent: no gradient flows into that output).
+// With the attribute `views` (Note [attention views]) Q, K, V and O are any tensors holding the
+// heads' rows at strides, and K and V may be absent (packed in Q's tensor).
 //
 // Note [fused attention]
 // Eager attention materializes the B x H x Tq x Tk probabilities, keeps them for the backward and
@@ -35,10 +37,13 @@
 // in parallel where there are enough of them (Note [heads in parallel]).
 // Causal blocks stop at their last row's diagonal, and on short sequences their GEMMs run in
 // sub-blocks that each stop at their own (sub_rows).
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "util.h"
 #include "vmath.h"
@@ -47,11 +52,36 @@ namespace graft {
 namespace {
 using namespace opsutil;
 
-// The shapes of one Attention / AttentionGrad node, read from its inputs.
+// Note [attention views]
+// Q, K, V and O are [B, H, T, D] tensors unless the node has the attribute
+//   views = [B, H, Hk, Tq, Tk, D, Dv,  then (offset, batch stride, head stride, row stride) for
+//            Q, K, V and O, in elements]
+// with which each may be any tensor that holds every head's rows at strides, a row's D (Dv)
+// elements consecutive; O's shape is then the attribute `out_shape`. Those are the layouts the
+// projections around attention write: nn.MultiheadAttention's packed [T, B, 3 E] (Q at columns
+// 0..E, K at E..2E, V at 2E..3E, head h at h D of its third), GPT-2's packed [B, T, 3 E], a
+// separate projection's [B, T, E], and the [T, B, E] or [B, T, E] the output projection reads.
+// Attention reads and writes them in place (its GEMMs take a row stride), so the transposes,
+// splits and copies that would make 4-D operands, and their gradients' counterparts in the
+// backward, never run (ViT-B/16: 14 of them per layer). K and V may be absent, their views then
+// in Q's tensor (one packed projection): AttentionGrad then makes one gradient, of that tensor.
+// Every tensor's views must cover it exactly once (checked when shapes are inferred): the
+// backward then writes each element of each gradient (dK and dV into zeros: they accumulate
+// over query heads and blocks), and no two heads share bytes, so heads may run in parallel.
+// attention_views (fuse_attention.cpp) is the rewrite that makes them.
+struct HeadView {
+  int64_t off = 0, sb = 0, sh = 0, st = 0;
+  int64_t at(int64_t b, int64_t h) const { return off + b * sb + h * sh; }
+};
+constexpr size_t kViewInts = 7 + 4 * 4;
+
+// The shapes of one Attention / AttentionGrad node, read from its inputs (or its views).
 struct Dims {
   int64_t B, H, Hk, Tq, Tk, D, Dv;
   bool causal;
   double scale;
+  HeadView q, k, v, o;  // where each (batch, head)'s rows are, and their stride
+  bool packed = false;  // K's and V's views are in Q's tensor (and their gradients in dQ's)
   // The mask's strides (in elements) over [B, H, Tq, Tk], 0 along broadcast dimensions.
   bool has_mask = false, bool_mask = false;
   int64_t ms[4] = {0, 0, 0, 0};
@@ -63,13 +93,21 @@ struct AttentionAttrs {
   double scale = 0;     // 0: none given
   double dropout = 0;   // the probability of dropping a probability (Note [attention dropout])
   uint64_t stream = 0;  // the dropout mask's stream: the seed attribute and the forward node's name
+  std::vector<int64_t> views;  // Note [attention views] (empty: 4-D operands)
 };
 AttentionAttrs attention_attrs(const Node& n) {
   const std::string where = n.label();
-  AttentionAttrs a{n.attrs.get_int("causal", 0, where) != 0, n.attrs.get_float("scale", 0.0, where),
-                   n.attrs.get_float("dropout", 0.0, where)};
+  AttentionAttrs a{n.attrs.get_int("causal", 0, where) != 0,
+                   n.attrs.get_float("scale", 0.0, where),
+                   n.attrs.get_float("dropout", 0.0, where),
+                   0,
+                   {}};
   GRAFT_CHECK(a.dropout >= 0 && a.dropout < 1, ErrorKind::InvalidModel,
               where + ": dropout " + std::to_string(a.dropout) + " is not in [0, 1)");
+  a.views = n.attrs.get_ints("views", {}, where);
+  GRAFT_CHECK(a.views.empty() || a.views.size() == kViewInts, ErrorKind::InvalidModel,
+              where + ": views has " + std::to_string(a.views.size()) + " values, not " +
+                  std::to_string(kViewInts) + " (Note [attention views])");
   // AttentionGrad is told its forward's stream; a forward makes it from its seed and its name.
   a.stream = n.attrs.has("stream") ? static_cast<uint64_t>(n.attrs.get_int("stream", 0, where))
                                    : node_stream(n.attrs.get_int("seed", 0, where), n.name);
@@ -108,12 +146,32 @@ std::shared_ptr<const void> prepare_attention(const Node& n) {
   return prepared(attention_attrs(n));
 }
 
-// `mask` and `scale`: the node's optional inputs (nullptr when absent).
-Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+// The dims and views of 4-D operands (no `views`), or those `views` gives.
+void set_views(Dims& d, const std::vector<int64_t>& views, const Shape& q, const Shape& k,
+               const Shape& v) {
+  if (views.empty()) {
+    d.B = q[0], d.H = q[1], d.Tq = q[2], d.D = q[3];
+    d.Hk = k[1], d.Tk = k[2], d.Dv = v[3];
+    d.q = {0, d.H * d.Tq * d.D, d.Tq * d.D, d.D};
+    d.k = {0, d.Hk * d.Tk * d.D, d.Tk * d.D, d.D};
+    d.v = {0, d.Hk * d.Tk * d.Dv, d.Tk * d.Dv, d.Dv};
+    d.o = {0, d.H * d.Tq * d.Dv, d.Tq * d.Dv, d.Dv};
+    return;
+  }
+  const int64_t* x = views.data();
+  d.B = x[0], d.H = x[1], d.Hk = x[2], d.Tq = x[3], d.Tk = x[4], d.D = x[5], d.Dv = x[6];
+  HeadView* hv[4] = {&d.q, &d.k, &d.v, &d.o};
+  for (int i = 0; i < 4; ++i) *hv[i] = {x[7 + 4 * i], x[8 + 4 * i], x[9 + 4 * i], x[10 + 4 * i]};
+}
+
+// `k`, `v` (absent: packed in q), `mask` and `scale`: the node's optional inputs (nullptr when
+// absent).
+Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor* k, const Tensor* v,
              const Tensor* mask, const Tensor* scale) {
   Dims d{};
-  d.B = q.dim(0), d.H = q.dim(1), d.Tq = q.dim(2), d.D = q.dim(3);
-  d.Hk = k.dim(1), d.Tk = k.dim(2), d.Dv = v.dim(3);
+  d.packed = k == nullptr;
+  static const Shape none;
+  set_views(d, a.views, q.shape(), k ? k->shape() : none, v ? v->shape() : none);
   d.causal = a.causal;
   d.scale = a.scale;
   if (scale)
@@ -132,38 +190,136 @@ Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor& k, const Te
 // bfloat16 operands the plan stored (Note [bf16 operands]: attention reads Q, K and V only as
 // operands of its products), and the arithmetic is float32's.
 DType qkv_dtype(InferCtx& c, int first) {
-  if (bf16_operands(c, first, 3)) return DType::F32;
-  c.check(is_float(c.dtype(first)) && c.dtype(first + 1) == c.dtype(first) &&
-              c.dtype(first + 2) == c.dtype(first),
+  const int n = c.has_in(first + 1) ? 3 : 1;  // (K and V packed in Q's tensor: one)
+  if (bf16_operands(c, first, n)) return DType::F32;
+  c.check(is_float(c.dtype(first)) && (n == 1 || (c.dtype(first + 1) == c.dtype(first) &&
+                                                  c.dtype(first + 2) == c.dtype(first))),
           "Q, K and V must share one float dtype");
   return c.dtype(first);
 }
 
-void infer_attention(InferCtx& c) {
-  const Shape &q = c.shape(0), &k = c.shape(1), &v = c.shape(2);
+// Whether rows of `len` elements starting at each of `starts` tile [0, numel) exactly: each
+// element in one row, none outside.
+bool tiles_exactly(std::vector<std::pair<int64_t, int64_t>>& rows, int64_t numel) {
+  std::sort(rows.begin(), rows.end());
+  int64_t at = 0;
+  for (const auto& [start, len] : rows) {
+    if (start != at) return false;
+    at += len;
+  }
+  return at == numel;
+}
+
+// Note [attention views]: checks a node's views against its tensors: Q, K, V at inputs first ..
+// first + 2 (K and V absent: packed), O of shape `o_shape`; every tensor covered exactly once.
+// Returns the dims.
+Dims check_views(InferCtx& c, const std::vector<int64_t>& views, int first, const Shape& o_shape) {
+  Dims d{};
+  set_views(d, views, {}, {}, {});
+  const bool packed = !c.has_in(first + 1);
+  c.check(packed == !c.has_in(first + 2), "K and V must both be given or both be packed in Q");
+  c.check(d.B >= 0 && d.H >= 1 && d.Hk >= 1 && d.H % d.Hk == 0 && d.Tq >= 0 && d.Tk >= 0 &&
+              d.D >= 1 && d.Dv >= 1,
+          "views: the sizes [B, H, Hk, Tq, Tk, D, Dv] must be positive, H a multiple of Hk");
+  // The rows of one operand (rows x len elements at `hv`), appended to `rows` after bounds checks
+  // against a tensor of `numel` elements (in 128 bits: views are untrusted input).
+  auto add_rows = [&](const char* what, const HeadView& hv, int64_t heads, int64_t T, int64_t len,
+                      int64_t numel, std::vector<std::pair<int64_t, int64_t>>& rows) {
+    using I = __int128;
+    c.check(hv.off >= 0 && hv.sb >= 0 && hv.sh >= 0 && hv.st >= 0,
+            std::string("views: ") + what + "'s offset and strides must not be negative");
+    const I count = I(d.B) * heads * T;
+    c.check(count * len <= numel,
+            std::string("views: ") + what + " has more elements than its tensor");
+    if (count == 0) return;
+    const I last = I(hv.off) + I(d.B - 1) * hv.sb + I(heads - 1) * hv.sh + I(T - 1) * hv.st + len;
+    c.check(last <= numel, std::string("views: ") + what + " reaches past its tensor's end");
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t t = 0; t < T; ++t) rows.push_back({hv.at(b, h) + t * hv.st, len});
+  };
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  const int64_t qn = numel(c.shape(first));
+  add_rows("Q", d.q, d.H, d.Tq, d.D, qn, rows);
+  if (packed) {
+    add_rows("K", d.k, d.Hk, d.Tk, d.D, qn, rows);
+    add_rows("V", d.v, d.Hk, d.Tk, d.Dv, qn, rows);
+  }
+  c.check(tiles_exactly(rows, qn), packed ? "views: Q, K and V must cover their tensor exactly once"
+                                          : "views: Q must cover its tensor exactly once");
+  if (!packed) {
+    rows.clear();
+    add_rows("K", d.k, d.Hk, d.Tk, d.D, numel(c.shape(first + 1)), rows);
+    c.check(tiles_exactly(rows, numel(c.shape(first + 1))),
+            "views: K must cover its tensor exactly once");
+    rows.clear();
+    add_rows("V", d.v, d.Hk, d.Tk, d.Dv, numel(c.shape(first + 2)), rows);
+    c.check(tiles_exactly(rows, numel(c.shape(first + 2))),
+            "views: V must cover its tensor exactly once");
+  }
+  rows.clear();
+  add_rows("O", d.o, d.H, d.Tq, d.Dv, numel(o_shape), rows);
+  c.check(tiles_exactly(rows, numel(o_shape)), "views: O must cover out_shape exactly once");
+  return d;
+}
+
+// O's shape under views: the attribute out_shape.
+Shape out_shape_of(InferCtx& c) {
+  const std::vector<int64_t> s = c.attrs().get_ints("out_shape", {}, c.node().label());
+  c.check(!s.empty(), "views need the attribute out_shape (Note [attention views])");
+  for (int64_t x : s) c.check(x >= 0, "out_shape must not be negative");
+  return Shape(s.begin(), s.end());
+}
+
+// The dims of an Attention (q_in 0) or AttentionGrad (q_in 1) node from its 4-D Q, K and V, or
+// from its views (Note [attention views]); `o_shape` gets O's shape.
+Dims infer_dims(InferCtx& c, int q_in, Shape& o_shape) {
+  const std::vector<int64_t> views = c.attrs().get_ints("views", {}, c.node().label());
+  if (!views.empty()) {
+    c.check(views.size() == kViewInts,
+            "views must have " + std::to_string(kViewInts) + " values (Note [attention views])");
+    o_shape = out_shape_of(c);
+    return check_views(c, views, q_in, o_shape);
+  }
+  c.check(c.has_in(q_in + 1) && c.has_in(q_in + 2), "K and V are missing");
+  const Shape &q = c.shape(q_in), &k = c.shape(q_in + 1), &v = c.shape(q_in + 2);
   c.check(q.size() == 4 && k.size() == 4 && v.size() == 4,
           "Q, K and V must be 4-D [batch, heads, sequence, head size]");
-  const DType dt = qkv_dtype(c, 0);
   c.check(k[0] == q[0] && v[0] == q[0], "Q, K and V must have the same batch size");
   c.check(k[3] == q[3], "Q and K must have the same head size");
   c.check(v[1] == k[1] && v[2] == k[2], "K and V must have the same heads and sequence length");
   c.check(k[1] > 0 && q[1] % k[1] == 0, "the query heads (" + std::to_string(q[1]) +
                                             ") must be a multiple of the key/value heads (" +
                                             std::to_string(k[1]) + ")");
-  if (c.has_in(4))
-    c.check(c.shape(4).empty() && is_float(c.dtype(4)), "the scale must be a float scalar");
-  if (c.has_in(3)) {
-    const Shape& m = c.shape(3);
-    c.check(m.size() <= 4, "the mask must broadcast to [batch, heads, Tq, Tk]");
-    const Shape full{q[0], q[1], q[2], k[2]};
+  Dims d{};
+  set_views(d, views, q, k, v);
+  o_shape = {q[0], q[1], q[2], v[3]};
+  return d;
+}
+
+// The optional mask (input m) and scale (input sc) of a node with dims d and dtype dt.
+void check_mask_and_scale(InferCtx& c, const Dims& d, DType dt, int m, int sc) {
+  if (c.has_in(sc))
+    c.check(c.shape(sc).empty() && is_float(c.dtype(sc)), "the scale must be a float scalar");
+  if (c.has_in(m)) {
+    const Shape& ms = c.shape(m);
+    c.check(ms.size() <= 4, "the mask must broadcast to [batch, heads, Tq, Tk]");
+    const Shape full{d.B, d.H, d.Tq, d.Tk};
     Shape b;
-    c.check(broadcast_shape(m, full, b) && b == full,
-            "the mask " + shape_str(m) + " does not broadcast to " + shape_str(full));
-    c.check(c.dtype(3) == DType::Bool || c.dtype(3) == dt,
+    c.check(broadcast_shape(ms, full, b) && b == full,
+            "the mask " + shape_str(ms) + " does not broadcast to " + shape_str(full));
+    c.check(c.dtype(m) == DType::Bool || c.dtype(m) == dt,
             "the mask must be boolean or of Q's dtype");
   }
-  c.set_out(0, dt, {q[0], q[1], q[2], v[3]});
-  if (c.has_out(1)) c.set_out(1, dt, {q[0], q[1], q[2]});
+}
+
+void infer_attention(InferCtx& c) {
+  Shape os;
+  const Dims d = infer_dims(c, 0, os);
+  const DType dt = qkv_dtype(c, 0);
+  check_mask_and_scale(c, d, dt, 3, 4);
+  c.set_out(0, dt, os);
+  if (c.has_out(1)) c.set_out(1, dt, {d.B, d.H, d.Tq});
 }
 
 // Query rows per block: about 2^18 scores (1 MiB of float32), but at least 256 rows (the inner
@@ -317,15 +473,18 @@ void softmax_rows(const Dims& d, int64_t r0, int64_t m, int64_t kn, T* S, T* lse
 }
 
 void attention_kernel(KernelCtx& c) {
-  const Tensor &q = c.in(0), &k = c.in(1), &v = c.in(2);
+  const Tensor& q = c.in(0);
   const Tensor* mask = c.has_in(3) ? &c.in(3) : nullptr;
-  const Dims d =
-      dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(4) ? &c.in(4) : nullptr);
+  const bool packed = !c.has_in(1);  // Note [attention views]
+  const Tensor &k = packed ? q : c.in(1), &v = packed ? q : c.in(2);
+  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q, packed ? nullptr : &k, packed ? nullptr : &v,
+                         mask, c.has_in(4) ? &c.in(4) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.H);  // Note [heads in parallel]
-  const DType dt = operands_dtype(c, 0, 3);
+  const DType dt = operands_dtype(c, 0, packed ? 1 : 3);
   const GemmOperand qo(q), ko(k), vo(v);
+  const int64_t ldq = d.q.st, ldk = d.k.st, ldv = d.v.st, ldo = d.o.st;
   dispatch_float(dt, c, [&]<class T>() {
     Tensor ws = Tensor::empty({slots, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");
     Tensor lse_ws;
@@ -338,21 +497,20 @@ void attention_kernel(KernelCtx& c) {
     auto unit = [&](int slot, int64_t bh) {
       const int64_t b = bh / d.H, h = bh % d.H, hk = h / group;
       T* S = ws.data<T>() + slot * rows * d.Tk;
-      const int64_t Q = bh * d.Tq * d.D;  // element offsets of the head's Q, K and V
-      const int64_t K = (b * d.Hk + hk) * d.Tk * d.D;
-      const int64_t V = (b * d.Hk + hk) * d.Tk * d.Dv;
-      T* O = c.out(0).data<T>() + bh * d.Tq * d.Dv;
+      // element offsets of the head's Q, K and V (Note [attention views])
+      const int64_t Q = d.q.at(b, h), K = d.k.at(b, hk), V = d.v.at(b, hk);
+      T* O = c.out(0).data<T>() + d.o.at(b, h);
       for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
         const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
         T* lse = lse_all ? lse_all + bh * d.Tq + r0 : lse_ws.data<T>() + slot * rows;
         if (kn == 0) {  // no keys at all (Tk = 0)
-          std::fill(O + r0 * d.Dv, O + (r0 + m) * d.Dv, T(0));
+          for (int64_t i = r0; i < r0 + m; ++i) std::fill(O + i * ldo, O + i * ldo + d.Dv, T(0));
           std::fill(lse, lse + m, -std::numeric_limits<T>::infinity());
           continue;
         }
         each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
           gemm_operands<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), qo,
-                           Q + (r0 + s0) * d.D, d.D, ko, K, d.D, T(0), S + s0 * kn, kn);
+                           Q + (r0 + s0) * ldq, ldq, ko, K, ldk, T(0), S + s0 * kn, kn);
         });
         mask_scores<T>(d, mask, b, h, r0, m, kn, S);
         softmax_rows<T>(d, r0, m, kn, S, lse, nullptr);
@@ -363,7 +521,7 @@ void attention_kernel(KernelCtx& c) {
           });
         each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
           gemm_operands<T>(false, false, ms, d.Dv, ks, T(1), GemmOperand(S), s0 * kn, kn, vo, V,
-                           d.Dv, T(0), O + (r0 + s0) * d.Dv, d.Dv);
+                           ldv, T(0), O + (r0 + s0) * ldo, ldo);
         });
       }
     };
@@ -372,36 +530,42 @@ void attention_kernel(KernelCtx& c) {
 }
 
 void infer_attention_grad(InferCtx& c) {
-  // dO?, Q, K, V, LSE, mask?, dLSE?, scale?
-  const Shape &q = c.shape(1), &k = c.shape(2), &v = c.shape(3);
-  c.check(!c.has_in(0) || c.shape(0) == Shape{q[0], q[1], q[2], v[3]}, "dO must have O's shape");
-  c.check(c.shape(4) == Shape{q[0], q[1], q[2]}, "LSE must be [batch, heads, Tq]");
+  // dO?, Q, K?, V?, LSE, mask?, dLSE?, scale?
+  Shape os;
+  const Dims d = infer_dims(c, 1, os);
+  c.check(!c.has_in(0) || c.shape(0) == os, "dO must have O's shape");
+  c.check(c.has_in(4) && c.shape(4) == Shape{d.B, d.H, d.Tq}, "LSE must be [batch, heads, Tq]");
   c.check(!c.has_in(6) || c.shape(6) == c.shape(4), "dLSE must have LSE's shape");
   const DType dt = qkv_dtype(c, 1);
   c.set_out(0, dt, c.shape(1));
-  if (c.has_out(1)) c.set_out(1, dt, c.shape(2));
-  if (c.has_out(2)) c.set_out(2, dt, c.shape(3));
-  if (c.has_out(3)) c.set_out(3, dt, {q[0], q[1], q[2], k[2]});
+  // (packed: dK and dV are in output 0; outputs 1 and 2, if any, stay empty)
+  if (c.has_out(1)) c.set_out(1, dt, c.has_in(2) ? c.shape(2) : Shape{0});
+  if (c.has_out(2)) c.set_out(2, dt, c.has_in(3) ? c.shape(3) : Shape{0});
+  if (c.has_out(3)) c.set_out(3, dt, {d.B, d.H, d.Tq, d.Tk});
 }
 
 void attention_grad_kernel(KernelCtx& c) {
-  const Tensor &q = c.in(1), &k = c.in(2), &v = c.in(3), &lse_t = c.in(4);
+  const Tensor &q = c.in(1), &lse_t = c.in(4);
+  const bool packed = !c.has_in(2);  // Note [attention views]
+  const Tensor &k = packed ? q : c.in(2), &v = packed ? q : c.in(3);
   const Tensor* dout = c.has_in(0) ? &c.in(0) : nullptr;
   const Tensor* mask = c.has_in(5) ? &c.in(5) : nullptr;
   const Tensor* dlse = c.has_in(6) ? &c.in(6) : nullptr;
-  const Dims d =
-      dims_of(c.attrs<AttentionAttrs>(), q, k, v, mask, c.has_in(7) ? &c.in(7) : nullptr);
+  const Dims d = dims_of(c.attrs<AttentionAttrs>(), q, packed ? nullptr : &k, packed ? nullptr : &v,
+                         mask, c.has_in(7) ? &c.in(7) : nullptr);
   const int64_t rows = block_rows(d), sb = sub_rows(d, rows), group = d.H / d.Hk;
-  const bool want_k = c.has_out(1), want_v = c.has_out(2), want_mask = c.has_out(3);
+  // packed: dK and dV are in dQ's tensor (output 0), which then starts at zeros as they do
+  Tensor* dk_t = packed ? &c.out(0) : c.has_out(1) ? &c.out(1) : nullptr;
+  Tensor* dv_t = packed ? &c.out(0) : c.has_out(2) ? &c.out(2) : nullptr;
+  const bool want_mask = c.has_out(3);
   const DropMask drop(c.attrs<AttentionAttrs>(), c.seed);
   const int slots = unit_slots(d.B * d.Hk);  // Note [heads in parallel]
-  const DType dt = operands_dtype(c, 1, 3);
+  const DType dt = operands_dtype(c, 1, packed ? 1 : 3);
   const GemmOperand qo(q), ko(k), vo(v);
+  const int64_t ldq = d.q.st, ldk = d.k.st, ldv = d.v.st, ldo = d.o.st;
   dispatch_float(dt, c, [&]<class T>() {
     Tensor ws = Tensor::empty({slots, 2, rows, d.Tk}, dt, c.alloc, Category::Workspace, "scores");
     Tensor dws = Tensor::empty({slots, rows}, dt, c.alloc, Category::Workspace, "rowdot");
-    if (want_k) std::memset(c.out(1).raw(), 0, c.out(1).nbytes());
-    if (want_v) std::memset(c.out(2).raw(), 0, c.out(2).nbytes());
     if (want_mask) std::memset(c.out(3).raw(), 0, c.out(3).nbytes());
     // A unit: key/value head kh = (b, hk) and its query heads, which add into the same dK and dV.
     auto unit = [&](int slot, int64_t kh) {
@@ -409,27 +573,33 @@ void attention_grad_kernel(KernelCtx& c) {
       T* dP = P + rows * d.Tk;
       T* Di = dws.data<T>() + slot * rows;
       const int64_t b = kh / d.Hk, hk = kh % d.Hk;
+      // dK and dV accumulate over the group's heads and the row blocks: this unit's rows (and no
+      // one else's) start at zero, while they are about to be read anyway (a whole-tensor memset
+      // was a pass of its own over memory)
+      for (int64_t j = 0; j < d.Tk; ++j) {
+        if (dk_t) std::fill_n(dk_t->data<T>() + d.k.at(b, hk) + j * ldk, d.D, T(0));
+        if (dv_t) std::fill_n(dv_t->data<T>() + d.v.at(b, hk) + j * ldv, d.Dv, T(0));
+      }
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const int64_t qh = (b * d.H + h);
-        const int64_t Q = qh * d.Tq * d.D;  // element offsets of the heads' Q, K and V
-        const int64_t K = kh * d.Tk * d.D;
-        const int64_t V = kh * d.Tk * d.Dv;
-        const T* dO = dout ? dout->data<T>() + qh * d.Tq * d.Dv : nullptr;
+        // element offsets of the heads' Q, K and V (Note [attention views])
+        const int64_t Q = d.q.at(b, h), K = d.k.at(b, hk), V = d.v.at(b, hk);
+        const T* dO = dout ? dout->data<T>() + d.o.at(b, h) : nullptr;
         const T* L = lse_t.data<T>() + qh * d.Tq;
         const T* dL = dlse ? dlse->data<T>() + qh * d.Tq : nullptr;
-        T* dQ = c.out(0).data<T>() + qh * d.Tq * d.D;
-        T* dK = want_k ? c.out(1).data<T>() + kh * d.Tk * d.D : nullptr;
-        T* dV = want_v ? c.out(2).data<T>() + kh * d.Tk * d.Dv : nullptr;
+        T* dQ = c.out(0).data<T>() + Q;
+        T* dK = dk_t ? dk_t->data<T>() + K : nullptr;
+        T* dV = dv_t ? dv_t->data<T>() + V : nullptr;
         for (int64_t r0 = 0; r0 < d.Tq; r0 += rows) {
           const int64_t m = std::min(rows, d.Tq - r0), kn = keys_for(d, r0 + m);
           if (kn == 0) {
-            std::fill(dQ + r0 * d.D, dQ + (r0 + m) * d.D, T(0));
+            for (int64_t i = r0; i < r0 + m; ++i) std::fill(dQ + i * ldq, dQ + i * ldq + d.D, T(0));
             continue;
           }
           // P, recomputed from the saved log-sum-exp.
           each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
             gemm_operands<T>(false, true, ms, ks, d.D, static_cast<T>(d.scale), qo,
-                             Q + (r0 + s0) * d.D, d.D, ko, K, d.D, T(0), P + s0 * kn, kn);
+                             Q + (r0 + s0) * ldq, ldq, ko, K, ldk, T(0), P + s0 * kn, kn);
           });
           mask_scores<T>(d, mask, b, h, r0, m, kn, P);
           softmax_rows<T>(d, r0, m, kn, P, nullptr, L + r0);
@@ -450,15 +620,15 @@ void attention_grad_kernel(KernelCtx& c) {
               Pv = dP;
             }
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-              gemm_ld<T>(true, false, ks, d.Dv, ms, T(1), Pv + s0 * kn, kn, dO + (r0 + s0) * d.Dv,
-                         d.Dv, T(1), dV, d.Dv);
+              gemm_ld<T>(true, false, ks, d.Dv, ms, T(1), Pv + s0 * kn, kn, dO + (r0 + s0) * ldo,
+                         ldo, T(1), dV, ldv);
             });
           }
           // dP = dO V^T; dS = P * (dP - rowsum(P * dP) + dLSE), 0 past a causal row's diagonal
           if (dO)
             each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
-              gemm_operands<T>(false, true, ms, ks, d.Dv, T(1), GemmOperand(dO), (r0 + s0) * d.Dv,
-                               d.Dv, vo, V, d.Dv, T(0), dP + s0 * kn, kn);
+              gemm_operands<T>(false, true, ms, ks, d.Dv, T(1), GemmOperand(dO), (r0 + s0) * ldo,
+                               ldo, vo, V, ldv, T(0), dP + s0 * kn, kn);
             });
           else
             std::fill(dP, dP + m * kn, T(0));
@@ -500,10 +670,10 @@ void attention_grad_kernel(KernelCtx& c) {
           // dQ = scale dS K;  dK += scale dS^T Q
           each_sub(d, sb, r0, m, kn, [&](int64_t s0, int64_t ms, int64_t ks) {
             gemm_operands<T>(false, false, ms, d.D, ks, static_cast<T>(d.scale), GemmOperand(dP),
-                             s0 * kn, kn, ko, K, d.D, T(0), dQ + (r0 + s0) * d.D, d.D);
+                             s0 * kn, kn, ko, K, ldk, T(0), dQ + (r0 + s0) * ldq, ldq);
             if (dK)
               gemm_operands<T>(true, false, ks, d.D, ms, static_cast<T>(d.scale), GemmOperand(dP),
-                               s0 * kn, kn, qo, Q + (r0 + s0) * d.D, d.D, T(1), dK, d.D);
+                               s0 * kn, kn, qo, Q + (r0 + s0) * ldq, ldq, T(1), dK, ldk);
           });
         }
       }
@@ -525,7 +695,13 @@ void grad_attention(GradBuilder& g) {
     a.set_float("dropout", at.dropout);
     a.set_int("stream", static_cast<int64_t>(at.stream));
   }
-  std::vector<int> ins = {g.dy(0), g.x(0), g.x(1), g.x(2), g.y(1)};
+  // the same views (Note [attention views]); packed: K and V absent, dQ the packed gradient
+  if (!at.views.empty()) {
+    a.set_ints("views", at.views);
+    a.set_ints("out_shape", n.attrs.get_ints("out_shape", {}, n.label()));
+  }
+  const bool packed = n.inputs.size() < 2 || n.inputs[1] < 0;
+  std::vector<int> ins = {g.dy(0), g.x(0), packed ? -1 : g.x(1), packed ? -1 : g.x(2), g.y(1)};
   const bool has_mask = n.inputs.size() > 3 && n.inputs[3] >= 0;
   ins.push_back(has_mask ? g.x(3) : -1);
   ins.push_back(n.outputs.size() > 1 && n.outputs[1] >= 0 ? g.dy(1) : -1);
@@ -534,11 +710,11 @@ void grad_attention(GradBuilder& g) {
   const bool mask_grad = has_mask && g.needs(3) && is_float(g.val(g.x(3)).dtype);
   std::vector<int> outs = g.emit("AttentionGrad", ins, a, mask_grad ? 4 : 3, "graft");
   g.set_dx(0, outs[0]);
-  if (g.needs(1))
+  if (!packed && g.needs(1))
     g.set_dx(1, outs[1]);
   else
     g.drop_output(outs[1]);
-  if (g.needs(2))
+  if (!packed && g.needs(2))
     g.set_dx(2, outs[2]);
   else
     g.drop_output(outs[2]);
@@ -547,16 +723,24 @@ void grad_attention(GradBuilder& g) {
 
 // Two GEMMs of Tq x Tk x D per (batch, head) forward (half of it under the causal triangle).
 double attention_flops(const Graph& g, const Node& n) {
-  const Shape &q = g.values[n.inputs[0]].shape, &k = g.values[n.inputs[1]].shape;
-  if (q.size() != 4 || k.size() != 4) return 0;
-  const double f = 4.0 * static_cast<double>(q[0] * q[1] * q[2] * k[2] * q[3]);
-  return attention_attrs(n).causal ? f / 2 : f;
+  const AttentionAttrs a = attention_attrs(n);
+  double f = 0;
+  if (!a.views.empty()) {  // [B, H, Hk, Tq, Tk, D, Dv, ...]
+    const std::vector<int64_t>& x = a.views;
+    f = 2.0 * static_cast<double>(x[0] * x[1] * x[3] * x[4]) * static_cast<double>(x[5] + x[6]);
+  } else {
+    const Shape &q = g.values[n.inputs[0]].shape, &k = g.values[n.inputs[1]].shape,
+                &v = g.values[n.inputs[2]].shape;
+    if (q.size() != 4 || k.size() != 4 || v.size() != 4) return 0;
+    f = 2.0 * static_cast<double>(q[0] * q[1] * q[2] * k[2]) * static_cast<double>(q[3] + v[3]);
+  }
+  return a.causal ? f / 2 : f;
 }
 
 const OpDef kOps[] = {
     {.name = "Attention",
      .domain = "graft",
-     .min_in = 3,
+     .min_in = 1,  // (K and V: Note [attention views])
      .max_in = 5,
      .min_out = 1,
      .max_out = 2,
@@ -569,7 +753,7 @@ const OpDef kOps[] = {
      .flops = attention_flops},
     {.name = "AttentionGrad",
      .domain = "graft",
-     .min_in = 5,
+     .min_in = 2,  // (K, V and LSE: the shape function)
      .max_in = 8,
      .min_out = 1,
      .max_out = 4,

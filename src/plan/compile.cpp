@@ -37,6 +37,7 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
   // ---- autodiff: keep for backward what eager PyTorch keeps, no copies of weights ----
   fuse_attention(g);
   rewrite_for_training(g);
+  attention_views(g);
   AutodiffOptions ao = ad;
   ao.alloc = alloc;
   CompiledStep c;

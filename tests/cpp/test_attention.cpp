@@ -509,3 +509,94 @@ TEST(FuseAttention, OnlyTheSameFunctionIsFused) {
 }
 
 }  // namespace
+
+namespace {
+
+// Note [attention views]: Attention over one packed [T, B, 3 E] tensor (K and V absent), E = H D,
+// with `views` as given and O written as [T, B, E]; returns the graph.
+Graph packed_graph(int64_t T, int64_t B, int64_t H, int64_t D, std::vector<int64_t> views) {
+  Graph g;
+  const int x = g.add_input("x", DType::F32, {T, B, 3 * H * D});
+  Attrs a;
+  a.set_ints("views", std::move(views));
+  a.set_ints("out_shape", {T, B, H * D});
+  g.add_op("Attention", {x, -1, -1}, a, 1, "graft", "attn");
+  return g;
+}
+
+}  // namespace
+
+TEST(Attention, ViewsReadThePackedProjectionAsTheFourDOperands) {
+  // [T, B, 3E] as nn.MultiheadAttention's projection writes it: Q, K, V at columns 0, E, 2E, head
+  // h at h D; O as [T, B, E]. The same numbers as a 4-D Attention over copies in [B, H, T, D].
+  const int64_t T = 7, B = 2, H = 3, D = 4, E = H * D, C = 3 * E;
+  Graph g = packed_graph(T, B, H, D, {B, H, H,     T,     T, D, D,     0, C, D, B * C, E,
+                                      C, D, B * C, 2 * E, C, D, B * C, 0, E, D, B * E});
+  infer_shapes(g);  // (the views are valid)
+  Allocator alloc;
+  std::mt19937_64 rng(5);
+  Tensor x = random({T, B, C}, DType::F32, alloc, rng);
+  Tensor o = Tensor::empty({T, B, E}, DType::F32, alloc, Category::Workspace);
+  std::vector<Tensor*> outs = {&o};
+  run_node(g.nodes[0], {&x, nullptr, nullptr}, outs, alloc);
+  // the reference: the 4-D operands copied out of x, through the 4-D op
+  std::vector<Tensor> parts;
+  for (int p = 0; p < 3; ++p) {
+    Tensor t = Tensor::empty({B, H, T, D}, DType::F32, alloc, Category::Workspace);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < T; ++i)
+          for (int64_t e = 0; e < D; ++e)
+            t.data<float>()[((b * H + h) * T + i) * D + e] =
+                x.data<float>()[(i * B + b) * C + p * E + h * D + e];
+    parts.push_back(t);
+  }
+  Node n;
+  n.op = "Attention";
+  n.domain = "graft";
+  n.name = "ref";
+  n.inputs = {0, 0, 0};
+  n.outputs = {0};
+  Tensor ref = Tensor::empty({B, H, T, D}, DType::F32, alloc, Category::Workspace);
+  std::vector<Tensor*> routs = {&ref};
+  run_node(n, {&parts[0], &parts[1], &parts[2]}, routs, alloc);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i)
+        for (int64_t e = 0; e < D; ++e)
+          EXPECT_NEAR(o.data<float>()[(i * B + b) * E + h * D + e],
+                      ref.data<float>()[((b * H + h) * T + i) * D + e], 1e-6);
+}
+
+TEST(Attention, ViewsThatDoNotCoverTheirTensorOnceAreRefused) {
+  const int64_t T = 3, B = 2, H = 2, D = 4, E = H * D, C = 3 * E;
+  const std::vector<int64_t> good = {B, H, H,     T,     T, D, D,     0, C, D, B * C, E,
+                                     C, D, B * C, 2 * E, C, D, B * C, 0, E, D, B * E};
+  auto refused = [&](std::vector<int64_t> v, const std::string& why) {
+    Graph g = packed_graph(T, B, H, D, std::move(v));
+    try {
+      infer_shapes(g);
+      ADD_FAILURE() << "accepted: " << why;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'attn'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("views"), std::string::npos) << e.what();
+    }
+  };
+  Graph ok = packed_graph(T, B, H, D, good);
+  EXPECT_NO_THROW(infer_shapes(ok));
+  std::vector<int64_t> v = good;
+  v[11] = 2 * E;  // K where V is: they overlap (and E..2E is never read)
+  refused(v, "K over V");
+  v = good;
+  v[10] = B * C + 1;  // Q's row stride past the tensor
+  refused(v, "rows out of bounds");
+  v = good;
+  v[8] = -C;  // a negative stride
+  refused(v, "negative stride");
+  v = good;
+  v[21] = D + 1;  // O's head stride leaves gaps in out_shape
+  refused(v, "O with gaps");
+  v = good;
+  v.pop_back();
+  refused(v, "too few values");
+}

@@ -461,6 +461,36 @@ std::vector<Case> cases() {
        1e-6,
        1e-6,
        "graft"},
+      // Note [attention views]: the heads read and written in place. Packed as
+      // nn.MultiheadAttention's projection writes them, [T=4, B=2, 3 x (H=2 x D=3)], K and V
+      // absent, O [T, B, H D]; and separate batch-first [B, T, H D] tensors with grouped-query
+      // heads, Dv != D, causal, dropout and a float mask.
+      {"attention_views_packed",
+       "Attention",
+       {In::f({4, 2, 18}), In::none(), In::none()},
+       A([](Attrs& a) {
+         a.set_ints("views", {2, 2,  2, 4,  4, 3,  3,  // B H Hk Tq Tk D Dv
+                              0, 18, 3, 36, 6, 18, 3, 36, 12, 18, 3, 36, 0, 6, 3, 12});
+         a.set_ints("out_shape", {4, 2, 6});
+       }),
+       2,
+       1e-6,
+       1e-6,
+       "graft"},
+      {"attention_views_batch_first_gqa_causal_dropout_mask",
+       "Attention",
+       {In::f({2, 5, 8}), In::f({2, 5, 4}), In::f({2, 5, 6}), In::f({5, 5})},
+       A([](Attrs& a) {
+         a.set_ints("views", {2, 4,  2, 5, 5, 2,  3,  // B H Hk Tq Tk D Dv
+                              0, 40, 2, 8, 0, 20, 2, 4, 0, 30, 3, 6, 0, 60, 3, 12});
+         a.set_ints("out_shape", {2, 5, 12});
+         a.set_int("causal", 1);
+         a.set_float("dropout", 0.3);
+       }),
+       2,
+       1e-6,
+       1e-6,
+       "graft"},
       // LSTM / GRU: X [T=3, B=2, I=3], hidden 2; every output feeds the loss.
       {"lstm",
        "LSTM",

@@ -111,6 +111,54 @@ def test_long_causal_attention_trains_as_eager(dtype):
     assert _fused(g)[0]
 
 
+class PackedProjection(nn.Module):
+    """One projection for Q, K and V: sequence-first as nn.MultiheadAttention writes it (a [T, B, 3D]
+    projection taken apart by unflatten, transpose, contiguous and per operand view + transpose;
+    the output permuted back), or batch-first as GPT-2 does (split, view, transpose(1, 2))."""
+
+    def __init__(self, seq_first):
+        super().__init__()
+        self.seq_first = seq_first
+        self.qkv = nn.Linear(D, 3 * D)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        dh = D // H
+        if self.seq_first:
+            proj = self.qkv(x.transpose(0, 1))
+            q, k, v = proj.unflatten(-1, (3, D)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+            q, k, v = (y.view(t, b * H, dh).transpose(0, 1).view(b, H, t, dh) for y in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v)
+            return self.o(y.permute(2, 0, 1, 3).reshape(t * b, D)).view(t, b, D).transpose(0, 1)
+        q, k, v = self.qkv(x).split(D, dim=2)
+        q, k, v = (y.view(b, t, H, dh).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, D))
+
+
+@pytest.mark.parametrize("views", ["1", "0"], ids=["views", "no_views"])
+@pytest.mark.parametrize("seq_first", [True, False], ids=["sequence_first", "batch_first"])
+def test_attention_reads_a_packed_projection_in_place(seq_first, views, monkeypatch):
+    """Note [attention reads its heads in place] (src/autodiff/fuse_attention.cpp): the attention
+    reads Q, K and V where the packed projection wrote them and writes its output where the output
+    projection reads it, so the step runs none of the transposes, splits and copies between them,
+    nor their gradients: what is left is the sequence-first model's own x.transpose(0, 1) and the
+    one back (and their gradients). Trained as eager (float64) with and without the rewrite
+    (GRAFT_ATTENTION_VIEWS=0, which runs the copies)."""
+    monkeypatch.setenv("GRAFT_PROFILE", "1")
+    monkeypatch.setenv("GRAFT_ATTENTION_VIEWS", views)
+    g = parity.train_both(PackedProjection(seq_first), _cast(tokens, torch.float64), steps=2,
+                          dtype=torch.float64, rtol=1e-7, atol=1e-9)
+    assert _fused(g)[0]
+    copies = [op for _, op, _ in g.op_times() if op in ("Transpose", "Split", "Concat")]
+    own = 4 if seq_first else 0  # (at most: a transpose's gradient may be a view)
+    if views == "1":
+        assert set(copies) <= {"Transpose"} and len(copies) <= own, copies
+    else:
+        assert len(copies) > own + 4, copies
+
+
 class Dropped(nn.Module):
     def __init__(self, p, causal):
         super().__init__()
@@ -166,14 +214,16 @@ def test_a_transformer_layer_with_dropout_runs_the_fused_attention():
     """nn.TransformerEncoderLayer's default dropout (0.1) reaches the attention in training, where
     PyTorch runs its math path (its fused CPU kernel has no dropout): graft fuses the written-out
     attention (Note [attention written out], src/autodiff/fuse_attention.cpp) and what the step
-    keeps holds no T x T tensor."""
+    keeps holds no T x T tensor (at T = 24: at T = 12 the packed [T, B, 3 D] projection the
+    attention reads in place, kept instead of Q, K and V, has the bytes of one)."""
     from graft import GraftModule
     torch.manual_seed(0)
     g = GraftModule(nn.TransformerEncoderLayer(D, H, dim_feedforward=32, batch_first=True))
-    loss = g(tokens(0)[0]).square().mean()
+    t = 2 * T
+    loss = g(torch.randn(B, t, D, generator=torch.Generator().manual_seed(0))).square().mean()
     loss.backward()
     fused, biggest = _fused(g)
-    assert fused and torch.isfinite(loss) and biggest < B * H * T * T * 4, biggest
+    assert fused and torch.isfinite(loss) and biggest < B * H * t * t * 4, biggest
 
 
 class MathPath(nn.Module):
