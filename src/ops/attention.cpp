@@ -225,13 +225,17 @@ Dims check_views(InferCtx& c, const std::vector<int64_t>& views, int first, cons
   // against a tensor of `numel` elements (in 128 bits: views are untrusted input).
   auto add_rows = [&](const char* what, const HeadView& hv, int64_t heads, int64_t T, int64_t len,
                       int64_t numel, std::vector<std::pair<int64_t, int64_t>>& rows) {
-    using I = __int128;
+    using I = __int128;  // (each product below is of two values under 2^63: no overflow)
     c.check(hv.off >= 0 && hv.sb >= 0 && hv.sh >= 0 && hv.st >= 0,
             std::string("views: ") + what + "'s offset and strides must not be negative");
-    const I count = I(d.B) * heads * T;
-    c.check(count * len <= numel,
-            std::string("views: ") + what + " has more elements than its tensor");
+    I count = 1;
+    for (int64_t f : {d.B, heads, T, len}) {
+      count *= f;
+      c.check(count <= numel, std::string("views: ") + what + " has more elements than its tensor");
+    }
     if (count == 0) return;
+    c.check(hv.off <= numel && hv.sb <= numel && hv.sh <= numel && hv.st <= numel,
+            std::string("views: ") + what + " reaches past its tensor's end");
     const I last = I(hv.off) + I(d.B - 1) * hv.sb + I(heads - 1) * hv.sh + I(T - 1) * hv.st + len;
     c.check(last <= numel, std::string("views: ") + what + " reaches past its tensor's end");
     for (int64_t b = 0; b < d.B; ++b)

@@ -597,6 +597,9 @@ TEST(Attention, ViewsThatDoNotCoverTheirTensorOnceAreRefused) {
   v[21] = D + 1;  // O's head stride leaves gaps in out_shape
   refused(v, "O with gaps");
   v = good;
+  v[0] = v[1] = v[2] = v[3] = v[4] = int64_t{1} << 62;  // sizes whose product overflows 128 bits
+  refused(v, "huge sizes");
+  v = good;
   v.pop_back();
   refused(v, "too few values");
 }
