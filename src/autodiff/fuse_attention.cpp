@@ -531,23 +531,31 @@ std::vector<int64_t> perm_of(const Node& n, size_t rank) {
   return p;
 }
 
+// `v` through Transpose node n: out dim i is in dim perm[i] (`inverse`: the other way), or false
+// where the permutation does not fit v.
+bool transpose_view(const Node& n, StridedView& v, bool inverse) {
+  const int64_t rank = static_cast<int64_t>(v.dims.size());
+  const std::vector<int64_t> p = perm_of(n, v.dims.size());
+  if (static_cast<int64_t>(p.size()) != rank) return false;
+  std::vector<std::vector<Atom>> dims(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] < 0 || p[i] >= rank) return false;
+    if (inverse)
+      dims[p[i]] = v.dims[i];
+    else
+      dims[i] = v.dims[p[i]];
+  }
+  v.dims = std::move(dims);
+  return true;
+}
+
 // The view `out` (output `slot` of node n) is of n's input 0, applied to `v` (a view of some tensor
 // as n's input 0): v becomes out's view of that tensor. False where n is no layout op it follows.
 bool forward_through(const Graph& g, const Node& n, int slot, StridedView& v) {
   const Shape& out = g.values[n.outputs[slot]].shape;
   if (is_reshape_like(n)) return reshape_view(v, out);
+  if (is_onnx(n, "Transpose")) return transpose_view(n, v, false);
   const int64_t rank = static_cast<int64_t>(v.dims.size());
-  if (is_onnx(n, "Transpose")) {
-    const std::vector<int64_t> p = perm_of(n, v.dims.size());
-    if (static_cast<int64_t>(p.size()) != rank) return false;
-    std::vector<std::vector<Atom>> dims(p.size());
-    for (size_t i = 0; i < p.size(); ++i) {
-      if (p[i] < 0 || p[i] >= rank) return false;
-      dims[i] = v.dims[p[i]];
-    }
-    v.dims = std::move(dims);
-    return true;
-  }
   // a part of one axis (a Split's, or a constant index's): that axis must have one stride
   int64_t ax = n.attrs.get_int("axis", 0, n.label()), start = 0, stride = 0;
   if (ax < 0) ax += rank;
@@ -578,17 +586,7 @@ bool forward_through(const Graph& g, const Node& n, int slot, StridedView& v) {
 // The inverse: `v` is a view (of some tensor) of n's output; it becomes the view of n's input 0.
 bool backward_through(const Graph& g, const Node& n, StridedView& v) {
   if (is_reshape_like(n)) return reshape_view(v, g.values[n.inputs[0]].shape);
-  if (!is_onnx(n, "Transpose")) return false;
-  const int64_t rank = static_cast<int64_t>(v.dims.size());
-  const std::vector<int64_t> p = perm_of(n, v.dims.size());
-  if (static_cast<int64_t>(p.size()) != rank) return false;
-  std::vector<std::vector<Atom>> dims(p.size());
-  for (size_t i = 0; i < p.size(); ++i) {
-    if (p[i] < 0 || p[i] >= rank) return false;
-    dims[p[i]] = v.dims[i];
-  }
-  v.dims = std::move(dims);
-  return true;
+  return is_onnx(n, "Transpose") && transpose_view(n, v, true);
 }
 
 // A [B, H, T, D] view whose dims each have one stride, D's 1: appends its (offset, batch, head,
@@ -721,9 +719,8 @@ bool rewrite_views(Graph& g, int ni, const std::vector<std::vector<int>>& cons,
         unread = unread && (out < 0 || (readers[out] == 0 && !outs.count(out)));
       if (!unread || m.dead) break;
       m.dead = true;
-      std::set<int> ins(m.inputs.begin(), m.inputs.end());
-      for (int i : ins)
-        if (i >= 0) readers[i] -= static_cast<int>(std::count(m.inputs.begin(), m.inputs.end(), i));
+      for (int i : m.inputs)
+        if (i >= 0) --readers[i];
       x = m.inputs[0];
     }
   }

@@ -81,7 +81,6 @@ struct Dims {
   bool causal;
   double scale;
   HeadView q, k, v, o;  // where each (batch, head)'s rows are, and their stride
-  bool packed = false;  // K's and V's views are in Q's tensor (and their gradients in dQ's)
   // The mask's strides (in elements) over [B, H, Tq, Tk], 0 along broadcast dimensions.
   bool has_mask = false, bool_mask = false;
   int64_t ms[4] = {0, 0, 0, 0};
@@ -169,7 +168,6 @@ void set_views(Dims& d, const std::vector<int64_t>& views, const Shape& q, const
 Dims dims_of(const AttentionAttrs& a, const Tensor& q, const Tensor* k, const Tensor* v,
              const Tensor* mask, const Tensor* scale) {
   Dims d{};
-  d.packed = k == nullptr;
   static const Shape none;
   set_views(d, a.views, q.shape(), k ? k->shape() : none, v ? v->shape() : none);
   d.causal = a.causal;
@@ -198,8 +196,7 @@ DType qkv_dtype(InferCtx& c, int first) {
   return c.dtype(first);
 }
 
-// Whether rows of `len` elements starting at each of `starts` tile [0, numel) exactly: each
-// element in one row, none outside.
+// Whether `rows` (start, length) tile [0, numel) exactly: each element in one row, none outside.
 bool tiles_exactly(std::vector<std::pair<int64_t, int64_t>>& rows, int64_t numel) {
   std::sort(rows.begin(), rows.end());
   int64_t at = 0;
@@ -242,28 +239,25 @@ Dims check_views(InferCtx& c, const std::vector<int64_t>& views, int first, cons
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t t = 0; t < T; ++t) rows.push_back({hv.at(b, h) + t * hv.st, len});
   };
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  const int64_t qn = numel(c.shape(first));
-  add_rows("Q", d.q, d.H, d.Tq, d.D, qn, rows);
+  // Each tensor's operands, rows of them all, must tile it.
+  auto covers = [&](std::initializer_list<int> operands, int64_t numel, const char* msg) {
+    const HeadView* hv[4] = {&d.q, &d.k, &d.v, &d.o};
+    const int64_t heads[4] = {d.H, d.Hk, d.Hk, d.H}, T[4] = {d.Tq, d.Tk, d.Tk, d.Tq},
+                  len[4] = {d.D, d.D, d.Dv, d.Dv};
+    const char* what[4] = {"Q", "K", "V", "O"};
+    std::vector<std::pair<int64_t, int64_t>> rows;
+    for (int i : operands) add_rows(what[i], *hv[i], heads[i], T[i], len[i], numel, rows);
+    c.check(tiles_exactly(rows, numel), msg);
+  };
   if (packed) {
-    add_rows("K", d.k, d.Hk, d.Tk, d.D, qn, rows);
-    add_rows("V", d.v, d.Hk, d.Tk, d.Dv, qn, rows);
+    covers({0, 1, 2}, numel(c.shape(first)),
+           "views: Q, K and V must cover their tensor exactly once");
+  } else {
+    covers({0}, numel(c.shape(first)), "views: Q must cover its tensor exactly once");
+    covers({1}, numel(c.shape(first + 1)), "views: K must cover its tensor exactly once");
+    covers({2}, numel(c.shape(first + 2)), "views: V must cover its tensor exactly once");
   }
-  c.check(tiles_exactly(rows, qn), packed ? "views: Q, K and V must cover their tensor exactly once"
-                                          : "views: Q must cover its tensor exactly once");
-  if (!packed) {
-    rows.clear();
-    add_rows("K", d.k, d.Hk, d.Tk, d.D, numel(c.shape(first + 1)), rows);
-    c.check(tiles_exactly(rows, numel(c.shape(first + 1))),
-            "views: K must cover its tensor exactly once");
-    rows.clear();
-    add_rows("V", d.v, d.Hk, d.Tk, d.Dv, numel(c.shape(first + 2)), rows);
-    c.check(tiles_exactly(rows, numel(c.shape(first + 2))),
-            "views: V must cover its tensor exactly once");
-  }
-  rows.clear();
-  add_rows("O", d.o, d.H, d.Tq, d.Dv, numel(o_shape), rows);
-  c.check(tiles_exactly(rows, numel(o_shape)), "views: O must cover out_shape exactly once");
+  covers({3}, numel(o_shape), "views: O must cover out_shape exactly once");
   return d;
 }
 
@@ -728,16 +722,17 @@ void grad_attention(GradBuilder& g) {
 // Two GEMMs of Tq x Tk x D per (batch, head) forward (half of it under the causal triangle).
 double attention_flops(const Graph& g, const Node& n) {
   const AttentionAttrs a = attention_attrs(n);
-  double f = 0;
-  if (!a.views.empty()) {  // [B, H, Hk, Tq, Tk, D, Dv, ...]
-    const std::vector<int64_t>& x = a.views;
-    f = 2.0 * static_cast<double>(x[0] * x[1] * x[3] * x[4]) * static_cast<double>(x[5] + x[6]);
-  } else {
+  Dims d{};
+  if (a.views.empty()) {
     const Shape &q = g.values[n.inputs[0]].shape, &k = g.values[n.inputs[1]].shape,
                 &v = g.values[n.inputs[2]].shape;
     if (q.size() != 4 || k.size() != 4 || v.size() != 4) return 0;
-    f = 2.0 * static_cast<double>(q[0] * q[1] * q[2] * k[2]) * static_cast<double>(q[3] + v[3]);
+    set_views(d, a.views, q, k, v);
+  } else {
+    set_views(d, a.views, {}, {}, {});
   }
+  const double f =
+      2.0 * static_cast<double>(d.B * d.H * d.Tq * d.Tk) * static_cast<double>(d.D + d.Dv);
   return a.causal ? f / 2 : f;
 }
 

@@ -69,15 +69,17 @@ namespace graft {
 namespace {
 constexpr int64_t kMinBytes = int64_t{64} << 10;
 
-// Operand A or B of a float32 matrix product (not Gemm's C); Q, K or V of graft's attention,
-// which reads them only as operands of its products (Q K^T, P V; in the backward Q K^T again,
-// dO V^T, dS K and dS^T Q); X of a convolution that runs on oneDNN's bf16 primitives (not a
-// depthwise one: graft's own kernels run those) and of its gradient, which reads it for dW only;
-// Y of ReluGrad, which reads only its sign (Note [bf16 activations]).
+// A float32 matrix product: Gemm, MatMul, FusedMatMul.
 bool matrix_product(const Node& n) {
   return (n.domain.empty() && (n.op == "Gemm" || n.op == "MatMul")) ||
          (n.domain == "graft" && n.op == "FusedMatMul");
 }
+// Operand A or B of a float32 matrix product (not Gemm's C); Q, K or V of graft's attention (or
+// their packed tensor, Note [attention views]), which reads them only as operands of its products
+// (Q K^T, P V; in the backward Q K^T again, dO V^T, dS K and dS^T Q); X of a convolution that runs
+// on oneDNN's bf16 primitives (not a depthwise one: graft's own kernels run those) and of its
+// gradient, which reads it for dW only; Y of ReluGrad, which reads only its sign (Note [bf16
+// activations]).
 bool product_operand(const Graph& g, const Node& n, int slot) {
   if (n.domain == "graft" && n.op == "Attention") return slot < 3;
   if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
