@@ -2,7 +2,9 @@
 
     python3 bench/real_size_table.py bench/results/real-size/run-amd-all.json
 
-Prints the float32 table (step, peak anonymous memory, first call, share of the GEMM ceiling) and
+Prints the float32 table (step, peak anonymous memory, first call, share of the GEMM ceiling: the
+step's matrix-product FLOPs at the run's measured GEMM rate over the step time, so eager's share is
+also the lowest step, as a fraction of eager's, that any system doing those products can reach) and
 the bf16 table (step, memory, first call, first losses) for the models the run has, the lowest
 step and memory of each row in bold, then each system's rounds. Only what the JSON holds.
 """
@@ -35,17 +37,17 @@ def main(path):
     if fp32:
         print("| model | step s: eager / compile / compile-max / graft hook / graft step | graft step / compile's best"
               " | graft step / eager | peak anon GiB: eager / compile / compile-max / graft hook / graft step"
-              " | first call s: eager / compile / compile-max / graft step | GEMM ceiling: compile's best / graft step |")
+              " | first call s: eager / compile / compile-max / graft step | GEMM ceiling: eager / compile's best / graft step |")
         print("|---|---|---|---|---|---|---|")
     for m in fp32:
         steps, peaks = [step(m, s) for s in FP32], [peak(m, s) for s in FP32]
         best_compile = min(("compile", "compile-max"), key=lambda s: step(m, s))
-        share = {s: rows[(m, s)].get("gemm_fraction", float("nan")) for s in (best_compile, "graft-step")}
+        share = {s: rows[(m, s)].get("gemm_fraction", float("nan")) for s in ("eager", best_compile, "graft-step")}
         print(f"| {NAMES[m]} | " + " / ".join(bold(x, min(steps), ".2f") for x in steps)
               + f" | {step(m, 'graft-step') / step(m, best_compile):.2f} | {step(m, 'graft-step') / step(m, 'eager'):.2f} | "
               + " / ".join(bold(x, min(peaks), ".2f") for x in peaks) + " | "
               + " / ".join(f"{first(m, s):.1f}" for s in ("eager", "compile", "compile-max", "graft-step"))
-              + f" | {100 * share[best_compile]:.0f}% / {100 * share['graft-step']:.0f}% |")
+              + f" | {100 * share['eager']:.0f}% / {100 * share[best_compile]:.0f}% / {100 * share['graft-step']:.0f}% |")
     bf16 = [m for m in NAMES if all((m, s) in rows for s in BF16)]
     if bf16:
         print()
