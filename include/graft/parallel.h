@@ -15,6 +15,13 @@ namespace graft {
 void set_num_threads(int n);
 int num_threads();
 
+// Note [OpenBLAS under a data limit] (thread_pool.cpp): throws Error(OutOfMemory), naming the
+// limit and what to do, when a data-size limit (ulimit -d) leaves no room for the buffers
+// OpenBLAS's worker threads reserve (`threads` of them in all, the calling thread included) and
+// would otherwise retry forever. set_num_threads checks a larger count before it starts the new
+// workers; the command line checks the ones started with the library before anything else.
+void check_blas_room(int threads);
+
 // Threads for graft's own loops (per channel, per plane): num_threads(), at least one.
 inline int max_threads() { return std::max(1, num_threads()); }
 

@@ -2,15 +2,26 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 
 #include "commands.h"
+#include "graft/parallel.h"
 
 int main(int argc, char** argv) {
   using namespace graft::cli;
   // A file-size limit (ulimit -f) must not kill us mid-write: with SIGXFSZ ignored the write fails
   // with EFBIG, which the writers report as a typed Io error after removing their temporary file.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Note [OpenBLAS under a data limit]: the workers OpenBLAS started as it loaded may be spinning
+  // on a buffer that the data-size limit refuses. Refuse before any work, and leave with _Exit:
+  // a normal exit would wait to join such a worker forever.
+  try {
+    graft::check_blas_room(graft::num_threads());
+  } catch (const graft::Error& e) {
+    std::fprintf(stderr, "graft: %s\n", e.what());
+    std::_Exit(2);
+  }
   CLI::App app{"graft: a C++ training runtime for ONNX graphs"};
   app.require_subcommand(1);
 

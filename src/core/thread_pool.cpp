@@ -2,16 +2,19 @@
 // graft's own persistent workers, parallel_ranges, and the thread count shared with the GEMM
 // libraries (OpenBLAS, oneDNN).
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
 
+#include "graft/core.h"
 #include "graft/parallel.h"
 
 // libgomp's and OpenBLAS's entry points (graft links both: libgomp is the OpenMP runtime of
@@ -23,8 +26,57 @@ extern "C" int openblas_get_num_threads(void);
 
 namespace graft {
 
+// Note [OpenBLAS under a data limit]
+// Debian's OpenBLAS (0.3.21, pthreads) starts its worker threads when the library loads (one fewer
+// than its thread count) and when openblas_set_num_threads asks for more; each reserves a
+// BUFFER_SIZE buffer (128 MiB of address space, mostly never touched) with malloc as it starts,
+// and retries forever when that fails (blas_memory_alloc). Under an RLIMIT_DATA (ulimit -d) with
+// less room than that, such a worker spins on a core and never becomes ready: the process then
+// finishes its work and hangs at exit joining it (its buffered output lost), or hangs in the first
+// product OpenBLAS splits over its threads. check_blas_room turns that into an error: it counts
+// the buffers not yet in the process's data size (VmData, which the limit bounds; a worker that
+// got its buffer has added 128 MiB to it) and refuses when the limit leaves less room than they
+// need. OPENBLAS_NUM_THREADS=1 (no workers) or a higher limit avoids it. A buffer the calling
+// thread reserves at its first large OpenBLAS product (graft's large float32 products run on
+// oneDNN; OpenBLAS takes the small, the float64 and Note [a ragged N]'s) is not covered.
+namespace {
+constexpr int64_t kBlasBuffer = (int64_t{128} << 20) + (int64_t{8} << 10);  // + malloc's header
+int64_t vm_data_bytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  long long kb = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmData: %lld kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+}  // namespace
+
+void check_blas_room(int threads) {
+  struct rlimit rl;
+  if (threads <= 1 || getrlimit(RLIMIT_DATA, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return;
+  const int64_t data = vm_data_bytes();
+  if (data < 0) return;
+  const int64_t limit = static_cast<int64_t>(rl.rlim_cur);
+  const int64_t workers = threads - 1;
+  const int64_t missing = std::max<int64_t>(0, workers - data / kBlasBuffer);
+  if (missing == 0 || limit - data >= missing * kBlasBuffer) return;
+  const int64_t mib = int64_t{1} << 20;
+  throw Error(ErrorKind::OutOfMemory,
+              "the data-size limit (ulimit -d) of " + std::to_string(limit / mib) + " MiB leaves " +
+                  std::to_string(std::max<int64_t>(0, limit - data) / mib) +
+                  " MiB, and OpenBLAS's " + std::to_string(threads) + " threads need " +
+                  std::to_string(missing * kBlasBuffer / mib) +
+                  " MiB more for their buffers (128 MiB each; under the limit OpenBLAS would retry "
+                  "forever): raise the limit to at least " +
+                  std::to_string((data + missing * kBlasBuffer) / mib + 64) +
+                  " MiB, or run with OPENBLAS_NUM_THREADS=1 (and --threads 1)");
+}
+
 void set_num_threads(int n) {
   if (n > 0) {
+    if (n > openblas_get_num_threads()) check_blas_room(n);
     openblas_set_num_threads(n);
     omp_set_num_threads(n);  // oneDNN's threads (float32 and bf16 GEMMs, convolutions)
   }

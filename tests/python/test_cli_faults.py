@@ -266,6 +266,26 @@ def test_file_size_limit_while_checkpointing_is_a_typed_error(models, tmp_path):
     assert not [n for n in names if n.startswith("ckpt-")], names
 
 
+# ---- 6b. a data-size limit without room for OpenBLAS's threads ---------------------------------------
+
+def test_a_data_limit_without_room_for_openblas_threads_is_a_typed_error_not_a_hang(models):
+    """Note [OpenBLAS under a data limit]: each OpenBLAS worker thread reserves 128 MiB as it starts
+    and retries forever when the limit refuses it (the process used to hang at exit joining it)."""
+    limit = "ulimit -d 100000; "  # KiB: room for graft on one thread, not for a second OpenBLAS buffer
+    p = graft(*train(models["reg"], "--inputs", models["x"], models["y"]),
+              shell_prefix=limit + "export OPENBLAS_NUM_THREADS=2")
+    refused(p, "out of memory", "ulimit -d", "OpenBLAS's 2 threads", "OPENBLAS_NUM_THREADS=1")
+    assert p.stdout == ""
+    # What the message advises works under the same limit ...
+    ok = graft(*train(models["reg"], "--inputs", models["x"], models["y"]),
+               shell_prefix=limit + "export OPENBLAS_NUM_THREADS=1")
+    assert ok.returncode == 0 and "step 2" in ok.stdout, (ok.stdout, ok.stderr)
+    # ... and asking for the second thread there is refused before OpenBLAS starts it.
+    p = graft("train", models["reg"], "--loss", "loss", "--steps", 1, "--threads", 2, "--inputs", models["x"],
+              models["y"], shell_prefix=limit + "export OPENBLAS_NUM_THREADS=1")
+    refused(p, "out of memory", "OpenBLAS's 2 threads")
+
+
 # ---- 7. SIGINT / SIGTERM ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT-130", "SIGTERM-143"])
