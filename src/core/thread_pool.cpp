@@ -36,7 +36,10 @@ namespace graft {
 // product OpenBLAS splits over its threads. check_blas_room turns that into an error: it counts
 // the buffers not yet in the process's data size (VmData, which the limit bounds; a worker that
 // got its buffer has added 128 MiB to it) and refuses when the limit leaves less room than they
-// need. OPENBLAS_NUM_THREADS=1 (no workers) or a higher limit avoids it. A buffer the calling
+// need. That count takes each 128 MiB of the data size for a buffer already reserved, so in a
+// process that holds much more (Python with torch) it finds none missing and never refuses: the
+// check is for the command line, whose data size before the model is ~10 MiB.
+// OPENBLAS_NUM_THREADS=1 (no workers) or a higher limit avoids the hang. A buffer the calling
 // thread reserves at its first large OpenBLAS product (graft's large float32 products run on
 // oneDNN; OpenBLAS takes the small, the float64 and Note [a ragged N]'s) is not covered.
 namespace {
