@@ -238,6 +238,9 @@ class ScratchBlock {
 // Memory this process may still take, in bytes: the smaller of /proc/meminfo's MemAvailable and
 // what its cgroup (v2 memory.max, v1 limit_in_bytes) leaves; -1 when neither can be read.
 int64_t available_memory_bytes();
+// A "Key:   123 kB" line of a /proc file (/proc/self/status, /proc/meminfo), in bytes; -1 if the
+// file or the key is absent.
+int64_t proc_kb_field(const char* file, const char* key);
 
 // ---------------------------------------------------------------------------------------------
 // A dense, contiguous, row-major tensor. Copies share storage (like torch.Tensor).

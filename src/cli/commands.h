@@ -82,8 +82,6 @@ bool parse_precision(const std::string& p);
 double median(std::vector<double> v);
 std::map<std::string, Shape> parse_shapes(const std::vector<std::string>& specs);
 std::string human_bytes(int64_t b);
-// A "Key:   123 kB" line of /proc/self/status or /proc/meminfo, in bytes; -1 if absent.
-int64_t proc_kb_field(const char* file, const char* key);
 int64_t vm_rss();  // this process's resident set now (VmRSS), bytes; -1 if unknown
 int64_t vm_hwm();  // and at its peak (VmHWM)
 // Anonymous bytes now: resident minus shared (file-backed + shmem) pages, /proc/self/statm; -1 if

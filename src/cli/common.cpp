@@ -21,16 +21,6 @@
 namespace graft::cli {
 namespace fs = std::filesystem;
 
-int64_t proc_kb_field(const char* file, const char* key) {
-  std::ifstream f(file);
-  std::string line;
-  const size_t n = std::strlen(key);
-  while (std::getline(f, line))
-    if (line.compare(0, n, key) == 0 && line.size() > n && line[n] == ':')
-      return std::stoll(line.substr(n + 1)) * 1024;
-  return -1;
-}
-
 int64_t vm_rss() { return proc_kb_field("/proc/self/status", "VmRSS"); }
 int64_t vm_hwm() { return proc_kb_field("/proc/self/status", "VmHWM"); }
 

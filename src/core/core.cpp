@@ -477,20 +477,23 @@ int64_t read_int_file(const char* path) {
   if (!ok || buf[0] < '0' || buf[0] > '9') return -1;  // "max" or garbage: no limit
   return std::strtoll(buf, nullptr, 10);
 }
-int64_t meminfo_available() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
+}  // namespace
+
+int64_t proc_kb_field(const char* file, const char* key) {
+  std::FILE* f = std::fopen(file, "r");
   if (!f) return -1;
+  const size_t n = std::strlen(key);
   char line[256];
   int64_t kb = -1;
-  while (std::fgets(line, sizeof line, f))
-    if (std::strncmp(line, "MemAvailable:", 13) == 0) kb = std::strtoll(line + 13, nullptr, 10);
+  while (kb < 0 && std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, key, n) == 0 && line[n] == ':')
+      kb = std::strtoll(line + n + 1, nullptr, 10);
   std::fclose(f);
   return kb < 0 ? -1 : kb * 1024;
 }
-}  // namespace
 
 int64_t available_memory_bytes() {
-  int64_t avail = meminfo_available();
+  int64_t avail = proc_kb_field("/proc/meminfo", "MemAvailable");
   auto room = [&](const char* limit_file, const char* usage_file) {
     int64_t limit = read_int_file(limit_file), used = read_int_file(usage_file);
     if (limit <= 0 || used < 0 || limit >= (int64_t(1) << 60)) return;

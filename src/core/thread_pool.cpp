@@ -7,7 +7,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -44,22 +43,12 @@ namespace graft {
 // oneDNN; OpenBLAS takes the small, the float64 and Note [a ragged N]'s) is not covered.
 namespace {
 constexpr int64_t kBlasBuffer = (int64_t{128} << 20) + (int64_t{8} << 10);  // + malloc's header
-int64_t vm_data_bytes() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  long long kb = -1;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "VmData: %lld kB", &kb) == 1) break;
-  std::fclose(f);
-  return kb < 0 ? -1 : kb * 1024;
-}
 }  // namespace
 
 void check_blas_room(int threads) {
   struct rlimit rl;
   if (threads <= 1 || getrlimit(RLIMIT_DATA, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return;
-  const int64_t data = vm_data_bytes();
+  const int64_t data = proc_kb_field("/proc/self/status", "VmData");
   if (data < 0) return;
   const int64_t limit = static_cast<int64_t>(rl.rlim_cur);
   const int64_t workers = threads - 1;
