@@ -29,6 +29,23 @@
 // in bf16 (TrainSession::forward refuses a float32 step: build a float32 session for that).
 // CompileOptions::bf16_operands = false (GRAFT_BF16_OPERANDS=0 in GraftModule) turns it off.
 //
+// Note [bf16 gradient operands]
+// The backward's own values meet the products too: a Linear layer's output gradient dY is read by
+// dX = dY W^T and by dW = X^T dY, and each of those products rounded the float32 dY to bfloat16
+// on its own (a pass over dY per product: `perf` put that rounding at 4% of ViT-B/16's bf16 step,
+// the largest item after the products). So a backward value that two or more products read as an
+// operand gets U16 = RoundToBf16(U) right after its writer, and those products read U16: rounded
+// once, with the same rounding, so the step's results are bit-identical. Unlike a forward value,
+// U keeps its other readers in float32 (the bias gradient's sum over dY, a LayerNorm gradient),
+// and the products' U16 is a value of its own (no view of U is retyped); U then dies at its last
+// float32 reader, or at the rounding where it has none. A sink that waits for U (it orders a
+// parameter's update after the backward's reads of it: order_updates_after_reads) waits for U16.
+// While U16 lives beside U it adds half of U's bytes, so a value whose buffer is live at the peak
+// of the plan without these roundings keeps its two roundings: a language model's logits
+// gradient, read by the head's two products at the start of the backward, where the step peaks
+// (GPT-2 124M bf16: planned peak 1057 -> 1103 MiB when it too was rounded; BERT-base 851 -> 878).
+// GRAFT_BF16_GRAD_OPERANDS=0 leaves the backward's values alone (an A/B switch).
+//
 // Note [bf16 activations]
 // Convolutional networks keep most of their activations for the backward in two kinds of values
 // (ResNet-50, batch 16: 1.35 GB of the 1.36 GB saved): what each ReLU outputs, read by the next
@@ -58,7 +75,9 @@
 // GeluGrad) take either dtype, and a convolution without a oneDNN bf16 primitive widens the bits
 // into float32 scratch.
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
+#include <string>
 
 #include "graft/autodiff.h"
 #include "graft/ops.h"
@@ -107,6 +126,33 @@ bool rounded_output_reader(const Node& writer, const Node& n, int slot, bool dir
   return matrix_product(writer) && ((n.domain.empty() && n.op == "Gelu" && slot == 0) ||
                                     (n.domain == "graft" && n.op == "GeluGrad" && slot == 1));
 }
+
+// Moves the new RoundToBf16 nodes (rounds_after[w]: those to run right after node w; all appended
+// after the first n_old nodes) after their writers, so a value lives no longer than it did in
+// float32 before its first reader, and renumbers node indices (producers, the sinks, and the
+// forward count: `forward` of the new nodes are forward nodes).
+void place_roundings(Graph& g, BackwardGraph& bg, int n_old,
+                     const std::vector<std::vector<int>>& rounds_after, int forward) {
+  if (static_cast<int>(g.nodes.size()) == n_old) return;
+  std::vector<int> order;
+  order.reserve(g.nodes.size());
+  for (int i = 0; i < n_old; ++i) {
+    order.push_back(i);
+    for (int r : rounds_after[i]) order.push_back(r);
+  }
+  std::vector<int> moved_to(g.nodes.size());
+  std::deque<Node> nodes;
+  for (size_t k = 0; k < order.size(); ++k) {
+    moved_to[order[k]] = static_cast<int>(k);
+    nodes.push_back(std::move(g.nodes[order[k]]));
+  }
+  g.nodes = std::move(nodes);
+  for (Value& val : g.values)
+    if (val.producer >= 0) val.producer = moved_to[val.producer];
+  for (int& s : bg.sinks)
+    if (s >= 0) s = moved_to[s];
+  bg.n_forward_nodes += forward;
+}
 }  // namespace
 
 int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
@@ -118,7 +164,8 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
     if (v >= 0) ext[v] = true;
   for (int v : g.outputs) ext[v] = true;
   const std::vector<std::vector<int>> cons = g.consumers();
-  std::vector<std::vector<int>> rounds_after(g.nodes.size());  // writer -> new RoundToBf16 nodes
+  const int n_old = static_cast<int>(g.nodes.size());
+  std::vector<std::vector<int>> rounds_after(n_old);  // writer -> new RoundToBf16 nodes
   int chosen = 0;
   for (int w = 0; w < nf; ++w) {
     const Node& writer = g.nodes[w];
@@ -192,28 +239,79 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
       ++chosen;
     }
   }
-  if (!chosen) return 0;
-  // Each rounding right after its writer, so V lives no longer than it did in float32 before its
-  // first reader; node indices (producers, the sinks, the forward count) renumbered.
-  const int n_old = static_cast<int>(g.nodes.size()) - chosen;
-  std::vector<int> order;
-  order.reserve(g.nodes.size());
-  for (int i = 0; i < n_old; ++i) {
-    order.push_back(i);
-    for (int r : rounds_after[i]) order.push_back(r);
+  place_roundings(g, bg, n_old, rounds_after, chosen);
+  return chosen;
+}
+
+int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
+                                  const Plan& before) {
+  const char* sw = std::getenv("GRAFT_BF16_GRAD_OPERANDS");  // (read per graph: tests switch it)
+  if (sw && std::string(sw) == "0") return 0;
+  const int nf = bg.n_forward_nodes, n_old = static_cast<int>(g.nodes.size());
+  std::vector<bool> ext(g.values.size(), false);
+  for (int v : external)
+    if (v >= 0) ext[v] = true;
+  for (int v : g.outputs) ext[v] = true;
+  // The buffers live at the peak of the plan without these roundings.
+  std::vector<bool> at_peak(g.values.size(), false);
+  for (int k = 0; k <= before.peak_step && k < static_cast<int>(before.steps.size()); ++k) {
+    for (int o : g.nodes[before.steps[k].node].outputs)
+      if (o >= 0 && before.buffer[o] == o) at_peak[o] = true;
+    if (k < before.peak_step)
+      for (int b : before.steps[k].buffer_frees) at_peak[b] = false;
   }
-  std::vector<int> moved_to(g.nodes.size());
-  std::deque<Node> nodes;
-  for (size_t k = 0; k < order.size(); ++k) {
-    moved_to[order[k]] = static_cast<int>(k);
-    nodes.push_back(std::move(g.nodes[order[k]]));
+  const std::vector<std::vector<int>> cons = g.consumers();
+  std::vector<std::vector<int>> rounds_after(n_old);
+  int chosen = 0;
+  for (int w = nf; w < n_old; ++w) {
+    if (op_for(g.nodes[w]).sink) continue;
+    for (int u : g.nodes[w].outputs) {
+      if (u < 0) continue;
+      const Value& val = g.values[u];
+      if (ext[u] || val.kind != ValueKind::Intermediate || val.dtype != DType::F32 ||
+          !val.shape_known || val.bytes() < kMinBytes)
+        continue;
+      const int root = before.buffer[u] >= 0 ? before.buffer[u] : u;
+      if (at_peak[root]) continue;  // its bfloat16 copy would add to the step's peak
+      std::vector<int> products, sinks;
+      for (int r : cons[u]) {
+        const Node& rn = g.nodes[r];
+        if (op_for(rn).sink) {
+          if (rn.inputs[0] != u) sinks.push_back(r);  // (slot 0: u is a gradient it applies)
+          continue;
+        }
+        if (rn.outputs.empty() || rn.outputs[0] < 0 || g.values[rn.outputs[0]].dtype != DType::F32)
+          continue;
+        bool reads = false, all = true;
+        for (size_t s = 0; s < rn.inputs.size(); ++s)
+          if (rn.inputs[s] == u) {
+            reads = true;
+            all &= product_operand(g, rn, static_cast<int>(s));
+          }
+        if (reads && all && std::find(products.begin(), products.end(), r) == products.end())
+          products.push_back(r);
+      }
+      if (products.size() < 2) continue;
+      const int u16 = g.add_value(val.name + "_bf16", ValueKind::Intermediate);
+      Node n;
+      n.op = "RoundToBf16";
+      n.domain = "graft";
+      n.name = g.unique_name(val.name + "_round_bf16");
+      n.inputs = {u};
+      n.outputs = {u16};
+      const int idx = g.add_node(std::move(n));
+      for (int r : products)
+        for (int& in : g.nodes[r].inputs)
+          if (in == u) in = u16;
+      for (int r : sinks)  // they wait for a reader of their parameter: U16's are those readers
+        for (size_t s = 1; s < g.nodes[r].inputs.size(); ++s)
+          if (g.nodes[r].inputs[s] == u) g.nodes[r].inputs[s] = u16;
+      infer_node(g, idx);
+      rounds_after[w].push_back(idx);
+      ++chosen;
+    }
   }
-  g.nodes = std::move(nodes);
-  for (Value& val : g.values)
-    if (val.producer >= 0) val.producer = moved_to[val.producer];
-  for (int& s : bg.sinks)
-    if (s >= 0) s = moved_to[s];
-  bg.n_forward_nodes += chosen;
+  place_roundings(g, bg, n_old, rounds_after, 0);
   return chosen;
 }
 

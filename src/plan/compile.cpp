@@ -50,29 +50,42 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
   external.insert(external.end(), bg.input_grads.begin(), bg.input_grads.end());
   external.push_back(bg.loss);
   c.bf16_operands = choose_bf16_operands(g, c.bg, external, co.bf16_operands);
+  // The planner's options (record: the kept gradients' slots go to c).
+  auto plan_options = [&](bool record) {
+    PlanOptions po;
+    po.phase_barrier = bg.n_forward_nodes;
+    // Outputs and the loss are read when forward ends; the executor releases them after their
+    // last use (the session and the caller keep their own references), so a model output the
+    // backward does not need is not held through backward, and backward never writes into one.
+    for (int o : g.outputs) po.forward_outputs.push_back(o);
+    if (bg.loss >= 0) po.forward_outputs.push_back(bg.loss);
+    po.release_inputs =
+        bg.output_grad_inputs;  // dropped at their last read (the session's backward)
+    if (bg.loss_seed >= 0) po.gradient_seeds.push_back(bg.loss_seed);
+    auto keep = [&](int v) -> int {
+      if (v < 0) return -1;
+      for (size_t k = 0; k < po.keep.size(); ++k)
+        if (po.keep[k] == v) return static_cast<int>(k);
+      po.keep.push_back(v);
+      return static_cast<int>(po.keep.size()) - 1;
+    };
+    std::vector<int> grad_keep(bg.params.size(), -1), input_grad_keep;
+    if (ad.mode == GradMode::Hold)
+      for (size_t i = 0; i < bg.params.size(); ++i) grad_keep[i] = keep(bg.param_grads[i]);
+    for (int v : bg.input_grads) input_grad_keep.push_back(keep(v));
+    if (record) {
+      c.grad_keep = std::move(grad_keep);
+      c.input_grad_keep = std::move(input_grad_keep);
+    }
+    return po;
+  };
+  if (co.bf16_operands)  // Note [bf16 gradient operands]: decided on the plan without them
+    c.bf16_operands +=
+        choose_bf16_gradient_operands(g, c.bg, external, make_plan(g, plan_options(false)));
   c.blocked = choose_blocked_layouts(g, external, co.blocked_layouts);
 
   // ---- plan ----
-  PlanOptions po;
-  po.phase_barrier = bg.n_forward_nodes;
-  // Outputs and the loss are read when forward ends; the executor releases them after their last
-  // use (the session and the caller keep their own references), so a model output the backward
-  // does not need is not held through backward, and backward never writes into one.
-  for (int o : g.outputs) po.forward_outputs.push_back(o);
-  if (bg.loss >= 0) po.forward_outputs.push_back(bg.loss);
-  po.release_inputs = bg.output_grad_inputs;  // dropped at their last read (the session's backward)
-  if (bg.loss_seed >= 0) po.gradient_seeds.push_back(bg.loss_seed);
-  auto keep = [&](int v) -> int {
-    if (v < 0) return -1;
-    for (size_t k = 0; k < po.keep.size(); ++k)
-      if (po.keep[k] == v) return static_cast<int>(k);
-    po.keep.push_back(v);
-    return static_cast<int>(po.keep.size()) - 1;
-  };
-  c.grad_keep.assign(bg.params.size(), -1);
-  if (ad.mode == GradMode::Hold)
-    for (size_t i = 0; i < bg.params.size(); ++i) c.grad_keep[i] = keep(bg.param_grads[i]);
-  for (int v : bg.input_grads) c.input_grad_keep.push_back(keep(v));
+  PlanOptions po = plan_options(true);
   c.plan = make_plan(g, po);
   if (co.recompute_pointwise)
     c.plan = plan_with_pointwise_recompute(g, bg, std::move(c.plan), po, step_mode, &c.recomputed);

@@ -188,6 +188,94 @@ TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
   }
 }
 
+// Note [bf16 gradient operands]: a backward value that two products read is rounded once, with
+// bit-identical results, unless its bfloat16 copy would add to the step's peak. Model (2-D, so the
+// products read dY itself): A = Tanh(X W1), Y = A W2, loss = sum(Y * R) [+ sum(Tile(X, 1 x 8)),
+// a forward-only branch eight times Y's size that puts the step's peak in the forward]. dY = R is
+// read by dA = dY W2^T and dW2 = A^T dY.
+namespace {
+struct GradOperandsRun {
+  std::vector<std::vector<float>> grads;
+  float loss = 0;
+  int chosen = 0, backward_roundings = 0;
+  int64_t planned_peak = 0;
+};
+GradOperandsRun run_grad_operands(bool on, bool forward_peak) {
+  const int64_t B = 128, H = 256;  // 128 KiB float32 values
+  Allocator alloc;
+  Graph g;
+  auto filled = [&](const Shape& s, float k) {
+    Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::sin(k * (i + 1)) / 8;
+    return t;
+  };
+  const int x = g.add_input("x", DType::F32, {B, H});
+  const int w1 = g.add_param("w1", filled({H, H}, 0.37f));
+  const int w2 = g.add_param("w2", filled({H, H}, 0.23f));
+  const int r = g.add_constant("r", filled({B, H}, 0.71f));
+  const int a = g.add_op1("Tanh", {g.add_op1("MatMul", {x, w1})});
+  const int y = g.add_op1("MatMul", {a, w2});
+  Attrs keep;
+  keep.set_int("keepdims", 0);
+  int loss = g.add_op1("ReduceSum", {g.add_op1("Mul", {y, r})}, keep);
+  if (forward_peak) {
+    Tensor reps = Tensor::empty({2}, DType::I64, alloc, Category::Parameter);
+    reps.data<int64_t>()[0] = 1;
+    reps.data<int64_t>()[1] = 8;
+    const int wide = g.add_op1("Tile", {x, g.add_constant("reps", reps)});
+    loss = g.add_op1("Add", {loss, g.add_op1("ReduceSum", {wide}, keep)});
+  }
+  g.outputs = {loss};
+  setenv("GRAFT_BF16_OPERANDS", "1", 1);
+  setenv("GRAFT_BF16_GRAD_OPERANDS", on ? "1" : "0", 1);
+  SessionOptions o = session_options(alloc);
+  o.loss = g.values[loss].name;
+  o.bf16 = true;
+  TrainSession s(std::move(g), o);
+  unsetenv("GRAFT_BF16_OPERANDS");
+  unsetenv("GRAFT_BF16_GRAD_OPERANDS");
+  Tensor xt = Tensor::empty({B, H}, DType::F32, alloc, Category::Activation);
+  for (int64_t i = 0; i < xt.numel(); ++i) xt.data<float>()[i] = std::cos(0.13f * i);
+  s.set_input("x", xt);
+  GradOperandsRun out;
+  out.loss = static_cast<float>(s.step());
+  for (const Parameter& p : s.parameters())
+    out.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  out.chosen = s.bf16_operands();
+  const Graph& sg = s.graph();
+  for (size_t k = 0; k < sg.nodes.size(); ++k) {
+    const Node& n = sg.nodes[k];
+    if (n.op != "RoundToBf16") continue;
+    // a backward rounding: its input is a value the forward does not make (dY, from Mul's gradient)
+    const int producer = sg.values[n.inputs[0]].producer;
+    if (producer >= 0 && sg.nodes[producer].name.find("_grad") != std::string::npos)
+      ++out.backward_roundings;
+  }
+  out.planned_peak = s.plan().planned_peak;
+  return out;
+}
+}  // namespace
+
+TEST(Bf16Operands, AGradientTwoProductsReadIsRoundedOnceWithBitIdenticalResults) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  const GradOperandsRun off = run_grad_operands(false, true), on = run_grad_operands(true, true);
+  EXPECT_EQ(off.backward_roundings, 0);
+  EXPECT_EQ(on.backward_roundings, 1) << "dY, read by dA = dY W2^T and dW2 = A^T dY";
+  EXPECT_EQ(on.chosen, off.chosen + 1);
+  // The products rounded dY anyway, the same way: the step computes exactly the same.
+  EXPECT_EQ(on.loss, off.loss);
+  ASSERT_EQ(on.grads.size(), 2u);
+  EXPECT_EQ(on.grads, off.grads);
+  EXPECT_LE(on.planned_peak, off.planned_peak);
+  // Without the wide forward branch the step peaks in the backward, where dY is made: its copy
+  // would add to the peak, so it keeps its two roundings.
+  const GradOperandsRun boff = run_grad_operands(false, false),
+                        bon = run_grad_operands(true, false);
+  EXPECT_EQ(bon.backward_roundings, 0);
+  EXPECT_EQ(bon.planned_peak, boff.planned_peak);
+  EXPECT_EQ(bon.grads, boff.grads);
+}
+
 // Note [bf16 activations]: the kernels that read a bfloat16 activation the plan stored (Conv's X,
 // ConvGrad's X, ReluGrad's Y, BatchNormalization's, BatchNormGrad's, Gelu's and GeluGrad's X)
 // compute exactly what they compute on a float32 tensor holding the same (bfloat16-exact) values,
