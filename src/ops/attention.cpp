@@ -454,7 +454,8 @@ void softmax_rows(const Dims& d, int64_t r0, int64_t m, int64_t kn, T* S, T* lse
       }
       double sum = 0;
       if constexpr (std::is_same_v<T, float>) {
-        if (vec) sum = vmath::exp_shift_sum(s, mx, s, lim);
+        if (vec && lse_in) vmath::exp_shift(s, mx, s, lim);  // (the sum is not needed)
+        if (vec && !lse_in) sum = vmath::exp_shift_sum(s, mx, s, lim);
       }
       if (!vec)
         for (int64_t j = 0; j < lim; ++j) sum += static_cast<double>(s[j] = std::exp(s[j] - mx));

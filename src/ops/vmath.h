@@ -72,14 +72,14 @@ GRAFT_VM VD hi_d(V a) {
   return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 GRAFT_VM void store_d(double* p, VD a) { _mm512_storeu_pd(p, a); }
-GRAFT_VM V ldexp2(V a, V n) {  // a * 2^(n/2 rounded down) * 2^(the rest)
-  const __m512i ni = _mm512_cvtps_epi32(n);
-  const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
-  const __m512i bias = _mm512_set1_epi32(127);
-  const V s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
-  const V s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
-  return _mm512_mul_ps(_mm512_mul_ps(a, s1), s2);
-}
+// a * 2^n in one instruction (one rounding): the same bits as AVX2's two multiplies, whose first
+// is exact for the range vmath_impl.h gives (a normal result of a * 2^(n/2 rounded down)).
+GRAFT_VM V ldexp2(V a, V n) { return _mm512_scalef_ps(a, n); }
+// The first k of 16 lanes (k < 16), zeros past them; masked-off lanes are not read or written.
+GRAFT_VM __mmask16 first_n(int64_t k) { return static_cast<__mmask16>((1u << k) - 1); }
+GRAFT_VM V load_n(const float* p, int64_t k) { return _mm512_maskz_loadu_ps(first_n(k), p); }
+GRAFT_VM void store_n(float* p, V a, int64_t k) { _mm512_mask_storeu_ps(p, first_n(k), a); }
+GRAFT_VM V keep_n(V a, int64_t k) { return _mm512_maskz_mov_ps(first_n(k), a); }
 #include "vmath_impl.h"
 #undef GRAFT_VM
 #undef GRAFT_VM_LOOP
@@ -127,6 +127,14 @@ GRAFT_VM V ldexp2(V a, V n) {
   const V s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(a, s1), s2);
 }
+// The first k of 8 lanes (k < 8), zeros past them; masked-off lanes are not read or written.
+GRAFT_VM __m256i first_n(int64_t k) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+GRAFT_VM V load_n(const float* p, int64_t k) { return _mm256_maskload_ps(p, first_n(k)); }
+GRAFT_VM void store_n(float* p, V a, int64_t k) { _mm256_maskstore_ps(p, first_n(k), a); }
+GRAFT_VM V keep_n(V a, int64_t k) { return _mm256_and_ps(a, _mm256_castsi256_ps(first_n(k))); }
 #include "vmath_impl.h"
 #undef GRAFT_VM
 #undef GRAFT_VM_LOOP
@@ -212,7 +220,8 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 // Note [row sums in double]: the row kernels of softmax-like ops, each one pass over a row.
-// y[i] = exp(x[i] - c) over n elements (x == y allowed); returns the sum of the y[i] in double.
+// exp_shift_sum: y[i] = exp(x[i] - c) over n elements (x == y allowed); returns the sum of the
+// y[i] in double.
 // dot_and_sum: sum p[i] * d[i] and sum p[i], both in double. scale: y[i] *= a. sub_mul:
 // d[i] = p[i] * (d[i] - c). Only when active().
 inline double exp_shift_sum(const float* x, float c, float* y, int64_t n) {
@@ -220,6 +229,12 @@ inline double exp_shift_sum(const float* x, float c, float* y, int64_t n) {
   return level() == 2 ? avx512::exp_shift_sum(x, c, y, n) : avx2::exp_shift_sum(x, c, y, n);
 #else
   return 0;
+#endif
+}
+// y[i] = exp(x[i] - c), no sum (x == y allowed). Only when active().
+inline void exp_shift(const float* x, float c, float* y, int64_t n) {
+#ifdef GRAFT_VMATH_X86
+  level() == 2 ? avx512::exp_shift_n(x, c, y, n) : avx2::exp_shift_n(x, c, y, n);
 #endif
 }
 inline void dot_and_sum(const float* p, const float* d, int64_t n, double* pd, double* ps) {

@@ -4,13 +4,14 @@
 // mul, div, fma (a * b + c, one rounding), min, max (both return the second operand when either is
 // NaN, as x86 does), lt, ge (ordered: false on NaN), sel (m ? t : f), abs, xor_sign (x with the
 // sign bit of s flipped in), round (to nearest even) and ldexp2 (x * 2^n for float n, exact for a
-// normal result, n in [-75, 64]), and for double sums VD (kLanes / 2 doubles) with zero_d, add_d,
-// mul_d, lo_d / hi_d (a V's low / high half widened) and store_d. No #pragma once: each inclusion
-// makes its own namespace's copy.
+// normal result, n in [-75, 64]), load_n / store_n / keep_n (the first k < kLanes lanes; the
+// others not read or written / zero), and for double sums VD (kLanes / 2 doubles) with zero_d,
+// add_d, mul_d, lo_d / hi_d (a V's low / high half widened) and store_d. No #pragma once: each
+// inclusion makes its own namespace's copy.
 //
 // Every function is a fixed sequence of IEEE operations, so the AVX-512 and AVX2 copies give the
 // same bits, and an element's value does not depend on its position (the tails go through the
-// same code on a padded vector).
+// same code on a padded or masked vector).
 
 // exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite with FMA), exp(r) by Cephes' degree-7
 // polynomial, scaled by 2^n as two exact-or-once-rounded halves so that results in the denormal
@@ -200,18 +201,26 @@ GRAFT_VM_LOOP float max_n(const float* x, int64_t n) {
 
 // Note [row sums in double]
 // A row's sums (softmax's normalizer, attention's rowsum(P * dP)) are taken in double, as the
-// scalar loops did, in 16 partial sums: element i goes to partial i % 16, and the partials are
-// added in order at the end. Both ISAs keep the same 16 partials (AVX-512: two 8-double vectors
-// per 16 elements; AVX2: four 4-double vectors), so they give the same bits, and a row's result
-// does not depend on which thread ran it.
+// scalar loops did, in 16 partial sums: element i goes to partial i % 16 (the row's last, partial
+// vector through masked loads, its missing lanes adding +0), and the partials are added at the end
+// in a fixed tree, ((p0 + p1) + (p2 + p3)) + ..., shorter than a chain of 15 dependent adds (each
+// row pays it once, a real share of a 197-key row). Both ISAs keep the same 16 partials (AVX-512:
+// two 8-double vectors per 16 elements; AVX2: four 4-double vectors), so they give the same bits,
+// and a row's result does not depend on which thread ran it.
 constexpr int kSumLanes = 16;
 constexpr int kSumVecs = 2 * kSumLanes / static_cast<int>(kLanes);  // VDs per 16 elements
-GRAFT_VM_LOOP double sum_partials(const VD* acc, const double* tail) {
-  double part[kSumLanes];
-  for (int v = 0; v < kSumVecs; ++v) store_d(part + v * (kLanes / 2), acc[v]);
-  double s = 0;
-  for (int l = 0; l < kSumLanes; ++l) s += part[l] + tail[l];
-  return s;
+GRAFT_VM_LOOP double sum_partials(const VD* acc) {
+  double p[kSumLanes];
+  for (int v = 0; v < kSumVecs; ++v) store_d(p + v * (kLanes / 2), acc[v]);
+  for (int w = 1; w < kSumLanes; w *= 2)
+    for (int l = 0; l < kSumLanes; l += 2 * w) p[l] += p[l + w];
+  return p[0];
+}
+// acc's two VDs for the 16-element group at row offset i (i a multiple of kLanes) += e's halves.
+GRAFT_VM void add_halves(VD* acc, int64_t i, V e) {
+  const int h = static_cast<int>(i % kSumLanes / kLanes);
+  acc[2 * h] = add_d(acc[2 * h], lo_d(e));
+  acc[2 * h + 1] = add_d(acc[2 * h + 1], hi_d(e));
 }
 
 GRAFT_VM_LOOP double exp_shift_sum(const float* x, float c, float* y, int64_t n) {
@@ -219,45 +228,46 @@ GRAFT_VM_LOOP double exp_shift_sum(const float* x, float c, float* y, int64_t n)
   for (VD& a : acc) a = zero_d();
   const V vc = set1(c);
   int64_t i = 0;
-  for (; i + kSumLanes <= n; i += kSumLanes)
-    for (int h = 0; h < kSumLanes / kLanes; ++h) {
-      const V e = v_exp(sub(load(x + i + h * kLanes), vc));
-      store(y + i + h * kLanes, e);
-      acc[2 * h] = add_d(acc[2 * h], lo_d(e));
-      acc[2 * h + 1] = add_d(acc[2 * h + 1], hi_d(e));
-    }
-  double tail[kSumLanes] = {};
-  for (; i < n; i += kLanes) {  // the rest, through a padded vector
-    const int64_t k = n - i < kLanes ? n - i : kLanes;
-    float bx[kLanes] = {}, by[kLanes];
-    std::memcpy(bx, x + i, k * sizeof(float));
-    store(by, v_exp(sub(load(bx), vc)));
-    std::memcpy(y + i, by, k * sizeof(float));
-    for (int64_t j = 0; j < k; ++j) tail[(i + j) % kSumLanes] += static_cast<double>(by[j]);
+  for (; i + kLanes <= n; i += kLanes) {
+    const V e = v_exp(sub(load(x + i), vc));
+    store(y + i, e);
+    add_halves(acc, i, e);
   }
-  return sum_partials(acc, tail);
+  if (i < n) {  // the rest: the same exp on a masked vector, its missing lanes adding +0
+    const V e = keep_n(v_exp(sub(load_n(x + i, n - i), vc)), n - i);
+    store_n(y + i, e, n - i);
+    add_halves(acc, i, e);
+  }
+  return sum_partials(acc);
 }
 
+// y[i] = exp(x[i] - c) without the sum (attention's backward, which recomputes P from the saved
+// log-sum-exp and sums it with dot_and_sum).
+GRAFT_VM_LOOP void exp_shift_n(const float* x, float c, float* y, int64_t n) {
+  const V vc = set1(c);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, v_exp(sub(load(x + i), vc)));
+  if (i < n) store_n(y + i, v_exp(sub(load_n(x + i, n - i), vc)), n - i);
+}
+
+// ad / as (dot_and_sum's partials) for the 16-element group at row offset i += vp * vd / vp.
+GRAFT_VM void add_dot(VD* ad, VD* as, int64_t i, V vp, V vd) {
+  const int h = static_cast<int>(i % kSumLanes / kLanes);
+  const VD pl = lo_d(vp), ph = hi_d(vp);
+  ad[2 * h] = add_d(ad[2 * h], mul_d(pl, lo_d(vd)));
+  ad[2 * h + 1] = add_d(ad[2 * h + 1], mul_d(ph, hi_d(vd)));
+  as[2 * h] = add_d(as[2 * h], pl);
+  as[2 * h + 1] = add_d(as[2 * h + 1], ph);
+}
 GRAFT_VM_LOOP void dot_and_sum(const float* p, const float* d, int64_t n, double* pd, double* ps) {
   VD ad[kSumVecs], as[kSumVecs];
   for (int v = 0; v < kSumVecs; ++v) ad[v] = as[v] = zero_d();
   int64_t i = 0;
-  for (; i + kSumLanes <= n; i += kSumLanes)
-    for (int h = 0; h < kSumLanes / kLanes; ++h) {
-      const V vp = load(p + i + h * kLanes), vd = load(d + i + h * kLanes);
-      const VD pl = lo_d(vp), ph = hi_d(vp);
-      ad[2 * h] = add_d(ad[2 * h], mul_d(pl, lo_d(vd)));
-      ad[2 * h + 1] = add_d(ad[2 * h + 1], mul_d(ph, hi_d(vd)));
-      as[2 * h] = add_d(as[2 * h], pl);
-      as[2 * h + 1] = add_d(as[2 * h + 1], ph);
-    }
-  double td[kSumLanes] = {}, ts[kSumLanes] = {};
-  for (; i < n; ++i) {
-    td[i % kSumLanes] += static_cast<double>(p[i]) * static_cast<double>(d[i]);
-    ts[i % kSumLanes] += static_cast<double>(p[i]);
-  }
-  *pd = sum_partials(ad, td);
-  *ps = sum_partials(as, ts);
+  for (; i + kLanes <= n; i += kLanes) add_dot(ad, as, i, load(p + i), load(d + i));
+  if (i < n)  // missing lanes: +0 * +0
+    add_dot(ad, as, i, load_n(p + i, n - i), load_n(d + i, n - i));
+  *pd = sum_partials(ad);
+  *ps = sum_partials(as);
 }
 
 GRAFT_VM_LOOP void scale_n(float* y, float a, int64_t n) {
