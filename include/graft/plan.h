@@ -79,8 +79,8 @@ int choose_blocked_layouts(Graph& g, const std::vector<int>& external, bool enab
 int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
                          bool enabled = true);
 // Note [bf16 gradient operands] (same file): then rounds once each backward value that two or
-// more matrix products read (RoundToBf16 after its writer; those products read the copy), unless
-// its buffer is live at the peak of `before`, the plan of the graph as it is. Returns the number.
+// more matrix products read (RoundToBf16 after its writer; those products read the copy), where
+// the copy fits under the peak of `before`, the plan of the graph as it is. Returns the number.
 int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& external,
                                   const Plan& before);
 // Checks the plan's invariants; throws Internal with the violation.

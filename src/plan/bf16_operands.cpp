@@ -33,18 +33,24 @@
 // The backward's own values meet the products too: a Linear layer's output gradient dY is read by
 // dX = dY W^T and by dW = X^T dY, and each of those products rounded the float32 dY to bfloat16
 // on its own (a pass over dY per product: `perf` put that rounding at 4% of ViT-B/16's bf16 step,
-// the largest item after the products). So a backward value that two or more products read as an
-// operand gets U16 = RoundToBf16(U) right after its writer, and those products read U16: rounded
-// once, with the same rounding, so the step's results are bit-identical. Unlike a forward value,
-// U keeps its other readers in float32 (the bias gradient's sum over dY, a LayerNorm gradient),
-// and the products' U16 is a value of its own (no view of U is retyped); U then dies at its last
-// float32 reader, or at the rounding where it has none. A sink that waits for U (it orders a
-// parameter's update after the backward's reads of it: order_updates_after_reads) waits for U16.
-// While U16 lives beside U it adds half of U's bytes, so a value whose buffer is live at the peak
-// of the plan without these roundings keeps its two roundings: a language model's logits
-// gradient, read by the head's two products at the start of the backward, where the step peaks
-// (GPT-2 124M bf16: planned peak 1057 -> 1103 MiB when it too was rounded; BERT-base 851 -> 878).
-// GRAFT_BF16_GRAD_OPERANDS=0 leaves the backward's values alone (an A/B switch).
+// the largest item after the products). So a backward value that two or more matrix products (or
+// attention's Q, K, V) read as an operand gets U16 = RoundToBf16(U) right after its writer, and
+// those products read U16: rounded once, with the same rounding, so the step computes the same
+// values (the products' arithmetic is oneDNN's on the same bfloat16 operands; only a float32
+// operand over 32 MiB used to be rounded, and multiplied, a panel at a time). Unlike a forward
+// value, U keeps its other readers in float32 (the bias gradient's sum over dY, a LayerNorm
+// gradient), and the products' U16 is a value of its own (no view of U is retyped, and a value
+// the products read through a view of it, as a 3-D MatMul's weight gradient does, is not caught);
+// U then dies at its last float32 reader, or at the rounding where it has none. A sink that waits
+// for U (it orders a parameter's update after the backward's reads of it:
+// order_updates_after_reads) waits for U16. While U16 lives beside U it adds half of U's bytes,
+// so the pass plans the graph without these roundings first and takes a value only where U16 fits
+// under that plan's peak over its whole life, counting the ones taken before it: a language model's
+// logits gradient, read by the head's two products at the start of the backward where the step
+// peaks, keeps its two roundings (GPT-2 124M bf16: planned peak 1057 -> 1103 MiB when it too was
+// rounded; BERT-base 851 -> 878). Nor is a view of a graph input or parameter (the output gradient
+// a caller passes in) copied. The check is on the plan before the recompute passes, which may
+// move the peak. GRAFT_BF16_GRAD_OPERANDS=0 leaves the backward's values alone (an A/B switch).
 //
 // Note [bf16 activations]
 // Convolutional networks keep most of their activations for the backward in two kinds of values
@@ -112,6 +118,15 @@ bool product_operand(const Graph& g, const Node& n, int slot) {
     return xv.shape.size() >= 3 && group >= 1 && xv.shape[1] % group == 0 &&
            xv.shape[1] / group > 1;
   }
+  return matrix_product(n) && slot < 2;
+}
+
+// Operand A or B of a float32 matrix product, or Q, K or V of graft's attention: the readers that
+// round a float32 operand exactly as RoundToBf16 does (not ReluGrad, which reads only a sign, nor
+// a convolution, whose rounding is oneDNN's).
+bool matrix_product_operand(const Node& n, int slot) {
+  if (n.domain == "graft" && n.op == "Attention") return slot < 3;
+  if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
   return matrix_product(n) && slot < 2;
 }
 
@@ -252,13 +267,15 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
   for (int v : external)
     if (v >= 0) ext[v] = true;
   for (int v : g.outputs) ext[v] = true;
-  // The buffers live at the peak of the plan without these roundings.
-  std::vector<bool> at_peak(g.values.size(), false);
-  for (int k = 0; k <= before.peak_step && k < static_cast<int>(before.steps.size()); ++k) {
-    for (int o : g.nodes[before.steps[k].node].outputs)
-      if (o >= 0 && before.buffer[o] == o) at_peak[o] = true;
-    if (k < before.peak_step)
-      for (int b : before.steps[k].buffer_frees) at_peak[b] = false;
+  // The bytes live during each step of the plan without these roundings (its outputs made, its
+  // frees not yet done), and what the roundings chosen so far add there.
+  const int ns = static_cast<int>(before.steps.size());
+  std::vector<int> step_of(n_old, -1);
+  std::vector<int64_t> during(ns, 0), added(ns, 0);
+  for (int k = 0; k < ns; ++k) {
+    step_of[before.steps[k].node] = k;
+    during[k] = before.live_after[k];
+    for (int b : before.steps[k].buffer_frees) during[k] += g.values[b].bytes();
   }
   const std::vector<std::vector<int>> cons = g.consumers();
   std::vector<std::vector<int>> rounds_after(n_old);
@@ -271,8 +288,10 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
       if (ext[u] || val.kind != ValueKind::Intermediate || val.dtype != DType::F32 ||
           !val.shape_known || val.bytes() < kMinBytes)
         continue;
+      // a view of an input or a parameter (an output's gradient the caller passes in): its
+      // products round it a panel at a time, a full copy would be new memory
       const int root = before.buffer[u] >= 0 ? before.buffer[u] : u;
-      if (at_peak[root]) continue;  // its bfloat16 copy would add to the step's peak
+      if (g.values[root].kind != ValueKind::Intermediate) continue;
       std::vector<int> products, sinks;
       for (int r : cons[u]) {
         const Node& rn = g.nodes[r];
@@ -286,12 +305,22 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
         for (size_t s = 0; s < rn.inputs.size(); ++s)
           if (rn.inputs[s] == u) {
             reads = true;
-            all &= product_operand(g, rn, static_cast<int>(s));
+            all &= matrix_product_operand(rn, static_cast<int>(s));
           }
         if (reads && all && std::find(products.begin(), products.end(), r) == products.end())
           products.push_back(r);
       }
       if (products.size() < 2) continue;
+      // U16 lives from U's writer to its last product: it must fit under the peak there.
+      int first = step_of[w], last = first;
+      for (int r : products) last = std::max(last, r < n_old ? step_of[r] : -1);
+      if (first < 0) continue;
+      const int64_t bytes = val.bytes() / 2;
+      bool fits = true;
+      for (int k = first; k <= last && fits; ++k)
+        fits = during[k] + added[k] + bytes <= before.planned_peak;
+      if (!fits) continue;  // its bfloat16 copy would raise the step's peak (a logits gradient)
+      for (int k = first; k <= last; ++k) added[k] += bytes;
       const int u16 = g.add_value(val.name + "_bf16", ValueKind::Intermediate);
       Node n;
       n.op = "RoundToBf16";

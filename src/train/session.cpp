@@ -263,7 +263,8 @@ std::shared_ptr<StepState> TrainSession::forward(const std::map<std::string, Ten
   if (bf16) ro.bf16 = *bf16;
   GRAFT_CHECK(ro.bf16 || c_.bf16_operands == 0, ErrorKind::InvalidArgument,
               "this session keeps " + std::to_string(c_.bf16_operands) +
-                  " activations in bfloat16 for the backward (Note [bf16 operands]), "
+                  " product operands in bfloat16 (Note [bf16 operands], Note [bf16 gradient "
+                  "operands]), "
                   "so its steps run in bf16; a float32 step needs a session built with float32 "
                   "precision (or GRAFT_BF16_OPERANDS=0)");
   if (StepProgress::enabled()) {  // Note [step progress]
