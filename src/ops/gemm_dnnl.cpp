@@ -116,20 +116,29 @@ void row_to_bf16(const float* s, int64_t n, uint16_t* d) {
   for (int64_t c = 0; c < n; ++c) d[c] = bf16_bits(s[c]);
 }
 // The same with AVX512-BF16's conversion instruction, 16 at a time (it rounds to nearest even too,
-// and flushes float32 denormals to zero).
-__attribute__((target("avx512f,avx512bf16"))) void row_to_bf16_avx(const float* s, int64_t n,
-                                                                   uint16_t* d) {
+// and flushes float32 denormals to zero), the row's last n % 16 through a masked vector so that
+// every element of a row takes the instruction: a value rounds the same wherever it sits (a
+// product rounds its operand row by row, RoundToBf16 in flat blocks: Note [bf16 gradient
+// operands]).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_to_bf16_avx(const float* s,
+                                                                                     int64_t n,
+                                                                                     uint16_t* d) {
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
     __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + c));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + c), reinterpret_cast<__m256i&>(v));
   }
-  row_to_bf16(s + c, n - c, d + c);
+  if (c < n) {
+    const auto m = static_cast<__mmask16>((1u << (n - c)) - 1);
+    __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + c));
+    _mm256_mask_storeu_epi16(d + c, m, reinterpret_cast<__m256i&>(v));
+  }
 }
 
 // `rows` x `cols` from a row stride of `ld` into a dense buffer.
 void to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
-  static const bool avx = __builtin_cpu_supports("avx512bf16");
+  static const bool avx = __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   parallel_for(rows, 2 * cols, [&](int, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (avx)

@@ -3,11 +3,11 @@
 // attribute macro GRAFT_VM (target ISA + inline) and the primitives set1, load, store, add, sub,
 // mul, div, fma (a * b + c, one rounding), min, max (both return the second operand when either is
 // NaN, as x86 does), lt, ge (ordered: false on NaN), sel (m ? t : f), abs, xor_sign (x with the
-// sign bit of s flipped in), round (to nearest even) and ldexp2 (x * 2^n for float n, exact for a
-// normal result, n in [-75, 64]), load_n / store_n / keep_n (the first k < kLanes lanes; the
-// others not read or written / zero), and for double sums VD (kLanes / 2 doubles) with zero_d,
-// add_d, mul_d, lo_d / hi_d (a V's low / high half widened) and store_d. No #pragma once: each
-// inclusion makes its own namespace's copy.
+// sign bit of s flipped in), round (to nearest even) and ldexp2 (x * 2^n for an integral float n
+// in [-150, 128] and x in [0.7, 1.5], rounded once), load_n / store_n / keep_n (the first k <
+// kLanes lanes; the others not read or written / zero), and for double sums VD (kLanes / 2 doubles)
+// with zero_d, add_d, mul_d, lo_d / hi_d (a V's low / high half widened) and store_d. No #pragma
+// once: each inclusion makes its own namespace's copy.
 //
 // Every function is a fixed sequence of IEEE operations, so the AVX-512 and AVX2 copies give the
 // same bits, and an element's value does not depend on its position (the tails go through the

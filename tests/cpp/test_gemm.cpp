@@ -224,6 +224,22 @@ TEST(Gemm, PackedOperandReusesTheBlockCachesPages) {
 // Note [bf16 operand scratch]: an operand whose bf16 copy would pass 32 MiB is rounded a panel at a
 // time (A: rows of C, B: columns of C, both transpositions, a remainder panel, padded leading
 // dimensions, alpha and beta), and the copies go back to the block cache when the product returns.
+// A value rounds to the same bfloat16 bits wherever it sits in a row (Note [bf16 gradient
+// operands]: a product rounds its operand row by row, RoundToBf16 in flat blocks): a row's last
+// n % 16 elements take the same conversion as the others, denormals (which AVX512-BF16's
+// instruction flushes to zero) included.
+TEST(Gemm, Bf16RoundingDoesNotDependOnAPositionInTheRow) {
+  const float tiny = 1.5e-39f, values[] = {tiny, -tiny, 1.0f + 1.0f / 256, 3.4e38f, 0.1f, -0.0f};
+  for (float v : values)
+    for (int64_t n = 1; n <= 40; ++n) {
+      std::vector<float> row(n, v);
+      std::vector<uint16_t> out(n + 1, 0xabcd);
+      opsutil::round_to_bf16(row.data(), n, out.data());
+      for (int64_t i = 1; i < n; ++i) ASSERT_EQ(out[i], out[0]) << "v = " << v << ", n = " << n;
+      ASSERT_EQ(out[n], 0xabcd) << "wrote past the row, n = " << n;
+    }
+}
+
 TEST(Gemm, Bf16ProductsRoundLargeOperandsInPanels) {
   if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
   const int64_t big = 4160, K = 4096;  // a 4160 x 4096 operand: 34.1 MB in bf16
