@@ -84,6 +84,7 @@
 #include <cstdlib>
 #include <deque>
 #include <string>
+#include <utility>
 
 #include "graft/autodiff.h"
 #include "graft/ops.h"
@@ -140,6 +141,20 @@ bool rounded_output_reader(const Node& writer, const Node& n, int slot, bool dir
                       (n.domain == "graft" && n.op == "BatchNormGrad" && slot == 1));
   return matrix_product(writer) && ((n.domain.empty() && n.op == "Gelu" && slot == 0) ||
                                     (n.domain == "graft" && n.op == "GeluGrad" && slot == 1));
+}
+
+// V16 = RoundToBf16(V), appended to the graph (place_roundings moves it after V's writer; the
+// caller points readers at V16, then infers the node): {the node, V16}.
+std::pair<int, int> append_rounding(Graph& g, int v) {
+  const std::string name = g.values[v].name;
+  const int v16 = g.add_value(name + "_bf16", ValueKind::Intermediate);
+  Node n;
+  n.op = "RoundToBf16";
+  n.domain = "graft";
+  n.name = g.unique_name(name + "_round_bf16");
+  n.inputs = {v};
+  n.outputs = {v16};
+  return {g.add_node(std::move(n)), v16};
 }
 
 // Moves the new RoundToBf16 nodes (rounds_after[w]: those to run right after node w; all appended
@@ -234,15 +249,7 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
         }
       }
       if (!ok || !read_in_backward) continue;
-      // V16 = RoundToBf16(V), appended here and moved after its writer below.
-      const int v16 = g.add_value(val.name + "_bf16", ValueKind::Intermediate);
-      Node n;
-      n.op = "RoundToBf16";
-      n.domain = "graft";
-      n.name = g.unique_name(val.name + "_round_bf16");
-      n.inputs = {v};
-      n.outputs = {v16};
-      const int idx = g.add_node(std::move(n));
+      const auto [idx, v16] = append_rounding(g, v);
       for (int r : cons[v]) {
         if (std::find(f32_readers.begin(), f32_readers.end(), r) != f32_readers.end()) continue;
         for (int& in : g.nodes[r].inputs)
@@ -321,14 +328,7 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
         fits = during[k] + added[k] + bytes <= before.planned_peak;
       if (!fits) continue;  // its bfloat16 copy would raise the step's peak (a logits gradient)
       for (int k = first; k <= last; ++k) added[k] += bytes;
-      const int u16 = g.add_value(val.name + "_bf16", ValueKind::Intermediate);
-      Node n;
-      n.op = "RoundToBf16";
-      n.domain = "graft";
-      n.name = g.unique_name(val.name + "_round_bf16");
-      n.inputs = {u};
-      n.outputs = {u16};
-      const int idx = g.add_node(std::move(n));
+      const auto [idx, u16] = append_rounding(g, u);
       for (int r : products)
         for (int& in : g.nodes[r].inputs)
           if (in == u) in = u16;
