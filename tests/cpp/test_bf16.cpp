@@ -77,6 +77,24 @@ TEST(Bf16, SmallProductsRunTheSameArithmetic) {
 // H is read by products only: H W2 in the forward, dW2 = H^T dY through a view in the backward),
 // Y = H W2, loss = sum(Y * R).
 namespace {
+// A weight tensor of sin(k (i + 1)) / 8.
+Tensor sin_weights(const Shape& s, float k, Allocator& alloc) {
+  Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::sin(k * (i + 1)) / 8;
+  return t;
+}
+// One step of s on x[i] = cos(0.13 i) of the given shape: the loss; every parameter's gradient
+// goes to grads.
+float step_on(TrainSession& s, const Shape& shape, Allocator& alloc,
+              std::vector<std::vector<float>>& grads) {
+  Tensor xt = Tensor::empty(shape, DType::F32, alloc, Category::Activation);
+  for (int64_t i = 0; i < xt.numel(); ++i) xt.data<float>()[i] = std::cos(0.13f * i);
+  s.set_input("x", xt);
+  const float loss = static_cast<float>(s.step());
+  for (const Parameter& p : s.parameters())
+    grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  return loss;
+}
 struct Bf16OperandsRun {
   std::vector<std::vector<float>> grads;
   int chosen = 0;
@@ -89,11 +107,7 @@ Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = Gra
   const int64_t B = 128, H = 256;  // H: 128 KiB in float32
   Allocator alloc;
   Graph g;
-  auto filled = [&](const Shape& s, float k) {
-    Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::sin(k * (i + 1)) / 8;
-    return t;
-  };
+  auto filled = [&](const Shape& s, float k) { return sin_weights(s, k, alloc); };
   const int x = g.add_input("x", DType::F32, {2, B / 2, H});
   const int w1 = g.add_param("w1", filled({H, H}, 0.37f));
   const int b1 = g.add_param("b1", filled({H}, 0.11f));
@@ -112,13 +126,8 @@ Bf16OperandsRun run_bf16_operands(bool on, bool bf16 = true, GradMode mode = Gra
   o.bf16 = bf16;
   TrainSession s(std::move(g), o);
   unsetenv("GRAFT_BF16_OPERANDS");
-  Tensor xt = Tensor::empty({2, B / 2, H}, DType::F32, alloc, Category::Activation);
-  for (int64_t i = 0; i < xt.numel(); ++i) xt.data<float>()[i] = std::cos(0.13f * i);
-  s.set_input("x", xt);
   Bf16OperandsRun out;
-  out.loss = static_cast<float>(s.step());
-  for (const Parameter& p : s.parameters())
-    out.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  out.loss = step_on(s, {2, B / 2, H}, alloc, out.grads);
   out.chosen = s.bf16_operands();
   out.planned_peak = s.plan().planned_peak;
   for (const SavedValue& v : s.saved_for_backward()) out.saved += v.bytes;
@@ -204,11 +213,7 @@ GradOperandsRun run_grad_operands(bool on, bool forward_peak) {
   const int64_t B = 128, H = 256;  // 128 KiB float32 values
   Allocator alloc;
   Graph g;
-  auto filled = [&](const Shape& s, float k) {
-    Tensor t = Tensor::empty(s, DType::F32, alloc, Category::Parameter);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = std::sin(k * (i + 1)) / 8;
-    return t;
-  };
+  auto filled = [&](const Shape& s, float k) { return sin_weights(s, k, alloc); };
   const int x = g.add_input("x", DType::F32, {B, H});
   const int w1 = g.add_param("w1", filled({H, H}, 0.37f));
   const int w2 = g.add_param("w2", filled({H, H}, 0.23f));
@@ -234,13 +239,8 @@ GradOperandsRun run_grad_operands(bool on, bool forward_peak) {
   TrainSession s(std::move(g), o);
   unsetenv("GRAFT_BF16_OPERANDS");
   unsetenv("GRAFT_BF16_GRAD_OPERANDS");
-  Tensor xt = Tensor::empty({B, H}, DType::F32, alloc, Category::Activation);
-  for (int64_t i = 0; i < xt.numel(); ++i) xt.data<float>()[i] = std::cos(0.13f * i);
-  s.set_input("x", xt);
   GradOperandsRun out;
-  out.loss = static_cast<float>(s.step());
-  for (const Parameter& p : s.parameters())
-    out.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  out.loss = step_on(s, {B, H}, alloc, out.grads);
   out.chosen = s.bf16_operands();
   const Graph& sg = s.graph();
   for (size_t k = 0; k < sg.nodes.size(); ++k) {
