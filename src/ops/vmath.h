@@ -9,8 +9,8 @@
 // Accuracy (tests/cpp/test_vmath.cpp, a dense sweep of [-100, 100] against float64 libm): exp,
 // tanh, erf and sigmoid within 2 ulp; NaN propagates; +-inf, signed zeros, denormal inputs and
 // results are handled. Both ISAs run the same sequence of IEEE operations and give the same bits;
-// an element's value does not depend on its position in the array (tails go through a padded or
-// masked vector), so results do not depend on the thread split either.
+// an element's value does not depend on its position in the array (tails go through a masked
+// vector), so results do not depend on the thread split either.
 #pragma once
 #include <immintrin.h>
 

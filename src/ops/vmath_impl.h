@@ -11,7 +11,7 @@
 //
 // Every function is a fixed sequence of IEEE operations, so the AVX-512 and AVX2 copies give the
 // same bits, and an element's value does not depend on its position (the tails go through the
-// same code on a padded or masked vector).
+// same code on a masked vector).
 
 // exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite with FMA), exp(r) by Cephes' degree-7
 // polynomial, scaled by 2^n as two exact-or-once-rounded halves so that results in the denormal
@@ -160,29 +160,18 @@ GRAFT_VM V apply2(Fn2 f, V g, V x) {
   return x;
 }
 
-// y[i] = f(x[i]); the last n % kLanes elements through a zero-padded vector.
+// y[i] = f(x[i]); the last n % kLanes elements through a masked vector (zeros past n).
 template <Fn f>
 GRAFT_VM_LOOP void map1(const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(y + i, apply1(f, load(x + i)));
-  if (i < n) {
-    float bx[kLanes] = {}, by[kLanes];
-    std::memcpy(bx, x + i, (n - i) * sizeof(float));
-    store(by, apply1(f, load(bx)));
-    std::memcpy(y + i, by, (n - i) * sizeof(float));
-  }
+  if (i < n) store_n(y + i, apply1(f, load_n(x + i, n - i)), n - i);
 }
 template <Fn2 f>
 GRAFT_VM_LOOP void map2(const float* g, const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(y + i, apply2(f, load(g + i), load(x + i)));
-  if (i < n) {
-    float bg[kLanes] = {}, bx[kLanes] = {}, by[kLanes];
-    std::memcpy(bg, g + i, (n - i) * sizeof(float));
-    std::memcpy(bx, x + i, (n - i) * sizeof(float));
-    store(by, apply2(f, load(bg), load(bx)));
-    std::memcpy(y + i, by, (n - i) * sizeof(float));
-  }
+  if (i < n) store_n(y + i, apply2(f, load_n(g + i, n - i), load_n(x + i, n - i)), n - i);
 }
 
 // max over x[0, n) (n >= 1); NaN elements may or may not win (the Softmax that uses it turns any
@@ -253,11 +242,9 @@ GRAFT_VM_LOOP void exp_shift_n(const float* x, float c, float* y, int64_t n) {
 // ad / as (dot_and_sum's partials) for the 16-element group at row offset i += vp * vd / vp.
 GRAFT_VM void add_dot(VD* ad, VD* as, int64_t i, V vp, V vd) {
   const int h = static_cast<int>(i % kSumLanes / kLanes);
-  const VD pl = lo_d(vp), ph = hi_d(vp);
-  ad[2 * h] = add_d(ad[2 * h], mul_d(pl, lo_d(vd)));
-  ad[2 * h + 1] = add_d(ad[2 * h + 1], mul_d(ph, hi_d(vd)));
-  as[2 * h] = add_d(as[2 * h], pl);
-  as[2 * h + 1] = add_d(as[2 * h + 1], ph);
+  ad[2 * h] = add_d(ad[2 * h], mul_d(lo_d(vp), lo_d(vd)));
+  ad[2 * h + 1] = add_d(ad[2 * h + 1], mul_d(hi_d(vp), hi_d(vd)));
+  add_halves(as, i, vp);
 }
 GRAFT_VM_LOOP void dot_and_sum(const float* p, const float* d, int64_t n, double* pd, double* ps) {
   VD ad[kSumVecs], as[kSumVecs];

@@ -100,15 +100,22 @@ bool matrix_product(const Node& n) {
   return (n.domain.empty() && (n.op == "Gemm" || n.op == "MatMul")) ||
          (n.domain == "graft" && n.op == "FusedMatMul");
 }
-// Operand A or B of a float32 matrix product (not Gemm's C); Q, K or V of graft's attention (or
-// their packed tensor, Note [attention views]), which reads them only as operands of its products
-// (Q K^T, P V; in the backward Q K^T again, dO V^T, dS K and dS^T Q); X of a convolution that runs
-// on oneDNN's bf16 primitives (not a depthwise one: graft's own kernels run those) and of its
-// gradient, which reads it for dW only; Y of ReluGrad, which reads only its sign (Note [bf16
-// activations]).
-bool product_operand(const Graph& g, const Node& n, int slot) {
+// Operand A or B of a float32 matrix product, or Q, K or V of graft's attention: the readers that
+// round a float32 operand exactly as RoundToBf16 does (not ReluGrad, which reads only a sign, nor
+// a convolution, whose rounding is oneDNN's).
+bool matrix_product_operand(const Node& n, int slot) {
   if (n.domain == "graft" && n.op == "Attention") return slot < 3;
   if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
+  return matrix_product(n) && slot < 2;
+}
+
+// A matrix_product_operand (A or B of a float32 matrix product, not Gemm's C; Q, K or V of graft's
+// attention, or their packed tensor, Note [attention views], which reads them only as operands of
+// its products: Q K^T, P V; in the backward Q K^T again, dO V^T, dS K and dS^T Q); X of a
+// convolution that runs on oneDNN's bf16 primitives (not a depthwise one: graft's own kernels run
+// those) and of its gradient, which reads it for dW only; Y of ReluGrad, which reads only its sign
+// (Note [bf16 activations]).
+bool product_operand(const Graph& g, const Node& n, int slot) {
   if (n.domain == "graft" && n.op == "ReluGrad") return slot == 1;
   const bool conv = n.domain.empty() && n.op == "Conv";
   if (conv || (n.domain == "graft" && n.op == "ConvGrad")) {
@@ -119,16 +126,7 @@ bool product_operand(const Graph& g, const Node& n, int slot) {
     return xv.shape.size() >= 3 && group >= 1 && xv.shape[1] % group == 0 &&
            xv.shape[1] / group > 1;
   }
-  return matrix_product(n) && slot < 2;
-}
-
-// Operand A or B of a float32 matrix product, or Q, K or V of graft's attention: the readers that
-// round a float32 operand exactly as RoundToBf16 does (not ReluGrad, which reads only a sign, nor
-// a convolution, whose rounding is oneDNN's).
-bool matrix_product_operand(const Node& n, int slot) {
-  if (n.domain == "graft" && n.op == "Attention") return slot < 3;
-  if (n.domain == "graft" && n.op == "AttentionGrad") return slot >= 1 && slot <= 3;
-  return matrix_product(n) && slot < 2;
+  return matrix_product_operand(n, slot);
 }
 
 // Note [bf16 activations]: a BatchNormalization's X (and its gradient's) that a float32
@@ -141,6 +139,15 @@ bool rounded_output_reader(const Node& writer, const Node& n, int slot, bool dir
                       (n.domain == "graft" && n.op == "BatchNormGrad" && slot == 1));
   return matrix_product(writer) && ((n.domain.empty() && n.op == "Gelu" && slot == 0) ||
                                     (n.domain == "graft" && n.op == "GeluGrad" && slot == 1));
+}
+
+// Per value: one the caller reads or binds (`external`) or a graph output, never rounded.
+std::vector<bool> external_mask(const Graph& g, const std::vector<int>& external) {
+  std::vector<bool> ext(g.values.size(), false);
+  for (int v : external)
+    if (v >= 0) ext[v] = true;
+  for (int v : g.outputs) ext[v] = true;
+  return ext;
 }
 
 // V16 = RoundToBf16(V), appended to the graph (place_roundings moves it after V's writer; the
@@ -189,10 +196,7 @@ int choose_bf16_operands(Graph& g, BackwardGraph& bg, const std::vector<int>& ex
                          bool enabled) {
   if (!enabled) return 0;
   const int nf = bg.n_forward_nodes;
-  std::vector<bool> ext(g.values.size(), false);
-  for (int v : external)
-    if (v >= 0) ext[v] = true;
-  for (int v : g.outputs) ext[v] = true;
+  const std::vector<bool> ext = external_mask(g, external);
   const std::vector<std::vector<int>> cons = g.consumers();
   const int n_old = static_cast<int>(g.nodes.size());
   std::vector<std::vector<int>> rounds_after(n_old);  // writer -> new RoundToBf16 nodes
@@ -270,10 +274,7 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
   const char* sw = std::getenv("GRAFT_BF16_GRAD_OPERANDS");  // (read per graph: tests switch it)
   if (sw && std::string(sw) == "0") return 0;
   const int nf = bg.n_forward_nodes, n_old = static_cast<int>(g.nodes.size());
-  std::vector<bool> ext(g.values.size(), false);
-  for (int v : external)
-    if (v >= 0) ext[v] = true;
-  for (int v : g.outputs) ext[v] = true;
+  const std::vector<bool> ext = external_mask(g, external);
   // The bytes live during each step of the plan without these roundings (its outputs made, its
   // frees not yet done), and what the roundings chosen so far add there.
   const int ns = static_cast<int>(before.steps.size());
@@ -320,7 +321,7 @@ int choose_bf16_gradient_operands(Graph& g, BackwardGraph& bg, const std::vector
       if (products.size() < 2) continue;
       // U16 lives from U's writer to its last product: it must fit under the peak there.
       int first = step_of[w], last = first;
-      for (int r : products) last = std::max(last, r < n_old ? step_of[r] : -1);
+      for (int r : products) last = std::max(last, step_of[r]);
       if (first < 0) continue;
       const int64_t bytes = val.bytes() / 2;
       bool fits = true;

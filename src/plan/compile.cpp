@@ -59,8 +59,8 @@ CompiledStep compile_step(Graph& g, const AutodiffOptions& ad, const CompileOpti
     // backward does not need is not held through backward, and backward never writes into one.
     for (int o : g.outputs) po.forward_outputs.push_back(o);
     if (bg.loss >= 0) po.forward_outputs.push_back(bg.loss);
-    po.release_inputs =
-        bg.output_grad_inputs;  // dropped at their last read (the session's backward)
+    // dropped at their last read (the session's backward)
+    po.release_inputs = bg.output_grad_inputs;
     if (bg.loss_seed >= 0) po.gradient_seeds.push_back(bg.loss_seed);
     auto keep = [&](int v) -> int {
       if (v < 0) return -1;

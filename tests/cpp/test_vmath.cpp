@@ -246,7 +246,7 @@ TEST(VMath, SpecialValues) {
 }
 
 // An element's value does not depend on its position: the tail (n % lanes elements, through a
-// padded vector) equals the same input in the vector body; in place equals out of place; every
+// masked vector) equals the same input in the vector body; in place equals out of place; every
 // ISA gives the same bits.
 TEST(VMath, TailsInPlaceAndIsasAgree) {
   const auto all = isas();
