@@ -256,7 +256,7 @@ def test_bench_conv_runs():
 
 
 def _run_single(model, inputs, params, freeze, input_grads, dy_seed=2):
-    """Runs a one-node model forward and backward in float64: (outputs, input grads, param grads)."""
+    """Runs a one-node model forward and backward (dy in y's dtype): (outputs, input grads, param grads)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.onnx")
         onnx.save(model, path)
@@ -265,7 +265,7 @@ def _run_single(model, inputs, params, freeze, input_grads, dy_seed=2):
         sess.bind_param(k, t.data_ptr(), list(t.shape), "float64")
     step, outs = sess.forward({k: _spec(t) for k, t in inputs.items()}, 0, True)
     y = torch.from_numpy(outs[0]).clone()
-    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(dy_seed))
+    dy = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(dy_seed))
     trainable = [k for k in params if k not in freeze]
     for k in trainable:
         sess.bind_grad(k, None, [], "")
@@ -328,22 +328,30 @@ def test_pool_over_many_planes_matches_torch(op):  # enough planes for the per-p
     dict(k=3, s=2, p=1, d=1, ceil=False),   # resnet's stem pool
     dict(k=3, s=2, p=1, d=2, ceil=True),    # dilation, a last window starting in the padding
     dict(k=2, s=1, p=0, d=1, ceil=False),
+    dict(k=3, s=3, p=1, d=1, ceil=True),    # a stride without its own copy (Note [max pool rows])
 ])
-def test_maxpool_2d_ties_and_nan_match_torch(case):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("width", [13, 75])
+def test_maxpool_2d_ties_and_nan_match_torch(case, dtype, width):
     """The 2-D MaxPool path (max_plane_2d) against PyTorch: integer-valued inputs make many ties
     (the first maximum in row-major window order gets the gradient, as PyTorch), a few NaNs
-    propagate to their windows' outputs and take the gradient there."""
+    propagate to their windows' outputs and take the gradient there. Width 75 gives each output
+    row dozens of interior columns (the vectorized tap-by-tap walk, Note [max pool rows]) with
+    NaNs among them; float32 runs the ISA-cloned copy."""
     gen = torch.Generator().manual_seed(7)
-    shape = (2, 3, 11, 13)
-    x = torch.randint(-3, 4, shape, generator=gen).double()
+    shape = (2, 3, 11, width)
+    x = torch.randint(-3, 4, shape, generator=gen).to(dtype)
     x[0, 0, 5, 5] = float("nan")  # odd coordinates: read by every case's windows
     x[1, 2, 1, 1] = float("nan")
+    x[0, 1, 3, width - 8] = float("nan")  # interior columns, near the row's end
+    x[1, 0, 7, width // 2] = float("nan")
     k, s, p, d, ceil = case["k"], case["s"], case["p"], case["d"], case["ceil"]
     yr_shape = torch.nn.functional.max_pool2d(x, k, s, p, d, ceil_mode=ceil).shape
     node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[k, k], strides=[s, s], pads=[p] * 4,
                             dilations=[d, d], ceil_mode=int(ceil))
-    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))],
-                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, list(yr_shape))])
+    et = TensorProto.DOUBLE if dtype == torch.float64 else TensorProto.FLOAT
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", et, list(shape))],
+                              [helper.make_tensor_value_info("y", et, list(yr_shape))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     y, dy, ig, _ = _run_single(model, {"x": x}, {}, [], ["x"])
     xr = x.clone().requires_grad_()
