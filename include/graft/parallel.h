@@ -8,6 +8,23 @@
 #include <algorithm>
 #include <cstdint>
 
+// Note [ISA clones]
+// graft builds for baseline x86-64 (SSE2: 4 floats, 2 doubles per vector), so plain loops the
+// compiler vectorizes run far below what AVX-512 does with them. Hot kernels whose loops are
+// plain (depthwise convolutions, BatchNorm's sums and its backward, max pooling, AdamW's update)
+// mark their float32 entry point GRAFT_ISA_CLONES: GCC compiles it also for AVX2 and AVX-512
+// (target_clones) and picks the copy once at load time; their helpers are GRAFT_INLINE so that
+// each copy has its own. Results do not depend on the copy where the file is built with
+// -ffp-contract=off (no fused multiply-adds the code does not spell) and the summation order is
+// written out (sum8). A loop with a square root vectorizes only with -fno-math-errno (otherwise
+// each sqrt is a call that may set errno): optim.cpp is built with it.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define GRAFT_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GRAFT_ISA_CLONES
+#endif
+#define GRAFT_INLINE [[gnu::always_inline]] inline
+
 namespace graft {
 
 // Threads used by GEMMs (OpenBLAS, oneDNN's OpenMP team) and by graft's own loops; <= 0 leaves the

@@ -533,10 +533,12 @@ int cmd_bench(const BenchArgs& a) {
   }
 
   std::printf(
-      "graft bench: B=%lld H=%lld L=%lld fp32, SGD lr 0.01, %d timed step%s after 1 warm-up, "
+      "graft bench: B=%lld H=%lld L=%lld %s, %s, %d timed step%s after 1 warm-up, "
       "set_to_none=%s, %d thread%s\n",
       static_cast<long long>(a.batch), static_cast<long long>(a.hidden),
-      static_cast<long long>(a.layer), a.steps, a.steps == 1 ? "" : "s",
+      static_cast<long long>(a.layer), a.precision.c_str(),
+      a.optimizer == "adamw" ? "AdamW lr 1e-3 weight decay 1e-2" : "SGD lr 0.01", a.steps,
+      a.steps == 1 ? "" : "s",
       a.set_to_none ? "true" : "false", num_threads(), num_threads() == 1 ? "" : "s");
   std::printf("parameters %s, gradients %s, input %s; %.3f GFLOP per step\n\n",
               human_bytes(sz.P).c_str(), human_bytes(sz.P).c_str(), human_bytes(sz.A).c_str(),

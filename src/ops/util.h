@@ -280,20 +280,7 @@ void for_each_row(const BcastRows<N>& p, int64_t work, F&& seg) {
   });
 }
 
-// Note [ISA clones]
-// graft builds for baseline x86-64 (SSE2: 4 floats, 2 doubles per vector), so plain loops the
-// compiler vectorizes run far below what AVX-512 does with them. Hot kernels whose loops are
-// plain (depthwise convolutions, BatchNorm's sums and its backward) mark their float32 entry
-// point GRAFT_ISA_CLONES: GCC compiles it also for AVX2 and AVX-512 (target_clones) and picks the
-// copy once at load time; their helpers are GRAFT_INLINE so that each copy has its own. Results
-// do not depend on the copy where the file is built with -ffp-contract=off (no fused
-// multiply-adds the code does not spell) and the summation order is written out (sum8).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define GRAFT_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define GRAFT_ISA_CLONES
-#endif
-#define GRAFT_INLINE [[gnu::always_inline]] inline
+// GRAFT_ISA_CLONES, GRAFT_INLINE: Note [ISA clones], graft/parallel.h.
 
 // Sums f(i) over [0, n) in double with 8 independent partial sums (vectorizable; the order is
 // fixed, so results do not depend on the thread count).

@@ -466,3 +466,51 @@ TEST(StateFile, ReadingAheadStopsAtTheMemoryLimitInsteadOfFailing) {
     EXPECT_EQ(0, std::memcmp(a[i].data.raw(), b[i].data.raw(), a[i].data.nbytes())) << i;
   ::unlink(path.c_str());
 }
+
+// Note [AdamW's vector update] (optim.cpp): the float32 update runs an ISA clone whose vector
+// square roots and divisions must give the scalar formula's bits. The reference here is that
+// formula, element by element in float (PyTorch 1.13's single-tensor AdamW), over a length with a
+// ragged tail and values spanning many binades, for three steps.
+TEST(AdamW, VectorUpdateGivesTheScalarFormulasBits) {
+  Allocator alloc;
+  const int64_t n = 4099;  // not a multiple of any vector width
+  Parameter p;
+  p.name = "w";
+  p.data = Tensor::zeros({n}, DType::F32, alloc, Category::Parameter);
+  Tensor g = Tensor::zeros({n}, DType::F32, alloc, Category::Gradient);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(-1.f, 1.f), expo(-20.f, 8.f);
+  std::vector<float> w(n), m(n, 0.f), v(n, 0.f);
+  for (int64_t k = 0; k < n; ++k) w[k] = p.data.data<float>()[k] = unit(rng) * std::exp2(expo(rng));
+  AdamWOptions o;
+  o.lr = 0.01;
+  o.weight_decay = 0.1;
+  AdamW opt({&p}, o, &alloc);
+  for (int step = 1; step <= 3; ++step) {
+    for (int64_t k = 0; k < n; ++k) g.data<float>()[k] = unit(rng) * std::exp2(expo(rng));
+    opt.begin_step();
+    opt.update(0, g);
+    const double bc1 = 1 - std::pow(o.beta1, step), bc2 = 1 - std::pow(o.beta2, step);
+    const float decay = static_cast<float>(1 - o.lr * o.weight_decay);
+    const float b1 = static_cast<float>(o.beta1), b2 = static_cast<float>(o.beta2);
+    const float c1 = static_cast<float>(1 - o.beta1), c2 = static_cast<float>(1 - o.beta2);
+    const float step_size = static_cast<float>(o.lr / bc1);
+    const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2)), eps = static_cast<float>(o.eps);
+    int64_t differ = 0, first = -1;
+    for (int64_t k = 0; k < n; ++k) {
+      const float gk = g.data<float>()[k];
+      w[k] = w[k] * decay;
+      const float mg = gk * c1, mm = m[k] * b1;
+      m[k] = mm + mg;
+      const float gg = gk * gk, g2 = gg * c2, vv = v[k] * b2;
+      v[k] = vv + g2;
+      const float root = std::sqrt(v[k]), scaled = root / sqrt_bc2, denom = scaled + eps;
+      const float ratio = m[k] / denom, delta = step_size * ratio;
+      w[k] = w[k] - delta;
+      if (std::memcmp(&w[k], p.data.data<float>() + k, sizeof(float)) != 0 && differ++ == 0)
+        first = k;
+    }
+    EXPECT_EQ(differ, 0) << "step " << step << ": first at " << first << ": "
+                         << p.data.data<float>()[first] << " != " << w[first];
+  }
+}
