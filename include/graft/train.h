@@ -395,6 +395,13 @@ struct AdamWOptions {
   double eps = 1e-8;
   double weight_decay = 1e-2;
 };
+// AdamW's update of n elements in place (PyTorch 1.13's single-tensor formula; Note [AdamW's
+// vector update], optim.cpp): weights w, gradient g, moments m and v, all of `dtype` (F32 or F64),
+// for the update numbered `step` (1 for the first), on graft's threads. AdamW::update runs it on
+// its own state; GraftModule's step mode on torch.optim.AdamW's (Note [graft's update in step
+// mode], python/graft/_function.py).
+void adamw_apply(DType dtype, void* w, const void* g, void* m, void* v, int64_t n, int64_t step,
+                 const AdamWOptions& o);
 class AdamW final : public Optimizer {
  public:
   AdamW(std::vector<Parameter*> params, AdamWOptions o, Allocator* alloc = nullptr);

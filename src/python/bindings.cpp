@@ -350,6 +350,30 @@ PYBIND11_MODULE(_graft, m) {
     d["resizes"] = s.resizes;
     return d;
   });
+  // Note [graft's update in step mode] (python/graft/_function.py): torch.optim.AdamW's update of
+  // one parameter on its own state tensors (addresses: weights, gradient, exp_avg, exp_avg_sq, n
+  // elements of `dtype`; `step`, the state's one-element step count of `step_dtype`, is advanced by
+  // one first, as the optimizer does), with graft's kernel on graft's threads, without the GIL.
+  m.def("adamw_update", [](uintptr_t w, uintptr_t g, uintptr_t mo, uintptr_t v, int64_t n,
+                           const std::string& dtype, uintptr_t step, const std::string& step_dtype,
+                           double lr, double beta1, double beta2, double eps, double weight_decay) {
+    const DType dt = parse_dtype(dtype), sdt = parse_dtype(step_dtype);
+    GRAFT_CHECK(sdt == DType::F32 || sdt == DType::F64, ErrorKind::InvalidArgument,
+                "adamw_update: the step count must be float32 or float64, not " + step_dtype);
+    double count = 0;
+    if (sdt == DType::F32) {
+      float* s = reinterpret_cast<float*>(step);
+      count = *s += 1.f;
+    } else {
+      double* s = reinterpret_cast<double*>(step);
+      count = *s += 1.0;
+    }
+    const AdamWOptions o{lr, beta1, beta2, eps, weight_decay};
+    py::gil_scoped_release nogil;
+    adamw_apply(dt, reinterpret_cast<void*>(w), reinterpret_cast<const void*>(g),
+                reinterpret_cast<void*>(mo), reinterpret_cast<void*>(v), n,
+                static_cast<int64_t>(count), o);
+  });
   py::class_<PyAdamWFile>(m, "AdamWFile")
       .def(py::init<const std::vector<std::vector<int64_t>>&, const std::vector<std::string>&,
                     const std::string&, int64_t, bool>(),

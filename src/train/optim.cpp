@@ -57,6 +57,36 @@ void adamw_range(const AdamWTerms<T>& c, T* w, const T* g, T* m, T* v, int64_t n
     adamw_loop(c, w, g, m, v, n);
 }
 
+}  // namespace
+
+void adamw_apply(DType dtype, void* w, const void* g, void* m, void* v, int64_t n, int64_t step,
+                 const AdamWOptions& o) {
+  auto run = [&]<class T>() {
+    const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(step));
+    const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(step));
+    AdamWTerms<T> c;
+    c.decay = static_cast<T>(1 - o.lr * o.weight_decay);
+    c.b1 = static_cast<T>(o.beta1), c.b2 = static_cast<T>(o.beta2);
+    c.c1 = static_cast<T>(1 - o.beta1), c.c2 = static_cast<T>(1 - o.beta2);
+    c.step_size = static_cast<T>(o.lr / bc1);
+    c.sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
+    c.eps = static_cast<T>(o.eps);
+    T* wt = static_cast<T*>(w);
+    const T* gt = static_cast<const T*>(g);
+    T *mt = static_cast<T*>(m), *vt = static_cast<T*>(v);
+    for_ranges(n, 12, [&](int64_t k0, int64_t k1) {
+      adamw_range(c, wt + k0, gt + k0, mt + k0, vt + k0, k1 - k0);
+    });
+  };
+  if (dtype == DType::F32)
+    run.template operator()<float>();
+  else if (dtype == DType::F64)
+    run.template operator()<double>();
+  else
+    fail(ErrorKind::InvalidArgument, "AdamW updates float32 or float64 values only");
+}
+
+namespace {
 // Each kind's hyperparameters are declared once, here: each_hyper names every field of the options
 // (the table behind OptimizerKind::hyper, state() and load_state()), invalid() says what is out of
 // range (the constructors and checkpoint verification).
@@ -244,28 +274,16 @@ void AdamW::update(size_t i, const Tensor& grad) {
                             p.name + ".exp_avg_sq");
     }
     const int64_t step = ++steps_[i];
+    const DType dt = p.data.dtype();
+    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::InvalidArgument,
+                "optimizers update float parameters only");
+    void* w = p.data.raw();
+    const void* g = grad.raw();
+    if (!file_) {
+      adamw_apply(dt, w, g, m_[i].raw(), v_[i].raw(), p.data.numel(), step, options);
+      return;
+    }
     by_dtype(p.data, [&]<class T>() {
-      const double bc1 = 1 - std::pow(options.beta1, static_cast<double>(step));
-      const double bc2 = 1 - std::pow(options.beta2, static_cast<double>(step));
-      AdamWTerms<T> c;
-      c.decay = static_cast<T>(1 - options.lr * options.weight_decay);
-      c.b1 = static_cast<T>(options.beta1), c.b2 = static_cast<T>(options.beta2);
-      c.c1 = static_cast<T>(1 - options.beta1), c.c2 = static_cast<T>(1 - options.beta2);
-      c.step_size = static_cast<T>(options.lr / bc1);
-      c.sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
-      c.eps = static_cast<T>(options.eps);
-      // Elements [0, n) of w, g, m, v.
-      auto apply = [&](T* w, const T* g, T* m, T* v, int64_t n) {
-        for_ranges(n, 12, [&](int64_t k0, int64_t k1) {
-          adamw_range(c, w + k0, g + k0, m + k0, v + k0, k1 - k0);
-        });
-      };
-      T* w = p.data.data<T>();
-      const T* g = grad.data<T>();
-      if (!file_) {
-        apply(w, g, m_[i].data<T>(), v_[i].data<T>(), p.data.numel());
-        return;
-      }
       // The state file streams the state in units (at most 32 MiB of each moment): the same
       // elementwise update, a unit at a time.
       const size_t u0 = file_->first_unit(i), u1 = u0 + file_->num_units(i);
@@ -273,8 +291,8 @@ void AdamW::update(size_t i, const Tensor& grad) {
         char* st = file_->acquire(u);
         const int64_t e0 = file_->unit_begin(u) / static_cast<int64_t>(sizeof(T));
         const int64_t n = file_->unit_bytes(u) / static_cast<int64_t>(sizeof(T));
-        apply(w + e0, g + e0, reinterpret_cast<T*>(st),
-              reinterpret_cast<T*>(st + file_->unit_stride(u)), n);
+        adamw_apply(dt, static_cast<T*>(w) + e0, static_cast<const T*>(g) + e0, st,
+                    st + file_->unit_stride(u), n, step, options);
         file_->release(u);
       }
     });

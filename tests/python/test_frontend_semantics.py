@@ -753,15 +753,20 @@ def test_step_mode_runs_torchs_fused_adam_kernel_with_eagers_state(kind, dtype, 
     """Note [fused update in step mode]: with a PyTorch that has fused CPU Adam (>= 2.4), step mode
     updates each parameter that has state through torch's fused kernel (counted here), its first
     update through the optimizer's own path; parameters and the optimizer's state_dict (the step
-    count's dtype included) match the eager loop's. GRAFT_FUSED_STEP=0 ("off") never fuses."""
+    count's dtype included) match the eager loop's. torch.optim.AdamW's updates run graft's kernel
+    instead (Note [graft's update in step mode], counted too). GRAFT_FUSED_STEP=0 ("off") does
+    neither."""
     from graft import _function
     if kind == "off":
         monkeypatch.setenv("GRAFT_FUSED_STEP", "0")
-    calls = []
+    calls, graft_calls = [], []
     for name in ("_fused_adam_", "_fused_adamw_"):
         if hasattr(torch, name):
             real = getattr(torch, name)
             monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: (calls.append(len(a[0])), _real(*a, **k))[1])
+    real_update = _function._graft.adamw_update
+    monkeypatch.setattr(_function._graft, "adamw_update",
+                        lambda *a: (graft_calls.append(a[4]), real_update(*a))[1])
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3)).to(dtype)
     e = copy.deepcopy(m)
@@ -790,7 +795,49 @@ def test_step_mode_runs_torchs_fused_adam_kernel_with_eagers_state(kind, dtype, 
             assert sg["state"][i][key].dtype == v.dtype, (i, key)
             close(sg["state"][i][key], v, f"state {i} {key}")
     fused = _function._FUSED_CPU and kind != "off"
-    assert calls == ([1] * (steps - 1) * len(list(m.parameters())) if fused else []), calls
+    later = (steps - 1) * len(list(m.parameters()))  # every update after a parameter's first
+    assert calls == ([1] * later if fused and kind != "adamw" else []), calls
+    assert len(graft_calls) == (later if fused and kind == "adamw" else 0), graft_calls
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_step_mode_adamw_in_graft_keeps_versions_and_yields_to_step_hooks(hooked, monkeypatch):
+    """Note [graft's update in step mode]: torch.optim.AdamW's updates after a parameter's first run
+    graft's kernel on the optimizer's state: each advances the parameter's version counter (as the
+    optimizer's in-place ops do) and the state's step count, and the result matches the eager loop.
+    With a step hook registered the optimizer's own step() runs instead, so the hook fires."""
+    from graft import _function
+    if not _function._FUSED_CPU:
+        pytest.skip("graft's update stands in for torch's fused CPU kernel (PyTorch >= 2.4)")
+    graft_calls, hook_calls = [], []
+    real_update = _function._graft.adamw_update
+    monkeypatch.setattr(_function._graft, "adamw_update", lambda *a: (graft_calls.append(a[4]), real_update(*a))[1])
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3))
+    e = copy.deepcopy(m)
+    opt_g = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.05)
+    opt_e = torch.optim.AdamW(e.parameters(), lr=0.01, weight_decay=0.05)
+    if hooked:
+        opt_g.register_step_pre_hook(lambda opt, args, kwargs: hook_calls.append(1))
+    g = GraftModule(m, gradients="step", optimizer=opt_g)
+    params = list(m.parameters())
+    steps = 3
+    for k in range(steps):
+        before = [p._version for p in params]
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k))
+        g(x).square().mean().backward()
+        if not hooked:  # (torch's fused kernel, which the hooked optimizer runs, leaves versions as they are)
+            assert all(p._version > v for p, v in zip(params, before)), k
+        opt_e.zero_grad()
+        e(x).square().mean().backward()
+        opt_e.step()
+    for (n, a), b in zip(m.named_parameters(), e.parameters()):
+        close(a, b, n)
+    for p in params:
+        assert opt_g.state[p]["step"].item() == steps
+    later = (steps - 1) * len(params)
+    assert len(graft_calls) == (0 if hooked else later)
+    assert len(hook_calls) == (steps * len(params) if hooked else 0)
 
 
 def test_step_mode_needs_an_optimizer():
