@@ -538,8 +538,8 @@ int cmd_bench(const BenchArgs& a) {
       static_cast<long long>(a.batch), static_cast<long long>(a.hidden),
       static_cast<long long>(a.layer), a.precision.c_str(),
       a.optimizer == "adamw" ? "AdamW lr 1e-3 weight decay 1e-2" : "SGD lr 0.01", a.steps,
-      a.steps == 1 ? "" : "s",
-      a.set_to_none ? "true" : "false", num_threads(), num_threads() == 1 ? "" : "s");
+      a.steps == 1 ? "" : "s", a.set_to_none ? "true" : "false", num_threads(),
+      num_threads() == 1 ? "" : "s");
   std::printf("parameters %s, gradients %s, input %s; %.3f GFLOP per step\n\n",
               human_bytes(sz.P).c_str(), human_bytes(sz.P).c_str(), human_bytes(sz.A).c_str(),
               sz.flops / 1e9);
