@@ -162,18 +162,18 @@ def _fuses(opt, group, p):
 # same decoupled formula (PyTorch 1.13's single-tensor order of operations: rounding aside, as for
 # the fused kernel, and held to eager's loop by the same tests), on graft's threads, one call per
 # parameter, p's version counter advanced as an in-place op would. The first update of a parameter
-# still runs the optimizer's own path (it creates the state). An LR scheduler's check that optimizer.step() ran before it sees the call it expects
-# (`_opt_called`). GRAFT_FUSED_STEP=0 keeps the optimizer's own path throughout.
+# still runs the optimizer's own path (it creates the state). An LR scheduler's check that
+# optimizer.step() ran before it sees the call it expects (`_opt_called`). GRAFT_FUSED_STEP=0 keeps
+# the optimizer's own path throughout.
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 
 
 def _graft_adamw_state(opt, group, p, g):
     """The state graft's AdamW update may run on (Note [graft's update in step mode]), or None."""
-    if not (_FUSED_CPU and type(opt) is getattr(torch.optim, "AdamW", None)
-            and os.environ.get("GRAFT_FUSED_STEP", "1") != "0"):
+    # where the fused path would run (class, switch, group settings, dtype, state), for AdamW alone
+    if type(opt) is not getattr(torch.optim, "AdamW", None) or not _fuses(opt, group, p):
         return None
-    if any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable", "fused")) \
-            or group.get("decoupled_weight_decay", True) is not True:
+    if group.get("amsgrad") or group.get("maximize") or group.get("decoupled_weight_decay", True) is not True:
         return None
     if not all(isinstance(group[k], (float, int)) for k in ("lr", "eps", "weight_decay")) \
             or not all(isinstance(b, (float, int)) for b in group["betas"]):
@@ -185,13 +185,11 @@ def _graft_adamw_state(opt, group, p, g):
     own_step = opt.__dict__.get("step")
     if own_step is not None and not getattr(own_step, "_wrapped_by_lr_sched", False):
         return None
-    st = opt.state.get(p)
-    if not st:
-        return None
+    st = opt.state[p]  # there (_fuses)
     step, m, v = st.get("step"), st.get("exp_avg"), st.get("exp_avg_sq")
     if not all(isinstance(t, torch.Tensor) for t in (step, m, v)):
         return None
-    if p.dtype not in _DTYPE_NAMES or step.dtype not in _DTYPE_NAMES or step.numel() != 1 \
+    if step.dtype not in _DTYPE_NAMES or step.numel() != 1 \
             or step.device.type != "cpu" or not step.is_contiguous():
         return None
     for t in (p, g, m, v):

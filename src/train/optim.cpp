@@ -21,6 +21,17 @@ void for_ranges(int64_t n, int64_t work_per_item, F&& f) {
       n, work_per_item, [](void* c, int64_t b, int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
 }
 
+// f.template operator()<T>() with T the C++ type of `dt` (float32 or float64).
+template <class F>
+void by_dtype(DType dt, F&& f) {
+  if (dt == DType::F32)
+    f.template operator()<float>();
+  else if (dt == DType::F64)
+    f.template operator()<double>();
+  else
+    fail(ErrorKind::InvalidArgument, "optimizers update float parameters only");
+}
+
 // AdamW's update of n elements (PyTorch 1.13's single-tensor formula, in T). Note [AdamW's
 // vector update]: the loop has a square root and two divisions per element; built for baseline
 // x86-64 without -fno-math-errno it ran scalar, at a third of the memory's speed (ViT-B/16's 86M
@@ -61,7 +72,7 @@ void adamw_range(const AdamWTerms<T>& c, T* w, const T* g, T* m, T* v, int64_t n
 
 void adamw_apply(DType dtype, void* w, const void* g, void* m, void* v, int64_t n, int64_t step,
                  const AdamWOptions& o) {
-  auto run = [&]<class T>() {
+  by_dtype(dtype, [&]<class T>() {
     const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(step));
     const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(step));
     AdamWTerms<T> c;
@@ -77,13 +88,7 @@ void adamw_apply(DType dtype, void* w, const void* g, void* m, void* v, int64_t 
     for_ranges(n, 12, [&](int64_t k0, int64_t k1) {
       adamw_range(c, wt + k0, gt + k0, mt + k0, vt + k0, k1 - k0);
     });
-  };
-  if (dtype == DType::F32)
-    run.template operator()<float>();
-  else if (dtype == DType::F64)
-    run.template operator()<double>();
-  else
-    fail(ErrorKind::InvalidArgument, "AdamW updates float32 or float64 values only");
+  });
 }
 
 namespace {
@@ -181,18 +186,6 @@ void Optimizer::zero_grad(bool set_to_none) {
   }
 }
 
-namespace {
-template <class F>
-void by_dtype(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::F32)
-    f.template operator()<float>();
-  else if (t.dtype() == DType::F64)
-    f.template operator()<double>();
-  else
-    fail(ErrorKind::InvalidArgument, "optimizers update float parameters only");
-}
-}  // namespace
-
 SGD::SGD(std::vector<Parameter*> params, SGDOptions o, Allocator* alloc)
     : Optimizer(std::move(params), alloc), options(o) {
   const std::string why = invalid(o);
@@ -219,7 +212,7 @@ void SGD::update(size_t i, const Tensor& grad) {
     GRAFT_CHECK(grad.dtype() == p.data.dtype() && grad.numel() == p.data.numel(),
                 ErrorKind::ShapeMismatch,
                 "SGD: the gradient of '" + p.name + "' has the wrong size");
-    by_dtype(p.data, [&]<class T>() {
+    by_dtype(p.data.dtype(), [&]<class T>() {
       T* w = p.data.data<T>();
       const T* g = grad.data<T>();
       const int64_t n = p.data.numel();
@@ -275,15 +268,13 @@ void AdamW::update(size_t i, const Tensor& grad) {
     }
     const int64_t step = ++steps_[i];
     const DType dt = p.data.dtype();
-    GRAFT_CHECK(dt == DType::F32 || dt == DType::F64, ErrorKind::InvalidArgument,
-                "optimizers update float parameters only");
     void* w = p.data.raw();
     const void* g = grad.raw();
     if (!file_) {
       adamw_apply(dt, w, g, m_[i].raw(), v_[i].raw(), p.data.numel(), step, options);
       return;
     }
-    by_dtype(p.data, [&]<class T>() {
+    by_dtype(p.data.dtype(), [&]<class T>() {
       // The state file streams the state in units (at most 32 MiB of each moment): the same
       // elementwise update, a unit at a time.
       const size_t u0 = file_->first_unit(i), u1 = u0 + file_->num_units(i);
