@@ -151,6 +151,8 @@ struct BlockedUse {
 };
 using BlockedFn = BlockedUse (*)(const Graph&, const Node&);
 inline constexpr const char* kBlockedAttr = "graft_blocked";
+// Note [bf16 writers]: set (1) on a node whose op has OpDef::bf16_out, its output 0 is bfloat16.
+inline constexpr const char* kBf16OutAttr = "graft_bf16_out";
 // The elementwise rule: every input and output when they all have one shape, else none.
 BlockedUse blocked_elementwise(const Graph& g, const Node& n);
 // Whether this machine's convolutions take channel-blocked operands at all (oneDNN with 16-channel
@@ -202,6 +204,9 @@ struct OpDef {
   bool pointwise = false;
   // Which operands may be channel-blocked (Note [channel-blocked values]); nullptr: none.
   BlockedFn blocked = nullptr;
+  // Output 0 may be written in bfloat16, rounded as RoundToBf16 rounds, when the node's int
+  // attribute kBf16OutAttr is set (Note [bf16 writers], src/plan/bf16_operands.cpp).
+  bool bf16_out = false;
 };
 
 const OpDef* find_op(const std::string& name, const std::string& domain = "");

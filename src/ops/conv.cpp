@@ -393,7 +393,7 @@ void untranspose(const float* src, int64_t n, int64_t nc, float* dst, int64_t pl
     for (int64_t o = 0; o < n; ++o) dst[l * plane + o] = src[o * kLanes + l];
 }
 
-void conv_forward(KernelCtx& c, const Tensor& x) {
+void conv_forward(KernelCtx& c, const Tensor& x, Tensor& yt) {
   dispatch_float(x.dtype(), c, [&]<class T>() {
     const Tensor& wt = c.in(1);
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
@@ -403,7 +403,7 @@ void conv_forward(KernelCtx& c, const Tensor& x) {
     const int64_t Cg = C / g, Mg = M / g, K = w.k_size(), O = w.out_size(), I = w.in_size();
     const T *px = x.data<T>(), *pw = wt.data<T>();
     const T* b = c.has_in(2) ? c.in(2).data<T>() : nullptr;
-    T* y = c.out(0).data<T>();
+    T* y = yt.data<T>();
     // Conv's channel-blocked operands (Note [channel-blocked values]): X, Y. Only ever given to a
     // float32 convolution oneDNN runs.
     if (a.blocked && !(std::is_same_v<T, float> && dnnl_conv_enabled()))
@@ -503,26 +503,34 @@ Tensor widened(const Tensor& x, Allocator& alloc) {
 
 // Note [bf16 activations]: X stored in bfloat16 by the plan (only in a bf16 step). oneDNN's bf16
 // convolution reads it as it is; one that does not run there gets the widened copy (the same
-// values, which its bf16 products round to themselves).
+// values, which its bf16 products round to themselves). Note [bf16 writers]: a bfloat16 Y
+// (kBf16OutAttr) is oneDNN's bf16 destination, its accumulators rounded to nearest even as they
+// are stored (RoundToBf16's rounding); elsewhere the float32 result, rounded after.
 void conv_kernel(KernelCtx& c) {
   const Tensor& x = c.in(0);
-  if (x.dtype() != DType::BF16) return conv_forward(c, x);
+  Tensor& y = c.out(0);
+  const bool y16 = y.dtype() == DType::BF16;
+  if (x.dtype() != DType::BF16 && !y16) return conv_forward(c, x, y);
   const Tensor& wt = c.in(1);
   auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
   const ConvAttrs& a = c.attrs<ConvAttrs>();
   Window w = conv_window(a, x.shape(), wt.shape(), err);
-  if (on_dnnl(a, w, x.dim(1))) {
+  if (on_dnnl(a, w, x.dim(1)) && (x.dtype() == DType::BF16 || x.dtype() == DType::F32)) {
     ConvShape cs = conv_shape(w, x.dim(0), x.dim(1), wt.dim(0), a.group);
-    cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16), cs.x_bf16 = true;
+    cs.x_blocked = a.blocked & 1u, cs.y_blocked = a.blocked & (1u << 16);
+    cs.x_bf16 = x.dtype() == DType::BF16, cs.y_bf16 = y16;
     const float* b = c.has_in(2) ? c.in(2).data<float>() : nullptr;
     if (const auto d = dnnl_conv(cs, ConvPass::Forward, true, b != nullptr)) {
       Tensor scratch = dnnl_scratch(dnnl_conv_scratch(*d), c.alloc);
-      dnnl_conv_forward(*d, x.raw(), wt.data<float>(), b, c.out(0).data<float>(),
-                        scratch.data<float>());
+      dnnl_conv_forward(*d, x.raw(), wt.data<float>(), b, y.raw(), scratch.data<float>());
       return;
     }
   }
-  conv_forward(c, widened(x, c.alloc));
+  const Tensor xf = x.dtype() == DType::BF16 ? widened(x, c.alloc) : x;
+  if (!y16) return conv_forward(c, xf, y);
+  Tensor yf = Tensor::empty(y.shape(), DType::F32, c.alloc, Category::Workspace, "float32 Y");
+  conv_forward(c, xf, yf);
+  round_to_bf16(yf.data<float>(), yf.numel(), y.data<uint16_t>());
 }
 
 // ConvGrad(dY, X, W) -> dX, dW, dB (same attributes as the Conv).
@@ -534,17 +542,21 @@ void infer_conv_grad(InferCtx& c) {
 
 // ConvGrad through oneDNN (Note [oneDNN convolutions]): false when it has no primitive for a pass
 // wanted. dW and dB are overwritten. X may be float32 or (Note [bf16 activations], read by dW
-// only) bfloat16, which the bf16 weight-gradient pass reads as it is.
+// only) bfloat16, which the bf16 weight-gradient pass reads as it is; so may dY (Note [bf16
+// gradient operands], read by the two products only: not with a bias gradient).
 bool dnnl_conv_grad(KernelCtx& c, const Window& w, const Tensor& dy, const Tensor& x,
                     const Tensor& wt, float* dx, float* dw, float* db) {
   const ConvAttrs& a = c.attrs<ConvAttrs>();
   const int64_t N = x.dim(0), C = x.dim(1), M = wt.dim(0), O = w.out_size();
   const bool dy_blk = a.blocked & 1u, x_blk = a.blocked & 2u, dx_blk = a.blocked & (1u << 16);
-  const bool x16 = x.dtype() == DType::BF16;
-  const float *pdy = dy.data<float>(), *pw = wt.data<float>();
+  const bool x16 = x.dtype() == DType::BF16, dy16 = dy.dtype() == DType::BF16;
+  if (dy16 && db) return false;
+  const void* pdy = dy.raw();
+  const float* pw = wt.data<float>();
   ConvShape cs = conv_shape(w, N, C, M, a.group);
   cs.y_blocked = dy_blk;
-  const bool bf16 = bf16_gemm_active() || x16;
+  cs.y_bf16 = dy16;
+  const bool bf16 = bf16_gemm_active() || x16 || dy16;
   cs.x_blocked = dx_blk;
   const auto dgrad = dx ? dnnl_conv(cs, ConvPass::BackwardData, bf16, false) : nullptr;
   cs.x_blocked = x_blk;
@@ -557,11 +569,11 @@ bool dnnl_conv_grad(KernelCtx& c, const Window& w, const Tensor& dy, const Tenso
   if (dgrad) dnnl_conv_backward_data(*dgrad, pdy, pw, dx, scratch.data<float>());
   if (wgrad) dnnl_conv_backward_weights(*wgrad, pdy, x.raw(), dw, db, scratch.data<float>());
   if (db && !dw && dy_blk) {  // the same over dY as [N, M/16, O, 16]: to [1, M/16, 1, 16]
-    sum_to_shape(pdy, Shape{N, M / 16, O, 16}, db, Shape{1, M / 16, 1, 16}, false);
+    sum_to_shape(dy.data<float>(), Shape{N, M / 16, O, 16}, db, Shape{1, M / 16, 1, 16}, false);
   } else if (db && !dw) {  // a frozen weight's bias: dB = dY summed over images, positions
     Shape per_channel(dy.shape().size(), 1);
     per_channel[1] = M;
-    sum_to_shape(pdy, dy.shape(), db, per_channel, false);
+    sum_to_shape(dy.data<float>(), dy.shape(), db, per_channel, false);
   }
   return true;
 }
@@ -570,6 +582,19 @@ bool dnnl_conv_grad(KernelCtx& c, const Window& w, const Tensor& dy, const Tenso
 // The backward of the Conv of the node's window (conv.h).
 void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt,
                             Tensor* dxt, Tensor* dwt, Tensor* dbt) {
+  if (dy.dtype() == DType::BF16) {
+    // Note [bf16 gradient operands]: dY rounded once for both products. oneDNN's bf16 passes read
+    // it as it is; otherwise the widened copy (the same values, which bf16 products round to
+    // themselves).
+    auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
+    const ConvAttrs& a = c.attrs<ConvAttrs>();
+    Window w = conv_window(a, x.shape(), wt.shape(), err);
+    float* dx = dxt ? dxt->data<float>() : nullptr;
+    float* dw = dwt ? dwt->data<float>() : nullptr;
+    float* db = dbt ? dbt->data<float>() : nullptr;
+    if (on_dnnl(a, w, x.dim(1)) && dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db)) return;
+    return conv_backward(c, widened(dy, c.alloc), x, wt, dxt, dwt, dbt);
+  }
   if (x.dtype() == DType::BF16) {
     // Note [bf16 activations]: X stored in bfloat16 (ConvGrad only; read by dW only). oneDNN's
     // bf16 weight gradient reads it as it is; a convolution that does not run there gets the
@@ -813,7 +838,8 @@ const OpDef kOps[] = {
      .kernel = conv_kernel,
      .grad = grad_conv,
      .flops = conv_flops,
-     .blocked = blocked_conv},
+     .blocked = blocked_conv,
+     .bf16_out = true},
     {.name = "ConvGrad",
      .domain = "graft",
      .min_in = 3,

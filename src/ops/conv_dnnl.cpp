@@ -78,7 +78,7 @@ Plain plain(const ConvShape& s) {
   };
   return {memory::desc(x, s.x_bf16 ? dt::bf16 : dt::f32, tag(s.x_blocked, x.size())),
           memory::desc(w, dt::f32, plain_tag(w.size())),
-          memory::desc(y, dt::f32, tag(s.y_blocked, y.size())),
+          memory::desc(y, s.y_bf16 ? dt::bf16 : dt::f32, tag(s.y_blocked, y.size())),
           memory::desc({s.M}, dt::f32, memory::format_tag::a)};
 }
 
@@ -121,8 +121,9 @@ void prepare(Operand& o, const memory::desc& user, bool input, size_t& bytes) {
 using Key = std::tuple<std::vector<int64_t>, int, bool, bool>;  // (geometry and layouts, ...)
 
 Key key_of(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
-  std::vector<int64_t> k{s.N,         s.C,         s.M,     s.g, static_cast<int64_t>(s.in.size()),
-                         s.x_blocked, s.y_blocked, s.x_bf16};
+  std::vector<int64_t> k{
+      s.N,         s.C,         s.M,      s.g,     static_cast<int64_t>(s.in.size()),
+      s.x_blocked, s.y_blocked, s.x_bf16, s.y_bf16};
   for (const auto* v : {&s.in, &s.out, &s.k, &s.stride, &s.dil, &s.pad_begin, &s.pad_end})
     k.insert(k.end(), v->begin(), v->end());
   return {k, static_cast<int>(pass), bf16, bias};
@@ -149,7 +150,9 @@ DnnlConv create(const ConvShape& s, ConvPass pass, bool bf16, bool bias) {
   const auto alg = dnnl::algorithm::convolution_direct;
   using fwd = dnnl::convolution_forward;
   const memory::desc xa = any(p.x, lo), wa = any(p.w, lo),
-                     ya = any(p.y, pass == ConvPass::Forward ? dt::f32 : lo);
+                     ya = any(p.y, pass != ConvPass::Forward ? lo
+                                   : s.y_bf16                ? dt::bf16
+                                                             : dt::f32);
   // The forward description is the hint the backward passes are created from.
   fwd::desc fd =
       bias && pass == ConvPass::Forward
@@ -213,8 +216,8 @@ std::shared_ptr<const DnnlConv> cached(const ConvShape& s, ConvPass pass, bool b
 }
 
 // Runs e: a and b are inputs, c the output, `bias` the bias (forward) or its gradient (weights),
-// all plain float32.
-void run(const DnnlConv& e, const void* a, const float* b, float* c, const float* bias,
+// in graft's layouts and types (plain(s)).
+void run(const DnnlConv& e, const void* a, const void* b, void* c, const float* bias,
          void* scratch) {
   dnnl::stream st(dnnl_engine());
   char* base = static_cast<char*>(scratch);
@@ -261,17 +264,17 @@ std::shared_ptr<const DnnlConv> dnnl_conv(const ConvShape& s, ConvPass pass, boo
 
 int64_t dnnl_conv_scratch(const DnnlConv& c) { return static_cast<int64_t>(c.bytes); }
 
-void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, float* y,
+void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, void* y,
                        void* scratch) {
   run(c, x, w, y, b, scratch);
 }
 
-void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w, float* dx,
+void dnnl_conv_backward_data(const DnnlConv& c, const void* dy, const float* w, float* dx,
                              void* scratch) {
   run(c, dy, w, dx, nullptr, scratch);
 }
 
-void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const void* x, float* dw,
+void dnnl_conv_backward_weights(const DnnlConv& c, const void* dy, const void* x, float* dw,
                                 float* db, void* scratch) {
   run(c, x, dy, dw, db, scratch);
 }

@@ -18,6 +18,9 @@ struct ConvShape {
   // x (Forward, BackwardWeights) is stored in bfloat16 (Note [bf16 activations]): read as it is,
   // with no rounding reorder; only for a bf16 pass.
   bool x_bf16 = false;
+  // dy (BackwardData, BackwardWeights) is stored in bfloat16 (Note [bf16 gradient operands]):
+  // read as it is, no rounding reorder; only for a bf16 pass.
+  bool y_bf16 = false;
 };
 enum class ConvPass : uint8_t { Forward, BackwardData, BackwardWeights };
 
@@ -40,13 +43,15 @@ bool dnnl_conv_blocked_ok();
 int64_t dnnl_conv_scratch(const DnnlConv& c);
 // Forward: y = conv(x, w) + b (b may be null; the pass was created with bias = (b != null)).
 // x is float32, or bfloat16 bits when the pass was created with ConvShape::x_bf16.
-void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, float* y,
+// y is float32, or bfloat16 when the pass was created with ConvShape::y_bf16 (Note [bf16 writers]).
+void dnnl_conv_forward(const DnnlConv& c, const void* x, const float* w, const float* b, void* y,
                        void* scratch);
-// BackwardData: dx = conv's input gradient from dy (overwritten).
-void dnnl_conv_backward_data(const DnnlConv& c, const float* dy, const float* w, float* dx,
+// BackwardData: dx = conv's input gradient from dy (overwritten). dy is float32, or bfloat16 bits
+// when the pass was created with ConvShape::y_bf16 (here and below).
+void dnnl_conv_backward_data(const DnnlConv& c, const void* dy, const float* w, float* dx,
                              void* scratch);
 // BackwardWeights: dw, and db when the pass was created with bias, from dy and x (overwritten).
-void dnnl_conv_backward_weights(const DnnlConv& c, const float* dy, const void* x, float* dw,
+void dnnl_conv_backward_weights(const DnnlConv& c, const void* dy, const void* x, float* dw,
                                 float* db, void* scratch);
 
 }  // namespace graft::opsutil

@@ -136,9 +136,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_to_bf16
 }
 
 // `rows` x `cols` from a row stride of `ld` into a dense buffer.
-void to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
+bool bf16_convert_avx() {
   static const bool avx = __builtin_cpu_supports("avx512bf16") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return avx;
+}
+void to_bf16(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
+  const bool avx = bf16_convert_avx();
   parallel_for(rows, 2 * cols, [&](int, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (avx)
@@ -252,6 +256,13 @@ void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
   const int64_t rows = n / kRow;
   if (rows) to_bf16(src, rows, kRow, kRow, dst);
   if (n % kRow) to_bf16(src + rows * kRow, 1, n % kRow, n % kRow, dst + rows * kRow);
+}
+
+void round_to_bf16_here(const float* src, int64_t n, uint16_t* dst) {
+  if (bf16_convert_avx())
+    row_to_bf16_avx(src, n, dst);
+  else
+    row_to_bf16(src, n, dst);
 }
 
 void widen_bf16(const uint16_t* src, int64_t n, float* dst) {

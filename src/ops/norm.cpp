@@ -352,7 +352,13 @@ struct BnGrad16 {
   double eps;
   bool train;
   float *dx, *dscale, *dbias;  // each may be null
+  // Note [bf16 writers]: dX in bfloat16 instead of dx (channel-blocked dY, X and dX only), or null
+  uint16_t* dx16 = nullptr;
 };
+// dX's value at one element: the one expression of every layout and output type.
+GRAFT_INLINE float bn_dx_value(float t1, float dy, float t2, float x, float tm, float t0) {
+  return t1 * dy + t2 * (x - tm) + t0;
+}
 template <bool DB, bool XB, bool OB, class X>
 GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, X x, int64_t c0, int64_t c1) {
   const BnView v = k.v;
@@ -381,13 +387,30 @@ GRAFT_INLINE void bn_grad16_impl(const BnGrad16& k, X x, int64_t c0, int64_t c1)
       t0[l] = static_cast<float>(d.k0);
       tm[l] = static_cast<float>(m[l]);
     }
+    if constexpr (DB && XB && OB) {
+      if (k.dx16) {  // a block of positions at a time, rounded as it is stored
+        constexpr int64_t kPos = 64;
+        float buf[kPos * 16];
+        for (int64_t b = 0; b < v.N; ++b)
+          for (int64_t s0 = 0; s0 < v.S; s0 += kPos) {
+            const int64_t m = std::min(kPos, v.S - s0);
+            for (int64_t s = 0; s < m; ++s)
+              for (int l = 0; l < 16; ++l)
+                buf[s * 16 + l] =
+                    bn_dx_value(t1[l], k.dy[at16<true>(b, cb, s0 + s, l, CB, v.S)], t2[l],
+                                x[at16<true>(b, cb, s0 + s, l, CB, v.S)], tm[l], t0[l]);
+            round_to_bf16_here(buf, m * 16, k.dx16 + at16<true>(b, cb, s0, 0, CB, v.S));
+          }
+        continue;
+      }
+    }
     if (!k.dx) continue;
     for (int64_t b = 0; b < v.N; ++b)
       for (int64_t s = 0; s < v.S; ++s)
         for (int l = 0; l < 16; ++l)
           k.dx[at16<OB>(b, cb, s, l, CB, v.S)] =
-              t1[l] * k.dy[at16<DB>(b, cb, s, l, CB, v.S)] +
-              t2[l] * (x[at16<XB>(b, cb, s, l, CB, v.S)] - tm[l]) + t0[l];
+              bn_dx_value(t1[l], k.dy[at16<DB>(b, cb, s, l, CB, v.S)], t2[l],
+                          x[at16<XB>(b, cb, s, l, CB, v.S)], tm[l], t0[l]);
   }
 }
 GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, const float* x, int64_t c0, int64_t c1) {
@@ -399,7 +422,7 @@ GRAFT_ISA_CLONES void bn_grad16_bbb(const BnGrad16& k, Bf16Ptr x, int64_t c0, in
 template <class X>
 void bn_grad16(const BnGrad16& k, X x, bool dy_blk, bool x_blk, bool dx_blk) {
   parallel_for(k.v.C / 16, 3 * 16 * k.v.N * k.v.S, [&](int, int64_t c0, int64_t c1) {
-    if (dy_blk && x_blk && (dx_blk || !k.dx)) return bn_grad16_bbb(k, x, c0, c1);
+    if (dy_blk && x_blk && (dx_blk || (!k.dx && !k.dx16))) return bn_grad16_bbb(k, x, c0, c1);
     with_layouts(dy_blk, x_blk, dx_blk,
                  [&]<bool DB, bool XB, bool OB>() { bn_grad16_impl<DB, XB, OB>(k, x, c0, c1); });
   });
@@ -542,7 +565,14 @@ void batchnorm_grad_kernel(KernelCtx& c) {
     if (ba.blocked && (!std::is_same_v<T, float> || v.C % 16))
       c.error(ErrorKind::Internal, "a channel-blocked operand that is not float32 [N, 16k, ...]");
     const double n = static_cast<double>(v.N * v.S);
-    T* dx = c.has_out(0) ? c.out(0).data<T>() : nullptr;
+    // Note [bf16 writers]: a bfloat16 dX is rounded as it is stored where dY, X and dX are all
+    // channel-blocked; elsewhere computed in float32 scratch and rounded after.
+    const bool dx16 = c.has_out(0) && c.out(0).dtype() == DType::BF16;
+    const bool dx16_direct = dx16 && std::is_same_v<T, float> && dy_blk && x_blk && dx_blk;
+    Tensor dx_wide;
+    if (dx16 && !dx16_direct)
+      dx_wide = Tensor::empty(x.shape(), DType::F32, c.alloc, Category::Workspace, "float32 dX");
+    T* dx = !c.has_out(0) || dx16_direct ? nullptr : dx16 ? dx_wide.data<T>() : c.out(0).data<T>();
     // px: const T*, or Bf16Ptr over a bfloat16 X (Note [bf16 activations]).
     auto grad = [&](auto px) {
       std::vector<double> mean(v.C), var(v.C);
@@ -567,7 +597,8 @@ void batchnorm_grad_kernel(KernelCtx& c) {
                            train,
                            dx,
                            c.has_out(1) ? c.out(1).data<float>() : nullptr,
-                           c.has_out(2) ? c.out(2).data<float>() : nullptr};
+                           c.has_out(2) ? c.out(2).data<float>() : nullptr,
+                           dx16_direct ? c.out(0).data<uint16_t>() : nullptr};
           return bn_grad16(k, px, dy_blk, x_blk, dx_blk);
         }
       }
@@ -587,6 +618,8 @@ void batchnorm_grad_kernel(KernelCtx& c) {
       });
     };
     with_x_reader<T>(c, x, grad);
+    if (dx16 && !dx16_direct)
+      round_to_bf16(dx_wide.data<float>(), dx_wide.numel(), c.out(0).data<uint16_t>());
   });
 }
 // Note [channel-blocked values]: X and Y (BatchNormGrad: dY, X and dX) may be channel-blocked;
@@ -634,7 +667,8 @@ const OpDef kOps[] = {
      .prepare = prepare_bn,
      .kernel = batchnorm_grad_kernel,
      .nondiff_inputs = {3, 4},
-     .blocked = blocked_bn_grad},
+     .blocked = blocked_bn_grad,
+     .bf16_out = true},
     {.name = "LayerNormalization",
      .min_in = 2,
      .max_in = 3,

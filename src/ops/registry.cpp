@@ -182,6 +182,14 @@ void infer_node(Graph& g, int ni) {
            n.label() + " reads '" + g.values[v].name + "', whose shape is not known");
   InferCtx ctx(g, ni);
   d.infer(ctx);
+  if (n.attrs.has(kBf16OutAttr) && n.attrs.get_int(kBf16OutAttr, 0, n.label())) {
+    // Note [bf16 writers]: the kernel rounds output 0 to bfloat16 as it writes it
+    const int o = n.outputs.empty() ? -1 : n.outputs[0];
+    if (!d.bf16_out || o < 0 || g.values[o].dtype != DType::F32)
+      fail_at(ErrorKind::Internal, n.name,
+              n.label() + ": " + kBf16OutAttr + " on an op that cannot write a bfloat16 output");
+    g.values[o].dtype = DType::BF16;
+  }
   for (int o : n.outputs)
     if (o >= 0 && !g.values[o].shape_known)
       fail(ErrorKind::Internal,

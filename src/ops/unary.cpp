@@ -3,6 +3,7 @@
 // Identity, graft's StopGradient and Cast, with graft's fused gradient kernels (ReluGrad,
 // SigmoidGrad, TanhGrad, ErfGrad, GeluGrad, SiluGrad, HardGrad, ClipGrad). More unary math is in
 // math.cpp; ops of several inputs are in binary.cpp.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -532,6 +533,24 @@ void relu_grad_kernel(KernelCtx& c) {
   parallel_elems(c.in(0).numel(), kCheap,
                  [&](int64_t b, int64_t e) { relu_grad_bf16(d, y, dx, b, e); });
 }
+// Note [bf16 writers]: a bfloat16 Y (kBf16OutAttr) is rounded as it is written, a block at a time,
+// to the bits RoundToBf16 gives the float32 Y.
+void relu_kernel(KernelCtx& c) {
+  if (c.out(0).dtype() != DType::BF16) return unary_kernel<ReluF>(c);
+  if (c.in(0).dtype() != DType::F32)
+    c.error(ErrorKind::Internal, "a bfloat16 output of an input that is not float32");
+  const float* x = c.in(0).data<float>();
+  uint16_t* y = c.out(0).data<uint16_t>();
+  parallel_elems(c.in(0).numel(), kCheap, [&](int64_t b, int64_t e) {
+    constexpr int64_t kBlock = 1024;
+    float buf[kBlock];
+    for (int64_t i0 = b; i0 < e; i0 += kBlock) {
+      const int64_t m = std::min(kBlock, e - i0);
+      for (int64_t i = 0; i < m; ++i) buf[i] = ReluF::f(x[i0 + i]);
+      round_to_bf16_here(buf, m, y + i0);
+    }
+  });
+}
 void grad_relu(GradBuilder& g) { g.set_dx(0, g.emit1("ReluGrad", {g.dy(0), g.y(0)}, {}, "graft")); }
 void grad_identity(GradBuilder& g) { g.set_dx(0, g.dy(0)); }
 // StopGradient's input never needs a gradient (nondiff_inputs): nothing flows back through it.
@@ -609,11 +628,12 @@ const OpDef kOps[] = {
      .pointwise = true},
     {.name = "Relu",
      .infer = infer_unary_float,
-     .kernel = unary_kernel<ReluF>,
+     .kernel = relu_kernel,
      .grad = grad_relu,
      .inplace_input = 0,
      .pointwise = true,
-     .blocked = blocked_elementwise},
+     .blocked = blocked_elementwise,
+     .bf16_out = true},
     {.name = "Identity",
      .infer = infer_same,
      .grad = grad_identity,

@@ -178,6 +178,9 @@ void gemm_operands(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, c
 // n float32 values to bfloat16 bits, rounded to nearest even exactly as the bf16 GEMMs round
 // their operands (threaded).
 void round_to_bf16(const float* src, int64_t n, uint16_t* dst);
+// The same on the calling thread (the same bits: every element takes one rounding instruction,
+// wherever it sits): for kernels that write a bfloat16 output block by block (Note [bf16 writers]).
+void round_to_bf16_here(const float* src, int64_t n, uint16_t* dst);
 // A bfloat16 value (the top 16 bits of a float32) as float32: exact.
 inline float bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;

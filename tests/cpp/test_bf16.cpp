@@ -184,8 +184,10 @@ TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
   const int loss = g.add_op1("ReduceSum", {g.add_op1("MatMul", {hv, g.add_param("w2", w)})}, keep);
   g.outputs = {loss};
   o.loss = g.values[loss].name;
+  setenv("GRAFT_BF16_GRAD_OPERANDS", "0", 1);  // only the forward's operand (the sum's dY is not)
   TrainSession s(std::move(g), o);
   unsetenv("GRAFT_BF16_OPERANDS");
+  unsetenv("GRAFT_BF16_GRAD_OPERANDS");
   ASSERT_EQ(s.bf16_operands(), 1);
   s.set_input("x", Tensor::zeros({B, H}, DType::F32, alloc, Category::Activation));
   try {
@@ -199,9 +201,9 @@ TEST(Bf16Operands, HeldGradientsMatchAndAFloat32StepIsRefused) {
 
 // Note [bf16 gradient operands]: a backward value that two products read is rounded once, with
 // bit-identical results, unless its bfloat16 copy would add to the step's peak. Model (2-D, so the
-// products read dY itself): A = Tanh(X W1), Y = A W2, loss = sum(Y * R) [+ sum(Tile(X, 1 x 8)),
-// a forward-only branch eight times Y's size that puts the step's peak in the forward]. dY = R is
-// read by dA = dY W2^T and dW2 = A^T dY.
+// products read dY itself): A = Tanh(X W1), Y = A W2 [+ b], loss = sum(Y * R) [+ sum(Tile(X,
+// 1 x 8)), a forward-only branch eight times Y's size that puts the step's peak in the forward].
+// dY = R is read by dA = dY W2^T and dW2 = A^T dY [and, in float32, by the bias's gradient].
 namespace {
 struct GradOperandsRun {
   std::vector<std::vector<float>> grads;
@@ -209,7 +211,7 @@ struct GradOperandsRun {
   int chosen = 0, backward_roundings = 0;
   int64_t planned_peak = 0;
 };
-GradOperandsRun run_grad_operands(bool on, bool forward_peak) {
+GradOperandsRun run_grad_operands(bool on, bool forward_peak, bool bias = false) {
   const int64_t B = 128, H = 256;  // 128 KiB float32 values
   Allocator alloc;
   Graph g;
@@ -219,7 +221,8 @@ GradOperandsRun run_grad_operands(bool on, bool forward_peak) {
   const int w2 = g.add_param("w2", filled({H, H}, 0.23f));
   const int r = g.add_constant("r", filled({B, H}, 0.71f));
   const int a = g.add_op1("Tanh", {g.add_op1("MatMul", {x, w1})});
-  const int y = g.add_op1("MatMul", {a, w2});
+  int y = g.add_op1("MatMul", {a, w2});
+  if (bias) y = g.add_op1("Add", {y, g.add_param("b2", filled({H}, 0.19f))});
   Attrs keep;
   keep.set_int("keepdims", 0);
   int loss = g.add_op1("ReduceSum", {g.add_op1("Mul", {y, r})}, keep);
@@ -267,10 +270,17 @@ TEST(Bf16Operands, AGradientTwoProductsReadIsRoundedOnceWithBitIdenticalResults)
   ASSERT_EQ(on.grads.size(), 2u);
   EXPECT_EQ(on.grads, off.grads);
   EXPECT_LE(on.planned_peak, off.planned_peak);
-  // Without the wide forward branch the step peaks in the backward, where dY is made: its copy
-  // would add to the peak, so it keeps its two roundings.
-  const GradOperandsRun boff = run_grad_operands(false, false),
-                        bon = run_grad_operands(true, false);
+  // Without the wide forward branch the step peaks in the backward, where dY is made. dY's only
+  // readers are the products: it dies at its rounding, so the copy lowers the peak.
+  const GradOperandsRun poff = run_grad_operands(false, false),
+                        pon = run_grad_operands(true, false);
+  EXPECT_EQ(pon.backward_roundings, 1);
+  EXPECT_LT(pon.planned_peak, poff.planned_peak);
+  EXPECT_EQ(pon.grads, poff.grads);
+  // With a bias, whose gradient sums dY in float32, dY lives on beside its copy: that would add
+  // to the peak, so the products keep their two roundings.
+  const GradOperandsRun boff = run_grad_operands(false, false, true),
+                        bon = run_grad_operands(true, false, true);
   EXPECT_EQ(bon.backward_roundings, 0);
   EXPECT_EQ(bon.planned_peak, boff.planned_peak);
   EXPECT_EQ(bon.grads, boff.grads);
@@ -349,6 +359,12 @@ TEST(Bf16Activations, KernelsReadBf16OperandsAsTheirFloat32Values) {
     cg.ins = {filled(y, 0.5f, a, false), filled(x, 0.3f, a, true), filled(w, 0.7f, a, false)};
     cg.outs = {x, w, {M}};
     cases.emplace_back(cg, 1);
+    // Note [bf16 gradient operands]: dY in bfloat16, read by dX's and dW's products (no dB)
+    KernelCase cg16 = cg;
+    cg16.node.name = "conv_dy16";
+    cg16.ins[0] = filled(y, 0.5f, a, true);
+    cg16.outs = {x, w};
+    cases.emplace_back(cg16, 0);
     KernelCase bn;
     bn.node.op = "BatchNormalization";
     bn.node.name = "bn";
@@ -408,5 +424,119 @@ TEST(Bf16Activations, KernelsReadBf16OperandsAsTheirFloat32Values) {
       ASSERT_EQ(f.size(), h.size());
       for (size_t o = 0; o < f.size(); ++o) EXPECT_EQ(f[o], h[o]) << "output " << o;
     }
+  }
+}
+
+// Note [bf16 writers]: Conv, Relu and BatchNormGrad write output 0 in bfloat16 themselves
+// (kBf16OutAttr) with exactly the bits a RoundToBf16 node gives their float32 output, in either
+// layout, with and without a bias, from a float32 or a bfloat16 X; the other outputs unchanged.
+namespace {
+Tensor as_bf16(const Tensor& t, Allocator& a) {  // a bfloat16-exact float32 tensor's bits
+  Tensor h = Tensor::empty(t.shape(), DType::BF16, a, Category::Workspace);
+  for (int64_t i = 0; i < h.numel(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &t.data<float>()[i], 4);
+    h.data<uint16_t>()[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return h;
+}
+struct WriterRun {
+  std::vector<uint16_t> out0;              // bfloat16 bits
+  std::vector<std::vector<float>> others;  // outputs 1...
+};
+WriterRun run_writer(const KernelCase& k, bool writer, Allocator& a) {
+  std::vector<Tensor> outs;
+  for (size_t i = 0; i < k.outs.size(); ++i)
+    outs.push_back(Tensor::empty(k.outs[i], writer && i == 0 ? DType::BF16 : DType::F32, a,
+                                 Category::Workspace));
+  std::vector<const Tensor*> in_ptrs;
+  for (const Tensor& t : k.ins) in_ptrs.push_back(&t);
+  std::vector<Tensor*> out_ptrs;
+  for (Tensor& t : outs) out_ptrs.push_back(&t);
+  Node n = k.node;
+  n.inputs.assign(k.ins.size(), 0);
+  n.outputs.assign(outs.size(), 0);
+  if (writer) n.attrs.set_int(kBf16OutAttr, 1);
+  run_node(n, in_ptrs, out_ptrs, a);
+  Tensor h = outs[0];
+  if (!writer) {  // the float32 output, then the rounding node the writer replaces
+    Node r;
+    r.op = "RoundToBf16";
+    r.domain = "graft";
+    r.name = "round";
+    r.inputs = {0};
+    r.outputs = {0};
+    h = Tensor::empty(outs[0].shape(), DType::BF16, a, Category::Workspace);
+    std::vector<const Tensor*> ri{&outs[0]};
+    std::vector<Tensor*> ro{&h};
+    run_node(r, ri, ro, a);
+  }
+  WriterRun out;
+  out.out0.assign(h.data<uint16_t>(), h.data<uint16_t>() + h.numel());
+  for (size_t i = 1; i < outs.size(); ++i)
+    out.others.emplace_back(outs[i].data<float>(), outs[i].data<float>() + outs[i].numel());
+  return out;
+}
+}  // namespace
+
+TEST(Bf16Writers, KernelsRoundTheirOutputAsRoundToBf16Does) {
+  if (!bf16_matmul_native()) GTEST_SKIP() << "this CPU has neither AVX512-BF16 nor AMX";
+  Allocator a;
+  Bf16MatmulScope scope(true);
+  const int64_t N = 2, C = 32, M = 16, H = 10;
+  const Shape x{N, C, H, H}, y{N, M, H, H}, w{M, C, 3, 3};
+  std::vector<KernelCase> cases;
+  for (int64_t blocked : {0, 1}) {
+    if (blocked && !convolutions_take_blocked_layouts()) continue;
+    for (int variant = 0; variant < 3; ++variant) {  // bias; no bias; a bfloat16 X
+      KernelCase conv;
+      conv.node.op = "Conv";
+      conv.node.name = std::string(blocked ? "blocked" : "plain") + " conv " +
+                       (variant == 0   ? "bias"
+                        : variant == 1 ? "no bias"
+                                       : "bf16 X");
+      conv.node.attrs.set_ints("pads", {1, 1, 1, 1});
+      if (blocked) conv.node.attrs.set_int(kBlockedAttr, 1 | (1 << 16));
+      conv.ins = {filled(x, 0.3f, a, variant == 2), filled(w, 0.7f, a, false)};
+      if (variant == 0) conv.ins.push_back(filled({M}, 0.9f, a, false));
+      if (variant == 2) conv.ins[0] = as_bf16(conv.ins[0], a);
+      conv.outs = {y};
+      cases.push_back(conv);
+    }
+    // BatchNormGrad's dX: every operand blocked (rounded as stored), or mixed and plain layouts
+    // (float32 scratch, rounded after)
+    for (int64_t mask : {0, 1 | 2, 1 | 2 | (1 << 16)}) {
+      if (!blocked && mask) continue;
+      KernelCase bg;
+      bg.node.op = "BatchNormGrad";
+      bg.node.domain = "graft";
+      bg.node.name = "bn_grad mask " + std::to_string(mask);
+      bg.node.attrs.set_int("training_mode", 1);
+      bg.node.attrs.set_int("batch_stats", 1);
+      if (mask) bg.node.attrs.set_int(kBlockedAttr, mask);
+      Tensor var = filled({C}, 0.2f, a, false);
+      for (int64_t i = 0; i < C; ++i) var.data<float>()[i] += 1.5f;
+      bg.ins = {filled(x, 0.5f, a, false), filled(x, 0.3f, a, false), filled({C}, 0.4f, a, false),
+                filled({C}, 0.8f, a, false), var};
+      bg.outs = {x, {C}, {C}};
+      cases.push_back(bg);
+    }
+  }
+  // ReLU over a length no block divides, with the values rounding treats apart: NaN, infinities,
+  // signed zeros, float32 denormals, halfway cases
+  KernelCase relu;
+  relu.node.op = "Relu";
+  relu.node.name = "relu";
+  relu.ins = {filled({3, 7, 1001}, 0.3f, a, false)};
+  const float odd[] = {std::nanf(""), INFINITY,          -INFINITY,         -0.f, 0.f, 1e-40f,
+                       -1e-40f,       1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 3e38f};
+  for (int i = 0; i < 10; ++i) relu.ins[0].data<float>()[i * 97] = odd[i];
+  relu.outs = {{3, 7, 1001}};
+  cases.push_back(relu);
+  for (const KernelCase& k : cases) {
+    SCOPED_TRACE(k.node.name);
+    const WriterRun f = run_writer(k, false, a), h = run_writer(k, true, a);
+    EXPECT_EQ(f.out0, h.out0);
+    EXPECT_EQ(f.others, h.others);
   }
 }

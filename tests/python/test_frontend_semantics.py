@@ -560,6 +560,61 @@ def test_bf16_keeps_product_only_activations_in_bf16_with_the_same_gradients(cas
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=n)
 
 
+class _BottleneckLoss(nn.Module):
+    """A ResNet bottleneck (convolutions without bias, BatchNorm, ReLU, a residual Add) and its
+    cross-entropy loss inside the module, as graft.bench --real trains ResNet-50."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(32, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        h = self.stem(x)
+        h = torch.relu(self.body(h) + h)
+        return nn.functional.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+def test_bf16_writers_round_as_they_write_with_the_same_step(monkeypatch):
+    """Note [bf16 writers]: in a bf16 step a convolution writes its output in bfloat16 itself, a
+    ReLU its output that only convolutions and ReluGrad read, and BatchNormGrad the gradient that
+    only the convolution's two products read, instead of a float32 value and a RoundToBf16 pass over
+    it; ConvGrad reads that bfloat16 gradient as it is (Note [bf16 gradient operands]). The same
+    rounding: with GRAFT_BF16_WRITERS=0 (a rounding node after each writer), the very same losses,
+    parameters, optimizer state and BatchNorm statistics over two AdamW steps in step mode; and
+    the same bytes kept for the backward."""
+    from graft import _graft
+    if not _graft.bf16_matmul_native():
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
+    torch.manual_seed(0)
+    m = _BottleneckLoss().train()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("GRAFT_BF16_WRITERS", flag)  # read as the session is built (first call)
+        mm = copy.deepcopy(m)
+        opt = torch.optim.AdamW(mm.parameters(), lr=1e-3)
+        g = GraftModule(mm, gradients="step", optimizer=opt, precision="bf16")
+        losses = []
+        for _ in range(2):
+            loss = g(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+        saved = g.saved_for_backward()
+        state = [t for p in mm.parameters() for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+        runs[flag] = (losses, list(mm.parameters()), state, list(mm.buffers()), saved)
+    (l0, p0, s0, b0, k0), (l1, p1, s1, b1, k1) = runs["0"], runs["1"]
+    for a, b in zip(l0 + p0 + s0 + b0, l1 + p1 + s1 + b1):
+        assert torch.equal(a, b)
+    assert sum(k[3] for k in k0) == sum(k[3] for k in k1), (k0, k1)
+    # what the backward keeps: the convolutions' own bfloat16 outputs, not roundings of them
+    assert "Conv" in {k[1] for k in k1} and "Conv" not in {k[1] for k in k0}, (k0, k1)
+    assert not torch.equal(p1[0], m.stem[0].weight)  # the steps did update
+
+
 # --- 14. the first call's memory, and memory per input shape -----------------------------------------
 MEM_SCRIPT = r'''
 import json, sys, warnings, torch, torch.nn as nn
