@@ -582,32 +582,22 @@ bool dnnl_conv_grad(KernelCtx& c, const Window& w, const Tensor& dy, const Tenso
 // The backward of the Conv of the node's window (conv.h).
 void opsutil::conv_backward(KernelCtx& c, const Tensor& dy, const Tensor& x, const Tensor& wt,
                             Tensor* dxt, Tensor* dwt, Tensor* dbt) {
-  if (dy.dtype() == DType::BF16) {
-    // Note [bf16 gradient operands]: dY rounded once for both products. oneDNN's bf16 passes read
-    // it as it is; otherwise the widened copy (the same values, which bf16 products round to
-    // themselves).
+  if (dy.dtype() == DType::BF16 || x.dtype() == DType::BF16) {
+    // Stored in bfloat16 by the plan: X (Note [bf16 activations]; ConvGrad only, read by dW only)
+    // and dY (Note [bf16 gradient operands], rounded once for both products). oneDNN's bf16
+    // passes read them as they are; a convolution that does not run there gets widened copies
+    // (the same values, which its bf16 products round to themselves).
     auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
     const ConvAttrs& a = c.attrs<ConvAttrs>();
     Window w = conv_window(a, x.shape(), wt.shape(), err);
     float* dx = dxt ? dxt->data<float>() : nullptr;
     float* dw = dwt ? dwt->data<float>() : nullptr;
     float* db = dbt ? dbt->data<float>() : nullptr;
-    if (on_dnnl(a, w, x.dim(1)) && dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db)) return;
-    return conv_backward(c, widened(dy, c.alloc), x, wt, dxt, dwt, dbt);
-  }
-  if (x.dtype() == DType::BF16) {
-    // Note [bf16 activations]: X stored in bfloat16 (ConvGrad only; read by dW only). oneDNN's
-    // bf16 weight gradient reads it as it is; a convolution that does not run there gets the
-    // widened copy (the same values, which its bf16 products round to themselves).
-    auto err = [&](const std::string& m) { c.error(ErrorKind::ShapeMismatch, m); };
-    const ConvAttrs& a = c.attrs<ConvAttrs>();
-    Window w = conv_window(a, x.shape(), wt.shape(), err);
-    float* dx = dxt ? dxt->data<float>() : nullptr;
-    float* dw = dwt ? dwt->data<float>() : nullptr;
-    float* db = dbt ? dbt->data<float>() : nullptr;
-    if (on_dnnl(a, w, x.dim(1)) && dy.dtype() == DType::F32 &&
+    if (on_dnnl(a, w, x.dim(1)) && (dy.dtype() == DType::F32 || dy.dtype() == DType::BF16) &&
         dnnl_conv_grad(c, w, dy, x, wt, dx, dw, db))
       return;
+    if (dy.dtype() == DType::BF16)
+      return conv_backward(c, widened(dy, c.alloc), x, wt, dxt, dwt, dbt);
     return conv_backward(c, dy, widened(x, c.alloc), wt, dxt, dwt, dbt);
   }
   dispatch_float(dy.dtype(), c, [&]<class T>() {
