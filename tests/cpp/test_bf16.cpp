@@ -296,30 +296,35 @@ struct KernelCase {
   std::vector<Tensor> ins;  // float32, the bf16 slot's values bfloat16-exact
   std::vector<Shape> outs;
 };
-std::vector<std::vector<float>> run_case(const KernelCase& k, int bf16_slot, bool as_bf16,
-                                         Allocator& a) {
-  std::vector<Tensor> ins = k.ins;
-  if (as_bf16) {
-    Tensor h = Tensor::empty(ins[bf16_slot].shape(), DType::BF16, a, Category::Workspace);
-    for (int64_t i = 0; i < h.numel(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &ins[bf16_slot].data<float>()[i], 4);
-      EXPECT_EQ(u & 0xffffu, 0u) << "not bfloat16-exact";
-      h.data<uint16_t>()[i] = static_cast<uint16_t>(u >> 16);
-    }
-    ins[bf16_slot] = h;
+// A bfloat16-exact float32 tensor's bfloat16 bits.
+Tensor as_bf16(const Tensor& t, Allocator& a) {
+  Tensor h = Tensor::empty(t.shape(), DType::BF16, a, Category::Workspace);
+  for (int64_t i = 0; i < h.numel(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &t.data<float>()[i], 4);
+    EXPECT_EQ(u & 0xffffu, 0u) << "not bfloat16-exact";
+    h.data<uint16_t>()[i] = static_cast<uint16_t>(u >> 16);
   }
-  std::vector<Tensor> outs;
-  for (const Shape& s : k.outs)
-    outs.push_back(Tensor::empty(s, DType::F32, a, Category::Workspace));
+  return h;
+}
+// Runs n (its inputs and outputs renumbered to the tensors given) on ins into outs.
+void run_on(Node n, const std::vector<Tensor>& ins, std::vector<Tensor>& outs, Allocator& a) {
   std::vector<const Tensor*> in_ptrs;
   for (const Tensor& t : ins) in_ptrs.push_back(&t);
   std::vector<Tensor*> out_ptrs;
   for (Tensor& t : outs) out_ptrs.push_back(&t);
-  Node n = k.node;
   n.inputs.assign(ins.size(), 0);
   n.outputs.assign(outs.size(), 0);
   run_node(n, in_ptrs, out_ptrs, a);
+}
+std::vector<std::vector<float>> run_case(const KernelCase& k, int bf16_slot, bool as_bf16_in,
+                                         Allocator& a) {
+  std::vector<Tensor> ins = k.ins;
+  if (as_bf16_in) ins[bf16_slot] = as_bf16(ins[bf16_slot], a);
+  std::vector<Tensor> outs;
+  for (const Shape& s : k.outs)
+    outs.push_back(Tensor::empty(s, DType::F32, a, Category::Workspace));
+  run_on(k.node, ins, outs, a);
   std::vector<std::vector<float>> r;
   for (const Tensor& t : outs) r.emplace_back(t.data<float>(), t.data<float>() + t.numel());
   return r;
@@ -431,15 +436,6 @@ TEST(Bf16Activations, KernelsReadBf16OperandsAsTheirFloat32Values) {
 // (kBf16OutAttr) with exactly the bits a RoundToBf16 node gives their float32 output, in either
 // layout, with and without a bias, from a float32 or a bfloat16 X; the other outputs unchanged.
 namespace {
-Tensor as_bf16(const Tensor& t, Allocator& a) {  // a bfloat16-exact float32 tensor's bits
-  Tensor h = Tensor::empty(t.shape(), DType::BF16, a, Category::Workspace);
-  for (int64_t i = 0; i < h.numel(); ++i) {
-    uint32_t u;
-    std::memcpy(&u, &t.data<float>()[i], 4);
-    h.data<uint16_t>()[i] = static_cast<uint16_t>(u >> 16);
-  }
-  return h;
-}
 struct WriterRun {
   std::vector<uint16_t> out0;              // bfloat16 bits
   std::vector<std::vector<float>> others;  // outputs 1...
@@ -449,30 +445,20 @@ WriterRun run_writer(const KernelCase& k, bool writer, Allocator& a) {
   for (size_t i = 0; i < k.outs.size(); ++i)
     outs.push_back(Tensor::empty(k.outs[i], writer && i == 0 ? DType::BF16 : DType::F32, a,
                                  Category::Workspace));
-  std::vector<const Tensor*> in_ptrs;
-  for (const Tensor& t : k.ins) in_ptrs.push_back(&t);
-  std::vector<Tensor*> out_ptrs;
-  for (Tensor& t : outs) out_ptrs.push_back(&t);
   Node n = k.node;
-  n.inputs.assign(k.ins.size(), 0);
-  n.outputs.assign(outs.size(), 0);
   if (writer) n.attrs.set_int(kBf16OutAttr, 1);
-  run_node(n, in_ptrs, out_ptrs, a);
-  Tensor h = outs[0];
+  run_on(n, k.ins, outs, a);
+  std::vector<Tensor> h{outs[0]};
   if (!writer) {  // the float32 output, then the rounding node the writer replaces
     Node r;
     r.op = "RoundToBf16";
     r.domain = "graft";
     r.name = "round";
-    r.inputs = {0};
-    r.outputs = {0};
-    h = Tensor::empty(outs[0].shape(), DType::BF16, a, Category::Workspace);
-    std::vector<const Tensor*> ri{&outs[0]};
-    std::vector<Tensor*> ro{&h};
-    run_node(r, ri, ro, a);
+    h = {Tensor::empty(outs[0].shape(), DType::BF16, a, Category::Workspace)};
+    run_on(r, {outs[0]}, h, a);
   }
   WriterRun out;
-  out.out0.assign(h.data<uint16_t>(), h.data<uint16_t>() + h.numel());
+  out.out0.assign(h[0].data<uint16_t>(), h[0].data<uint16_t>() + h[0].numel());
   for (size_t i = 1; i < outs.size(); ++i)
     out.others.emplace_back(outs[i].data<float>(), outs[i].data<float>() + outs[i].numel());
   return out;
