@@ -585,7 +585,8 @@ def test_bf16_writers_round_as_they_write_with_the_same_step(monkeypatch):
     it; ConvGrad reads that bfloat16 gradient as it is (Note [bf16 gradient operands]). The same
     rounding: with GRAFT_BF16_WRITERS=0 (a rounding node after each writer), the very same losses,
     parameters, optimizer state and BatchNorm statistics over two AdamW steps in step mode; and
-    the same bytes kept for the backward."""
+    the same bytes kept for the backward. Both match an eager copy under autocast to bfloat16
+    precision (losses, parameters, running statistics)."""
     from graft import _graft
     if not _graft.bf16_matmul_native():
         pytest.skip("this CPU has neither AVX512-BF16 nor AMX")
@@ -612,6 +613,20 @@ def test_bf16_writers_round_as_they_write_with_the_same_step(monkeypatch):
     assert sum(k[3] for k in k0) == sum(k[3] for k in k1), (k0, k1)
     # what the backward keeps: the convolutions' own bfloat16 outputs, not roundings of them
     assert "Conv" in {k[1] for k in k1} and "Conv" not in {k[1] for k in k0}, (k0, k1)
+    # and against an eager copy under autocast, the same two AdamW steps: to bfloat16 precision
+    e = copy.deepcopy(m)
+    eopt = torch.optim.AdamW(e.parameters(), lr=1e-3)
+    for k in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = e(x, y)
+        ref.backward()
+        eopt.step()
+        eopt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(l1[k], ref.detach().float(), rtol=3e-2, atol=3e-2)
+    for (n, p), a in zip(e.named_parameters(), p1):
+        torch.testing.assert_close(a.detach(), p.detach(), rtol=5e-2, atol=5e-3, msg=n)
+    for (n, b), a in zip(e.named_buffers(), b1):  # BatchNorm's running statistics
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=n)
     assert not torch.equal(p1[0], m.stem[0].weight)  # the steps did update
 
 
